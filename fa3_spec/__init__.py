@@ -1,0 +1,40 @@
+"""fa3_spec: FlashAttention-3 metadata for EAGLE speculative decoding.
+
+Pure functional builders of the page tables, sequence lengths and cumulative
+offsets FA3 needs in every speculative forward mode over a paged KV cache,
+with no host syncs, so that metadata and attention compile with
+``torch.compile(fullgraph=True)`` and capture into one CUDA graph.
+
+    >>> import fa3_spec
+    >>> cfg = fa3_spec.SpecConfig(page_size=2, topk=8, num_steps=5,
+    ...     num_draft_tokens=6, max_bs=64, max_context_len=8192)
+"""
+
+from .builders import (
+    build_decode_metadata,
+    build_draft_decode_metadata,
+    build_draft_extend_metadata,
+    build_draft_prefix_metadata,
+    build_target_verify_metadata,
+)
+from .config import SpecConfig
+from .expand import draft_expand_page_table
+from .metadata import PAGE_SENTINEL, CascadeMetadata, FA3Metadata
+from .tree import tree_mask_from_flat, tree_mask_from_parents
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "PAGE_SENTINEL",
+    "CascadeMetadata",
+    "FA3Metadata",
+    "SpecConfig",
+    "build_decode_metadata",
+    "build_draft_decode_metadata",
+    "build_draft_extend_metadata",
+    "build_draft_prefix_metadata",
+    "build_target_verify_metadata",
+    "draft_expand_page_table",
+    "tree_mask_from_flat",
+    "tree_mask_from_parents",
+]

@@ -1,0 +1,85 @@
+"""Pure, traceable helpers shared by the builders.
+
+Memory safety lives here. Each helper clamps every index it uses into the
+tensor it indexes, so whatever values the inputs hold (negative request
+indices, lengths past the row, garbage slots), nothing is read out of range;
+and nothing is ever written by index: outputs are built by gathers,
+comparisons and reductions over static shapes.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from .config import SpecConfig
+from .metadata import PAGE_SENTINEL
+
+
+class BatchView:
+    """Sanitised per-batch inputs.
+
+    Attributes:
+        req_to_token: the caller's table (not copied).
+        rows: int64 ``[B]`` request rows, clamped into ``req_to_token``.
+        seq_lens: int64 ``[B]`` clamped to ``[0, max_context_len]``.
+        live: bool ``[B]``; False for padding rows (``seq_len == 0``).
+    """
+
+    def __init__(self, cfg: SpecConfig, req_to_token, req_pool_indices, seq_lens):
+        self.cfg = cfg
+        self.req_to_token = req_to_token
+        self.rows = req_pool_indices.to(torch.int64).clamp(0, req_to_token.shape[0] - 1)
+        self.seq_lens = seq_lens.to(torch.int64).clamp(0, cfg.max_context_len)
+        self.live = self.seq_lens > 0
+
+    @property
+    def batch_size(self) -> int:
+        return self.rows.shape[0]
+
+    def slots(self, positions: torch.Tensor) -> torch.Tensor:
+        """Slots of token ``positions`` (int64 ``[B, n]``) of each request."""
+        cols = positions.clamp(0, self.req_to_token.shape[1] - 1)
+        return self.req_to_token[self.rows.unsqueeze(1), cols].to(torch.int64)
+
+    def page_table(self, lengths: torch.Tensor, width: int) -> torch.Tensor:
+        """Page table over ``lengths`` tokens (int64 ``[B]``), ``width`` columns.
+
+        Column ``j < ceil(lengths[b] / P)`` holds
+        ``req_to_token[row_b, j * P] // P``; the rest hold the sentinel.
+        """
+        p = self.cfg.page_size
+        cols = torch.arange(width, device=self.rows.device)
+        first_tokens = (cols * p).unsqueeze(0).expand(self.batch_size, width)
+        pages = torch.div(self.slots(first_tokens), p, rounding_mode="floor")
+        used = cols.unsqueeze(0) < cdiv_tensor(lengths, p).unsqueeze(1)
+        return torch.where(used, pages, PAGE_SENTINEL).to(torch.int32)
+
+    def mask_padding(self, values: torch.Tensor, repeats: int = 1) -> torch.Tensor:
+        """Zero ``values`` (leading dim ``B * repeats``) on padding rows."""
+        live = repeat_rows(self.live, repeats)
+        shape = (-1,) + (1,) * (values.dim() - 1)
+        return torch.where(live.view(shape), values, torch.zeros_like(values))
+
+
+def repeat_rows(x: torch.Tensor, repeats: int) -> torch.Tensor:
+    """``[B, ...] -> [B * repeats, ...]``, each row repeated consecutively."""
+    if repeats == 1:
+        return x
+    return x.unsqueeze(1).expand(x.shape[0], repeats, *x.shape[1:]).reshape(
+        x.shape[0] * repeats, *x.shape[1:]
+    )
+
+
+def cdiv_tensor(x: torch.Tensor, d: int) -> torch.Tensor:
+    return torch.div(x + (d - 1), d, rounding_mode="floor")
+
+
+def cu_seqlens(lengths: torch.Tensor) -> torch.Tensor:
+    """int32 ``[n + 1]`` exclusive prefix sum of ``lengths`` (``[n]``)."""
+    return F.pad(torch.cumsum(lengths, 0, dtype=torch.int32), (1, 0))
+
+
+def uniform_cu_seqlens(rows: int, per_row: int, device) -> torch.Tensor:
+    """int32 ``[rows + 1]`` offsets when every row has ``per_row`` queries."""
+    return torch.arange(0, rows * per_row + 1, per_row, dtype=torch.int32, device=device)

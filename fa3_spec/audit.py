@@ -1,0 +1,216 @@
+"""The graph-break / recompile / host-sync / capture audit behind ``fa3-spec audit``.
+
+For each case (forward mode x configuration x draft step) the audit:
+
+1. traces the builder with ``torch._dynamo.explain`` and records graph
+   breaks with their reasons;
+2. compiles it with ``fullgraph=True`` and runs it on two worlds of equal
+   shapes but different values; more than one compiled frame is a recompile;
+3. checks parity: compiled == eager bitwise, and both == the upstream-style
+   reference in every value FA3 reads;
+4. on CUDA only: counts host syncs of an eager and a compiled run under
+   ``torch.cuda.set_sync_debug_mode("warn")``, then captures the compiled
+   builder in a CUDA graph, refills its inputs with the second world,
+   replays, and compares with eager. On CPU these are reported as not
+   measured (``host_syncs = None``, ``cuda_graph = "skipped"``).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+import warnings
+from typing import Callable, Iterable, Optional
+
+import torch
+
+from .config import SpecConfig
+from .testing import MODES, World, build, make_world, metadata_mismatches
+from .upstream import UpstreamStyleBuilder
+
+
+@dataclasses.dataclass(frozen=True)
+class AuditCase:
+    """One audited builder call: ``mode`` under ``cfg`` at draft ``step``."""
+
+    mode: str
+    cfg: SpecConfig
+    step: int = 0
+    batch_size: int = 4
+    num_padding: int = 1
+
+    @property
+    def tree(self) -> bool:
+        """Target verify audits the tree cascade when topk > 1, else the chain."""
+        return self.cfg.topk > 1
+
+
+@dataclasses.dataclass
+class AuditRow:
+    mode: str
+    config: dict
+    step: Optional[int]
+    graph_breaks: int
+    break_reasons: list
+    recompiles: int
+    host_syncs: Optional[int]
+    cuda_graph: str
+    parity: bool
+    problems: list
+    seconds: float
+
+    @property
+    def clean(self) -> bool:
+        return (
+            self.graph_breaks == 0
+            and self.recompiles == 0
+            and self.parity
+            and self.host_syncs in (None, 0)
+            and self.cuda_graph in ("ok", "skipped")
+        )
+
+    def to_json(self) -> dict:
+        return dataclasses.asdict(self)
+
+
+def default_grid(
+    page_sizes: Iterable[int] = (1, 2, 16, 64),
+    topks: Iterable[int] = (1, 8),
+    num_steps: int = 5,
+    max_context_len: int = 256,
+) -> list:
+    """All modes x page sizes x topk; draft decode at its first and last step."""
+    cases = []
+    for p in page_sizes:
+        for k in topks:
+            cfg = SpecConfig(
+                page_size=p,
+                topk=k,
+                num_steps=num_steps,
+                num_draft_tokens=6 if k > 1 else 4,
+                max_bs=8,
+                max_context_len=max_context_len,
+            )
+            for mode in MODES:
+                steps = (0, num_steps - 2) if mode == "draft_decode" else (0,)
+                cases.extend(AuditCase(mode, cfg, step) for step in steps)
+    return cases
+
+
+def _builder(case: AuditCase, names: list) -> Callable:
+    def step_fn(*tensors):
+        return build(case.mode, case.cfg, step=case.step, **dict(zip(names, tensors)))
+
+    return step_fn
+
+
+def _count_host_syncs(fn: Callable, args: list) -> int:
+    torch.cuda.synchronize()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        torch.cuda.set_sync_debug_mode("warn")
+        try:
+            fn(*args)
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+    return sum("synchroniz" in str(w.message) for w in caught)
+
+
+def _capture_and_replay(fn: Callable, args_a: list, args_b: list, expected) -> str:
+    static = [a.clone() for a in args_a]
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        for _ in range(2):
+            fn(*static)
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = fn(*static)
+    for dst, src in zip(static, args_b):
+        dst.copy_(src)
+    graph.replay()
+    torch.cuda.synchronize()
+    return "ok" if not metadata_mismatches(out, expected) else "fail"
+
+
+def audit_case(case: AuditCase, *, backend: str = "aot_eager", device: str = "cpu") -> AuditRow:
+    """Audit one case; see the module docstring for what is checked."""
+    import torch._dynamo.testing
+
+    start = time.perf_counter()
+    cfg = case.cfg
+    worlds = [
+        make_world(cfg, case.batch_size, num_padding=case.num_padding, seed=seed, device=device)
+        for seed in (1, 2)
+    ]
+    kwargs = [w.mode_kwargs(case.mode, tree=case.tree) for w in worlds]
+    names = [k for k, v in kwargs[0].items() if v is not None]
+    args = [[kw[n] for n in names] for kw in kwargs]
+    fn = _builder(case, names)
+    problems = []
+
+    torch._dynamo.reset()
+    explained = torch._dynamo.explain(fn)(*args[0])
+    reasons = [str(r.reason) for r in explained.break_reasons]
+
+    torch._dynamo.reset()
+    counter = torch._dynamo.testing.CompileCounterWithBackend(backend)
+    compiled = torch.compile(fn, fullgraph=True, backend=counter)
+    reference = UpstreamStyleBuilder(cfg, device)
+    for world, arg in zip(worlds, args):
+        got, eager = compiled(*arg), fn(*arg)
+        expected = reference.build(case.mode, step=case.step, **world.mode_kwargs(case.mode, tree=case.tree))
+        problems += [f"compiled vs eager: {m}" for m in metadata_mismatches(got, eager)]
+        problems += [f"vs reference: {m}" for m in metadata_mismatches(eager, expected)]
+    recompiles = counter.frame_count - 1
+
+    host_syncs, cuda_graph = None, "skipped"
+    if device != "cpu" and torch.cuda.is_available():
+        host_syncs = _count_host_syncs(fn, args[0]) + _count_host_syncs(compiled, args[0])
+        try:
+            cuda_graph = _capture_and_replay(compiled, args[0], args[1], fn(*args[1]))
+        except Exception as exc:  # report, do not abort the audit
+            cuda_graph = "fail"
+            problems.append(f"capture: {type(exc).__name__}: {exc}")
+
+    return AuditRow(
+        mode=case.mode,
+        config=dict(
+            page_size=cfg.page_size,
+            topk=cfg.topk,
+            num_steps=cfg.num_steps,
+            num_draft_tokens=cfg.num_draft_tokens,
+            tree=case.tree if case.mode == "target_verify" else None,
+        ),
+        step=case.step if case.mode == "draft_decode" else None,
+        graph_breaks=explained.graph_break_count,
+        break_reasons=reasons,
+        recompiles=recompiles,
+        host_syncs=host_syncs,
+        cuda_graph=cuda_graph,
+        parity=not problems,
+        problems=problems,
+        seconds=round(time.perf_counter() - start, 2),
+    )
+
+
+def format_table(rows: list) -> str:
+    """A fixed-width table of audit rows, one line each, plus a summary."""
+    head = f"{'mode':<14}{'P':>4}{'K':>3}{'S':>3}{'step':>5}  {'breaks':>6}{'recomp':>7}{'syncs':>6}  {'graph':<8}{'parity':<7}{'sec':>6}"
+    lines = [head, "-" * len(head)]
+    for r in rows:
+        c = r.config
+        syncs = "-" if r.host_syncs is None else str(r.host_syncs)
+        step = "-" if r.step is None else str(r.step)
+        lines.append(
+            f"{r.mode:<14}{c['page_size']:>4}{c['topk']:>3}{c['num_steps']:>3}{step:>5}  "
+            f"{r.graph_breaks:>6}{r.recompiles:>7}{syncs:>6}  {r.cuda_graph:<8}"
+            f"{'yes' if r.parity else 'NO':<7}{r.seconds:>6.1f}"
+        )
+        for reason in r.break_reasons + r.problems:
+            lines.append(f"    ! {reason}")
+    bad = sum(not r.clean for r in rows)
+    lines.append("-" * len(head))
+    lines.append(f"{len(rows)} cases, {len(rows) - bad} clean, {bad} unclean")
+    return "\n".join(lines)

@@ -1,0 +1,155 @@
+"""Modes 2 and 3: draft decode, chain (topk = 1) or tree (topk > 1).
+
+topk = 1, step i: the draft tokens follow the prefix in the request's own
+row, so one causal call over ``seq_len + i + 1`` tokens suffices.
+
+topk > 1, step i (``d = i + 1``): a cascade of two non-causal calls::
+
+    prefix call   row b      K queries (b's branches)  keys: whole pages of the
+                                                        prefix, seq_len - last
+    expand call   row b*K+t  1 query (branch t)        keys: last tail tokens
+                                                        (copied into the branch's
+                                                        first page) + d drafts
+
+With ``P == 1`` there is no tail (``last = 0``) and the prefix call reads all
+``seq_len`` tokens. The prefix call is identical in every step of an
+iteration: build it once and reuse it (`build_draft_prefix_metadata`).
+"""
+
+from __future__ import annotations
+
+from typing import Optional, Union
+
+import torch
+
+from .. import _validate
+from .._paged import BatchView, cu_seqlens, uniform_cu_seqlens
+from ..config import SpecConfig
+from ..expand import draft_expand_page_table
+from ..metadata import CascadeMetadata, FA3Metadata
+from ._common import request_call
+
+
+def _last_page_lens(view: BatchView) -> torch.Tensor:
+    p = view.cfg.page_size
+    if p == 1:
+        return torch.zeros_like(view.seq_lens)
+    return torch.remainder(view.seq_lens, p)
+
+
+def build_draft_prefix_metadata(
+    cfg: SpecConfig,
+    *,
+    req_to_token: torch.Tensor,
+    req_pool_indices: torch.Tensor,
+    seq_lens: torch.Tensor,
+) -> FA3Metadata:
+    """Prefix call of a topk > 1 draft step; the same for every step.
+
+    One row per request with ``topk`` queries, not causal; keys are the whole
+    pages of the prefix (``seq_len - seq_len % P``; all ``seq_len`` when
+    ``P == 1``). Shapes: page table ``[B, cfg.max_pages]``, ``cu_seqlens_q =
+    arange(0, B*K + 1, K)``.
+    """
+    _validate.batch(cfg, req_to_token, req_pool_indices, seq_lens)
+    view = BatchView(cfg, req_to_token, req_pool_indices, seq_lens)
+    return _prefix(view)
+
+
+def _prefix(view: BatchView) -> FA3Metadata:
+    cfg = view.cfg
+    return request_call(
+        view,
+        view.seq_lens - _last_page_lens(view),
+        queries_per_row=cfg.topk,
+        max_seqlen_k=cfg.max_context_len,
+        causal=False,
+    )
+
+
+def _draft_slots(cfg: SpecConfig, out_cache_loc: object, bs: int) -> torch.Tensor:
+    """``out_cache_loc`` (flat, ``[B, K, S]`` or ``[B*K, S]``) as ``[B*K, S]``."""
+    loc = _validate.tensor("out_cache_loc", out_cache_loc)
+    rows, steps = bs * cfg.topk, cfg.num_steps
+    if loc.numel() != rows * steps or loc.dim() not in (1, 2, 3):
+        raise ValueError(
+            f"out_cache_loc must hold B*topk*num_steps = {bs}*{cfg.topk}*"
+            f"{steps} = {rows * steps} slots (flat, [B, K, S] or [B*K, S]), "
+            f"got shape {tuple(loc.shape)}"
+        )
+    if loc.dim() > 1 and loc.shape[-1] != steps:
+        raise ValueError(
+            f"out_cache_loc's last dimension must be num_steps={steps}, "
+            f"got shape {tuple(loc.shape)}"
+        )
+    return loc.reshape(rows, steps)
+
+
+def build_draft_decode_metadata(
+    cfg: SpecConfig,
+    step: int,
+    *,
+    req_to_token: torch.Tensor,
+    req_pool_indices: torch.Tensor,
+    seq_lens: torch.Tensor,
+    out_cache_loc: Optional[torch.Tensor] = None,
+    prefix: Optional[FA3Metadata] = None,
+) -> Union[FA3Metadata, CascadeMetadata]:
+    """Metadata of draft-decode ``step`` (``0 <= step <= num_steps - 2``).
+
+    Args:
+        cfg: static configuration.
+        step: static draft step; ``decode_length = step + 1``.
+        req_to_token, req_pool_indices, seq_lens: as in `build_decode_metadata`.
+        out_cache_loc: int ``B*K*S`` draft slots in upstream's row-major
+            ``[B, K, S]`` order (flat or shaped). Required when topk > 1,
+            ignored when topk = 1 (drafts then follow the prefix in the row).
+        prefix: the step-invariant prefix call from
+            `build_draft_prefix_metadata`, to reuse across steps (topk > 1).
+
+    Returns:
+        topk = 1: `FA3Metadata`, one query per request, causal,
+        ``cache_seqlens = seq_len + step + 1``.
+
+        topk > 1: `CascadeMetadata` whose ``expand`` has ``B*K`` rows, one
+        query each, page table ``[B*K, step + 2]`` from
+        `draft_expand_page_table`, ``max_seqlen_k = d + P - 1``.
+
+    Padding rows (``seq_len == 0``) read nothing in either call.
+    """
+    d = cfg.decode_length(step)
+    bs = _validate.batch(cfg, req_to_token, req_pool_indices, seq_lens)
+    view = BatchView(cfg, req_to_token, req_pool_indices, seq_lens)
+    if cfg.topk == 1:
+        return request_call(
+            view,
+            view.seq_lens + d,
+            queries_per_row=1,
+            max_seqlen_k=cfg.max_context_len + d,
+            causal=True,
+        )
+    if out_cache_loc is None:
+        raise ValueError("out_cache_loc is required when topk > 1")
+    loc = _draft_slots(cfg, out_cache_loc, bs)
+    _validate.same_device(out_cache_loc=loc, seq_lens=seq_lens)
+    if prefix is None:
+        prefix = _prefix(view)
+    elif not isinstance(prefix, FA3Metadata) or prefix.num_rows != bs:
+        raise ValueError("prefix must be the FA3Metadata of this batch's prefix call")
+
+    k, p = cfg.topk, cfg.page_size
+    cache_seqlens, page_table = draft_expand_page_table(
+        loc, _last_page_lens(view), decode_length=d, topk=k, page_size=p
+    )
+    cache_seqlens = view.mask_padding(cache_seqlens, k)
+    expand = FA3Metadata(
+        page_table=view.mask_padding(page_table, k),
+        cache_seqlens=cache_seqlens,
+        cu_seqlens_q=uniform_cu_seqlens(bs * k, 1, loc.device),
+        cu_seqlens_k=cu_seqlens(cache_seqlens),
+        max_seqlen_q=1,
+        max_seqlen_k=d + p - 1,
+        page_size=p,
+        causal=False,
+    )
+    return CascadeMetadata(prefix=prefix, expand=expand)

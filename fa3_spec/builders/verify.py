@@ -1,0 +1,111 @@
+"""Modes 4 and 5: target verify of a chain or a tree of N draft tokens.
+
+Draft token ``c`` of request ``b`` sits at row position ``seq_len + c``.
+
+Chain (``tree_mask is None``): one causal call, N queries per request over
+``seq_len + N`` tokens.
+
+Tree: a cascade. The prefix call gives every draft query the ``seq_len``
+prefix tokens (non-causal). The expand call has one row per draft query and
+lists the *slots* of the draft tokens that query attends, so it is
+expressed in page size 1 whatever the KV page size::
+
+    tree (N = 4)      tree_mask[b]        expand rows (slot of token c = s_c)
+        0             j\\c 0 1 2 3         row j   page_table      cache_seqlens
+       / \\            0   1 . . .         0       s0 0  0  0      1
+      1   2           1   1 1 . .         1       s0 s1 0  0      2
+          |           2   1 . 1 .         2       s0 s2 0  0      2
+          3           3   1 . 1 1         3       s0 s2 s3 0      3
+"""
+
+from __future__ import annotations
+
+from typing import Optional, Union
+
+import torch
+
+from .. import _validate
+from .._paged import BatchView, cu_seqlens, uniform_cu_seqlens
+from ..config import SpecConfig
+from ..metadata import PAGE_SENTINEL, CascadeMetadata, FA3Metadata
+from ._common import request_call
+
+
+def _check_tree_mask(tree_mask: object, bs: int, n: int, device) -> torch.Tensor:
+    mask = _validate.tensor("tree_mask", tree_mask, ndim=3, dtypes=(torch.bool,))
+    if tuple(mask.shape) != (bs, n, n):
+        raise ValueError(
+            f"tree_mask must have shape [B, N, N] = [{bs}, {n}, {n}], "
+            f"got {tuple(mask.shape)}"
+        )
+    if mask.device != device:
+        raise ValueError(f"tree_mask is on {mask.device} but seq_lens is on {device}")
+    return mask
+
+
+def build_target_verify_metadata(
+    cfg: SpecConfig,
+    *,
+    req_to_token: torch.Tensor,
+    req_pool_indices: torch.Tensor,
+    seq_lens: torch.Tensor,
+    tree_mask: Optional[torch.Tensor] = None,
+) -> Union[FA3Metadata, CascadeMetadata]:
+    """Metadata of the target model's verify pass over N draft tokens.
+
+    Args:
+        cfg: static configuration (``N = cfg.num_draft_tokens``).
+        req_to_token, req_pool_indices, seq_lens: as in `build_decode_metadata`.
+        tree_mask: bool ``[B, N, N]``; row ``j`` marks the draft tokens query
+            ``j`` attends (its ancestors and itself). None for a chain.
+
+    Returns:
+        Chain: `FA3Metadata`, causal, N queries per request,
+        ``cache_seqlens = seq_len + N``.
+
+        Tree: `CascadeMetadata`; ``prefix`` non-causal with N queries per
+        request over ``seq_len``; ``expand`` ``B*N`` rows of one query,
+        ``page_size = 1``, page table ``[B*N, N]`` of attended slots in
+        ascending token order, ``cache_seqlens`` = tokens attended.
+    """
+    n = cfg.num_draft_tokens
+    bs = _validate.batch(cfg, req_to_token, req_pool_indices, seq_lens)
+    view = BatchView(cfg, req_to_token, req_pool_indices, seq_lens)
+    if tree_mask is None:
+        return request_call(
+            view,
+            view.seq_lens + n,
+            queries_per_row=n,
+            max_seqlen_k=cfg.max_context_len + n,
+            causal=True,
+        )
+    mask = _check_tree_mask(tree_mask, bs, n, seq_lens.device)
+    prefix = request_call(
+        view,
+        view.seq_lens,
+        queries_per_row=n,
+        max_seqlen_k=cfg.max_context_len,
+        causal=False,
+    )
+
+    tokens = torch.arange(n, device=seq_lens.device)
+    slots = view.slots(view.seq_lens.unsqueeze(1) + tokens)  # [B, N]
+    # Attended tokens first, each group in ascending token order.
+    order = torch.argsort(torch.where(mask, tokens, tokens + n), dim=-1)
+    sorted_slots = torch.gather(slots.unsqueeze(1).expand(bs, n, n), 2, order)
+    attended = mask.sum(dim=-1)  # [B, N]
+    table = torch.where(tokens < attended.unsqueeze(-1), sorted_slots, PAGE_SENTINEL)
+
+    cache_seqlens = view.mask_padding(attended, 1).reshape(bs * n).to(torch.int32)
+    table = view.mask_padding(table, 1).reshape(bs * n, n).to(torch.int32)
+    expand = FA3Metadata(
+        page_table=table,
+        cache_seqlens=cache_seqlens,
+        cu_seqlens_q=uniform_cu_seqlens(bs * n, 1, seq_lens.device),
+        cu_seqlens_k=cu_seqlens(cache_seqlens),
+        max_seqlen_q=1,
+        max_seqlen_k=n,
+        page_size=1,
+        causal=False,
+    )
+    return CascadeMetadata(prefix=prefix, expand=expand)

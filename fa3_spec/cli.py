@@ -1,0 +1,68 @@
+"""Command line: ``fa3-spec audit``."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+
+import torch
+
+
+def _audit(args: argparse.Namespace) -> int:
+    from .audit import audit_case, default_grid, format_table
+
+    device = args.device
+    if device == "auto":
+        device = "cuda" if torch.cuda.is_available() else "cpu"
+    cases = default_grid(page_sizes=args.page_sizes, topks=args.topks, num_steps=args.num_steps)
+    if args.modes:
+        cases = [c for c in cases if c.mode in args.modes]
+    print(
+        f"fa3-spec audit: {len(cases)} cases, torch {torch.__version__}, device {device}, "
+        f"backend {args.backend}",
+        flush=True,
+    )
+    rows = []
+    for i, case in enumerate(cases, 1):
+        row = audit_case(case, backend=args.backend, device=device)
+        rows.append(row)
+        if args.verbose:
+            print(f"[{i}/{len(cases)}] {case.mode} P={case.cfg.page_size} K={case.cfg.topk} "
+                  f"step={case.step}: {'clean' if row.clean else 'UNCLEAN'}", flush=True)
+    print(format_table(rows))
+    if device == "cpu":
+        print("host syncs and CUDA-graph capture: not measured (no CUDA device)")
+    if args.json:
+        with open(args.json, "w") as fh:
+            json.dump([r.to_json() for r in rows], fh, indent=1)
+        print(f"wrote {args.json}")
+    return 0 if all(r.clean for r in rows) else 1
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(prog="fa3-spec", description=__doc__)
+    sub = parser.add_subparsers(dest="command", required=True)
+    audit = sub.add_parser(
+        "audit",
+        help="trace every metadata builder: graph breaks, recompiles, parity, "
+        "host syncs and CUDA-graph capture (on CUDA)",
+    )
+    audit.add_argument("--json", metavar="PATH", help="write the rows as JSON")
+    audit.add_argument("--backend", default="aot_eager",
+                       help="torch.compile backend (aot_eager, inductor, eager)")
+    audit.add_argument("--device", default="auto", help="cpu, cuda or auto")
+    audit.add_argument("--page-sizes", type=int, nargs="+", default=[1, 2, 16, 64])
+    audit.add_argument("--topks", type=int, nargs="+", default=[1, 8])
+    audit.add_argument("--num-steps", type=int, default=5)
+    audit.add_argument("--modes", nargs="+", choices=["decode", "draft_decode",
+                                                      "target_verify", "draft_extend"])
+    audit.add_argument("-v", "--verbose", action="store_true")
+    args = parser.parse_args(argv)
+    if args.command == "audit":
+        return _audit(args)
+    return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

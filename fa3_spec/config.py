@@ -1,0 +1,146 @@
+"""Static configuration of a speculative-decoding deployment.
+
+`SpecConfig` is the one place where static bounds are derived. Every tensor
+shape a builder produces is a function of these numbers and of input shapes,
+never of tensor values, so a builder traces to a single graph per
+configuration and can be captured in a CUDA graph.
+
+Notation used throughout the package (SPEC §1):
+
+    P  page_size           tokens per KV page
+    K  topk                draft branches per request
+    S  num_steps           draft steps per iteration (S - 1 draft-decode calls)
+    N  num_draft_tokens    tokens checked by target verify
+    C  max_context_len     largest ``seq_len`` a request may have
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+
+def cdiv(a: int, b: int) -> int:
+    """Ceiling division of non-negative Python ints."""
+    return -(-a // b)
+
+
+def _require_int(name: str, value: object, minimum: int) -> None:
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise TypeError(f"{name} must be an int, got {type(value).__name__}")
+    if value < minimum:
+        raise ValueError(f"{name} must be >= {minimum}, got {value}")
+
+
+@dataclasses.dataclass(frozen=True)
+class SpecConfig:
+    """Static shape configuration, validated on construction.
+
+    Args:
+        page_size: KV page size ``P`` (>= 1; any value, not only powers of two).
+        topk: draft branching ``K`` (>= 1). ``topk > 1`` drafts a tree and
+            uses cascade (prefix + expand) attention.
+        num_steps: draft steps ``S`` per iteration (>= 2, so at least one
+            draft-decode call exists).
+        num_draft_tokens: tokens ``N`` verified by the target model (>= 1).
+        max_bs: largest batch a builder accepts (>= 1).
+        max_context_len: largest ``seq_len`` ``C`` of a request (>= 1).
+
+    Example:
+        >>> cfg = SpecConfig(page_size=2, topk=8, num_steps=5,
+        ...                  num_draft_tokens=6, max_bs=64, max_context_len=8192)
+        >>> cfg.window, cfg.min_row_len, cfg.max_pages
+        (6, 8198, 4099)
+        >>> cfg.expand_width(step=3), cfg.expand_pages_bound(decode_length=4)
+        (5, 3)
+    """
+
+    page_size: int
+    topk: int
+    num_steps: int
+    num_draft_tokens: int
+    max_bs: int
+    max_context_len: int
+
+    def __post_init__(self) -> None:
+        _require_int("page_size", self.page_size, 1)
+        _require_int("topk", self.topk, 1)
+        _require_int("num_steps", self.num_steps, 2)
+        _require_int("num_draft_tokens", self.num_draft_tokens, 1)
+        _require_int("max_bs", self.max_bs, 1)
+        _require_int("max_context_len", self.max_context_len, 1)
+
+    # ------------------------------------------------------------------ bounds
+    @property
+    def num_draft_decode_steps(self) -> int:
+        """Draft-decode calls per iteration: ``S - 1`` (steps ``0 .. S-2``)."""
+        return self.num_steps - 1
+
+    @property
+    def window(self) -> int:
+        """Tokens a mode may read past ``seq_len``: ``max(S - 1, N)``."""
+        return max(self.num_steps - 1, self.num_draft_tokens)
+
+    @property
+    def min_row_len(self) -> int:
+        """Shortest ``req_to_token`` row the builders accept: ``C + window``."""
+        return self.max_context_len + self.window
+
+    @property
+    def max_pages(self) -> int:
+        """Width of every request-level page table: ``ceil((C + window) / P)``."""
+        return cdiv(self.min_row_len, self.page_size)
+
+    @property
+    def pages_per_branch(self) -> int:
+        """Static upper bound on pages one draft branch occupies.
+
+        SPEC §3: a branch's region is ``ceil((last + S) / P)`` pages with
+        ``last = seq_len % P <= P - 1``; this is its maximum over ``last``.
+        """
+        return cdiv(self.page_size - 1 + self.num_steps, self.page_size)
+
+    @property
+    def draft_row_len(self) -> int:
+        """``req_to_token`` row length that also holds every draft slot.
+
+        With ``P > 1`` and ``K > 1`` each branch gets its own page-aligned
+        region starting at ``seq_len - last``; otherwise the ``K * S`` draft
+        slots follow the prefix contiguously. Builders do not need rows this
+        long (they read draft slots from ``out_cache_loc``); allocators do.
+        """
+        if self.page_size > 1 and self.topk > 1:
+            drafts = self.topk * self.pages_per_branch * self.page_size
+        else:
+            drafts = self.topk * self.num_steps
+        return max(self.min_row_len, self.max_context_len + drafts)
+
+    def check_step(self, step: object) -> int:
+        """Validate a draft-decode step index (``0 <= step <= S - 2``)."""
+        if isinstance(step, bool) or not isinstance(step, int):
+            raise TypeError(f"step must be an int, got {type(step).__name__}")
+        if not 0 <= step <= self.num_steps - 2:
+            raise ValueError(
+                f"step must be in [0, {self.num_steps - 2}] for num_steps="
+                f"{self.num_steps}, got {step}"
+            )
+        return step
+
+    def decode_length(self, step: int) -> int:
+        """Live draft tokens per branch at draft-decode ``step``: ``step + 1``."""
+        return self.check_step(step) + 1
+
+    def expand_width(self, step: int) -> int:
+        """Columns of the draft expand page table: ``decode_length + 1``.
+
+        One more than ever needed (see `expand_pages_bound`); the width
+        upstream allocates, kept so tables can be copied into its buffers.
+        """
+        return self.decode_length(step) + 1
+
+    def expand_pages_bound(self, decode_length: int) -> int:
+        """Most distinct pages ``d`` draft slots of one branch can touch.
+
+        ``d`` consecutive positions starting at in-page offset ``last < P``
+        span ``ceil((last + d) / P) <= ceil((P - 1 + d) / P) <= d`` pages.
+        """
+        return cdiv(self.page_size - 1 + decode_length, self.page_size)
