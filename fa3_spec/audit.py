@@ -6,6 +6,8 @@ For each case (forward mode x configuration x draft step) the audit:
    breaks with their reasons;
 2. compiles it with ``fullgraph=True`` and runs it on two worlds of equal
    shapes but different values; more than one compiled frame is a recompile;
+   every data-dependent node of the graph (``item``, unbacked symbols from
+   ``nonzero`` or value-sized shapes) is counted: each is a host sync on CUDA;
 3. checks parity: compiled == eager bitwise, and both == the upstream-style
    reference in every value FA3 reads;
 4. on CUDA only: counts host syncs of an eager and a compiled run under
@@ -53,6 +55,7 @@ class AuditRow:
     graph_breaks: int
     break_reasons: list
     recompiles: int
+    data_dependent: int
     host_syncs: Optional[int]
     cuda_graph: str
     parity: bool
@@ -64,6 +67,7 @@ class AuditRow:
         return (
             self.graph_breaks == 0
             and self.recompiles == 0
+            and self.data_dependent == 0
             and self.parity
             and self.host_syncs in (None, 0)
             and self.cuda_graph in ("ok", "skipped")
@@ -104,6 +108,48 @@ def _builder(case: AuditCase, names: list) -> Callable:
     return step_fn
 
 
+def graph_breaks(fn: Callable, *args) -> tuple:
+    """``(count, reasons)`` of graph breaks when dynamo traces ``fn(*args)``.
+
+    Counted from the break reasons as well as ``graph_break_count``: on some
+    torch versions (seen on 2.13) a break that ends the frame is listed in
+    ``break_reasons`` while ``graph_break_count`` stays 0.
+    """
+    torch._dynamo.reset()
+    explained = torch._dynamo.explain(fn)(*args)
+    reasons = [str(r.reason) for r in explained.break_reasons]
+    torch._dynamo.reset()
+    return max(explained.graph_break_count, len(reasons)), reasons
+
+
+class RecordingBackend:
+    """A ``torch.compile`` backend that audits each graph, then delegates.
+
+    Records the number of compiled frames (``frame_count``; more than one for
+    one call site means a recompile) and every data-dependent node: ``item``
+    / ``tolist`` calls and any value carrying unbacked symbols (``nonzero``,
+    value-sized slices, ...). Such nodes are host syncs on CUDA. The check is
+    needed because recent torch versions (seen on 2.13) accept ``.item()``
+    under ``fullgraph=True`` by capturing it as an unbacked symbol.
+    """
+
+    def __init__(self, backend: str = "aot_eager"):
+        self.backend = backend
+        self.frame_count = 0
+        self.data_dependent: list = []
+
+    def __call__(self, gm, example_inputs):
+        from torch.fx.experimental.symbolic_shapes import free_unbacked_symbols
+
+        self.frame_count += 1
+        for node in gm.graph.nodes:
+            value = node.meta.get("example_value")
+            unbacked = free_unbacked_symbols(value) if value is not None else set()
+            if (node.op == "call_method" and node.target in ("item", "tolist")) or unbacked:
+                self.data_dependent.append(f"{node.op}:{getattr(node.target, '__name__', node.target)}")
+        return torch._dynamo.lookup_backend(self.backend)(gm, example_inputs)
+
+
 def _count_host_syncs(fn: Callable, args: list) -> int:
     torch.cuda.synchronize()
     with warnings.catch_warnings(record=True) as caught:
@@ -136,8 +182,6 @@ def _capture_and_replay(fn: Callable, args_a: list, args_b: list, expected) -> s
 
 def audit_case(case: AuditCase, *, backend: str = "aot_eager", device: str = "cpu") -> AuditRow:
     """Audit one case; see the module docstring for what is checked."""
-    import torch._dynamo.testing
-
     start = time.perf_counter()
     cfg = case.cfg
     worlds = [
@@ -150,23 +194,27 @@ def audit_case(case: AuditCase, *, backend: str = "aot_eager", device: str = "cp
     fn = _builder(case, names)
     problems = []
 
-    torch._dynamo.reset()
-    explained = torch._dynamo.explain(fn)(*args[0])
-    reasons = [str(r.reason) for r in explained.break_reasons]
-
-    torch._dynamo.reset()
-    counter = torch._dynamo.testing.CompileCounterWithBackend(backend)
+    breaks, reasons = graph_breaks(fn, *args[0])
+    counter = RecordingBackend(backend)
     compiled = torch.compile(fn, fullgraph=True, backend=counter)
     reference = UpstreamStyleBuilder(cfg, device)
+    compiles = True
     for world, arg in zip(worlds, args):
-        got, eager = compiled(*arg), fn(*arg)
+        eager = fn(*arg)
         expected = reference.build(case.mode, step=case.step, **world.mode_kwargs(case.mode, tree=case.tree))
-        problems += [f"compiled vs eager: {m}" for m in metadata_mismatches(got, eager)]
         problems += [f"vs reference: {m}" for m in metadata_mismatches(eager, expected)]
-    recompiles = counter.frame_count - 1
+        try:
+            got = compiled(*arg)
+        except Exception as exc:  # a fullgraph failure is a finding, not a crash
+            problems.append(f"fullgraph compile failed: {type(exc).__name__}: {str(exc).splitlines()[0]}")
+            compiles = False
+            break
+        problems += [f"compiled vs eager: {m}" for m in metadata_mismatches(got, eager)]
+    recompiles = max(counter.frame_count - 1, 0)
+    problems += [f"data-dependent op: {op}" for op in counter.data_dependent]
 
-    host_syncs, cuda_graph = None, "skipped"
-    if device != "cpu" and torch.cuda.is_available():
+    host_syncs, cuda_graph = None, ("skipped" if compiles else "fail")
+    if compiles and device != "cpu" and torch.cuda.is_available():
         host_syncs = _count_host_syncs(fn, args[0]) + _count_host_syncs(compiled, args[0])
         try:
             cuda_graph = _capture_and_replay(compiled, args[0], args[1], fn(*args[1]))
@@ -184,9 +232,10 @@ def audit_case(case: AuditCase, *, backend: str = "aot_eager", device: str = "cp
             tree=case.tree if case.mode == "target_verify" else None,
         ),
         step=case.step if case.mode == "draft_decode" else None,
-        graph_breaks=explained.graph_break_count,
+        graph_breaks=breaks,
         break_reasons=reasons,
         recompiles=recompiles,
+        data_dependent=len(counter.data_dependent),
         host_syncs=host_syncs,
         cuda_graph=cuda_graph,
         parity=not problems,
@@ -197,7 +246,7 @@ def audit_case(case: AuditCase, *, backend: str = "aot_eager", device: str = "cp
 
 def format_table(rows: list) -> str:
     """A fixed-width table of audit rows, one line each, plus a summary."""
-    head = f"{'mode':<14}{'P':>4}{'K':>3}{'S':>3}{'step':>5}  {'breaks':>6}{'recomp':>7}{'syncs':>6}  {'graph':<8}{'parity':<7}{'sec':>6}"
+    head = f"{'mode':<14}{'P':>4}{'K':>3}{'S':>3}{'step':>5}  {'breaks':>6}{'recomp':>7}{'dd':>4}{'syncs':>6}  {'graph':<8}{'parity':<7}{'sec':>6}"
     lines = [head, "-" * len(head)]
     for r in rows:
         c = r.config
@@ -205,7 +254,7 @@ def format_table(rows: list) -> str:
         step = "-" if r.step is None else str(r.step)
         lines.append(
             f"{r.mode:<14}{c['page_size']:>4}{c['topk']:>3}{c['num_steps']:>3}{step:>5}  "
-            f"{r.graph_breaks:>6}{r.recompiles:>7}{syncs:>6}  {r.cuda_graph:<8}"
+            f"{r.graph_breaks:>6}{r.recompiles:>7}{r.data_dependent:>4}{syncs:>6}  {r.cuda_graph:<8}"
             f"{'yes' if r.parity else 'NO':<7}{r.seconds:>6.1f}"
         )
         for reason in r.break_reasons + r.problems:

@@ -14,11 +14,11 @@ Worked example (the seed's case): ``P = 2``, ``S = 4``, ``seq_len = 5`` so
     holds      tail d0   | d1   d2   | d3   .
                (copy of prefix token 4; for branch 0 it *is* token 4)
 
-    step  d   live slots     distinct pages  cache_seqlens  page_table (d+1 cols)
-    0     1   5              2               1 + 1 = 2      [2, 0]
-    1     2   5 6            2 3             2 + 1 = 3      [2, 3, 0]
-    2     3   5 6 7          2 3             3 + 1 = 4      [2, 3, 0, 0]
-    3     4   5 6 7 8        2 3 4           4 + 1 = 5      [2, 3, 4, 0, 0]
+    step  d   live slots   distinct pages  cache_seqlens  page_table (d+1 cols)
+    0     1   5            2               1 + 1 = 2      [2, 0]
+    1     2   5 6          2 3             2 + 1 = 3      [2, 3, 0]
+    2     3   5 6 7        2 3             3 + 1 = 4      [2, 3, 0, 0]
+    (all S)   5 6 7 8      2 3 4           -- what the pre-fix code read at every step
 
 The pre-fix upstream code scattered pages of all ``S = 4`` slots (3 distinct
 pages) into the 2-column row of step 0: column 2 does not exist, and the write

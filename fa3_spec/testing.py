@@ -219,6 +219,10 @@ def fill_kv_cache(
 def expected_key_slots(world: World, mode: str, *, step: int = 0, tree: bool = True) -> list:
     """Per query, in ``q`` order, the slots it must attend (SPEC §3).
 
+    With ``P > 1`` and ``topk > 1`` a branch reads the prefix's partial last
+    page from the copy at the start of its own region (branch 0's region
+    starts on that page itself), so those are the slots listed.
+
     Query order: decode and draft topk = 1, one per request; draft topk > 1,
     ``[B, K]`` request-major; verify, ``[B, N]``; extend, the packed
     ``extend_seq_lens[b]`` queries of each request (the last accepted tokens).
@@ -239,8 +243,14 @@ def expected_key_slots(world: World, mode: str, *, step: int = 0, tree: bool = T
             if cfg.topk == 1:
                 out.append(tokens[: s + d] if live else [])
             else:
+                last = s % cfg.page_size if cfg.page_size > 1 else 0
                 for t in range(cfg.topk):
-                    out.append(tokens[:s] + loc[b, t, :d].tolist() if live else [])
+                    # The prefix's partial last page is read from the copy at
+                    # the start of the branch's own region (SPEC §3).
+                    start = int(world.draft_positions[b, t, 0]) - last
+                    tail = [tokens[start + o] for o in range(last)]
+                    drafts = loc[b, t, :d].tolist()
+                    out.append(tokens[: s - last] + tail + drafts if live else [])
         elif mode == "target_verify":
             n = cfg.num_draft_tokens
             mask = world.tree_mask[b].cpu()
@@ -347,3 +357,45 @@ def build(mode: str, cfg: SpecConfig, *, step: int = 0, **kwargs):
     if mode == "draft_decode":
         return builders.build_draft_decode_metadata(cfg, step, **kwargs)
     return getattr(builders, f"build_{mode}_metadata")(cfg, **kwargs)
+
+
+def key_slots_read(md, num_queries: int) -> list:
+    """Per query, the slots FA3 reads under ``md`` (its documented read rule).
+
+    Row ``b`` owns queries ``cu_seqlens_q[b] .. cu_seqlens_q[b+1]-1``; key ``t``
+    of the row is slot ``page_table[b, t // P] * P + t % P`` for
+    ``t < cache_seqlens[b]``; with ``causal``, query ``i`` of a row with ``n``
+    queries sees keys ``t <= cache_seqlens - n + i`` (bottom-right aligned).
+    A cascade's query reads the union, prefix keys first. Queries no row
+    owns read nothing.
+    """
+    if isinstance(md, CascadeMetadata):
+        out = key_slots_read(md.prefix, num_queries)
+        if md.expand is not None:
+            for i, extra in enumerate(key_slots_read(md.expand, num_queries)):
+                out[i] = out[i] + extra
+        return out
+    out = [[] for _ in range(num_queries)]
+    cu = md.cu_seqlens_q.tolist()
+    table = md.page_table.tolist()
+    p = md.page_size
+    for b, length in enumerate(md.cache_seqlens.tolist()):
+        keys = [table[b][t // p] * p + t % p for t in range(length)]
+        n = cu[b + 1] - cu[b]
+        for i in range(n):
+            if cu[b] + i >= num_queries:
+                break
+            visible = keys[: max(0, length - n + i + 1)] if md.causal else keys
+            out[cu[b] + i] = visible
+    return out
+
+
+def num_queries(world: World, mode: str) -> int:
+    """Rows of ``q`` a step of ``mode`` takes for ``world`` (static size)."""
+    cfg, bs = world.cfg, world.batch_size
+    return {
+        "decode": bs,
+        "draft_decode": bs * cfg.topk,
+        "target_verify": bs * cfg.num_draft_tokens,
+        "draft_extend": bs * cfg.num_draft_tokens,
+    }[mode]

@@ -1,0 +1,66 @@
+import json
+
+import torch
+
+from fa3_spec import cli
+from fa3_spec.audit import AuditCase, audit_case, default_grid
+from fa3_spec.testing import MODES
+
+
+def test_default_grid_covers_modes_page_sizes_and_topk():
+    cases = default_grid()
+    seen = {(c.mode, c.cfg.page_size > 1, c.cfg.topk > 1) for c in cases}
+    assert seen == {(m, p, k) for m in MODES for p in (False, True) for k in (False, True)}
+    assert any(c.cfg.page_size == 2 and c.cfg.topk == 8 for c in cases)  # the seed
+
+
+def test_audit_cli_writes_json_rows(tmp_path, capsys):
+    out = tmp_path / "audit.json"
+    code = cli.main(["audit", "--page-sizes", "2", "--topks", "8", "--json", str(out),
+                     "--device", "cpu"])
+    assert code == 0
+    rows = json.loads(out.read_text())
+    assert {r["mode"] for r in rows} == set(MODES)
+    for r in rows:
+        assert {"mode", "config", "graph_breaks", "recompiles", "host_syncs",
+                "cuda_graph", "parity"} <= set(r)
+        assert r["config"]["page_size"] == 2 and r["config"]["topk"] == 8
+        assert r["graph_breaks"] == 0 and r["recompiles"] == 0 and r["parity"] is True
+        assert r["host_syncs"] is None and r["cuda_graph"] == "skipped"
+    assert "40 cases" not in capsys.readouterr().out  # filtered grid
+
+
+def test_audit_flags_a_leaky_builder(monkeypatch):
+    """A builder with a host sync and a value-dependent shape is reported unclean."""
+    import fa3_spec.audit as audit
+
+    real_build = audit.build
+
+    def leaky(mode, cfg, *, step=0, **kwargs):
+        md = real_build(mode, cfg, step=step, **kwargs)
+        if int(md.cache_seqlens.sum().item()) > 10**9:  # value-dependent branch
+            return md
+        return md
+
+    monkeypatch.setattr(audit, "build", leaky)
+    case = [c for c in default_grid(page_sizes=(2,), topks=(8,)) if c.mode == "decode"][0]
+    row = audit_case(case, device="cpu")
+    assert not row.clean
+    assert row.graph_breaks > 0 or row.data_dependent > 0
+
+
+def test_audit_flags_a_parity_bug(monkeypatch):
+    import dataclasses
+
+    import fa3_spec.audit as audit
+
+    real_build = audit.build
+
+    def off_by_one(mode, cfg, *, step=0, **kwargs):
+        md = real_build(mode, cfg, step=step, **kwargs)
+        return dataclasses.replace(md, cache_seqlens=md.cache_seqlens + 1)
+
+    monkeypatch.setattr(audit, "build", off_by_one)
+    case = AuditCase("decode", default_grid(page_sizes=(16,), topks=(1,))[0].cfg)
+    row = audit_case(case, device="cpu")
+    assert not row.parity and not row.clean

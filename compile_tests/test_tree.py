@@ -1,0 +1,39 @@
+import torch
+from hypothesis import given, strategies as st
+
+from fa3_spec import tree_mask_from_flat, tree_mask_from_parents
+from fa3_spec.tree import flat_from_tree_mask
+
+
+def _parents(draw_parents, n):
+    return torch.tensor([[-1] + [draw_parents[c - 1] % c for c in range(1, n)]])
+
+
+@given(st.integers(1, 12), st.lists(st.integers(0, 1000), min_size=11, max_size=11))
+def test_parents_to_ancestor_mask(n, raw):
+    parents = _parents(raw, n)
+    mask = tree_mask_from_parents(parents)[0]
+    for j in range(n):
+        ancestors, node = {j}, j
+        while parents[0, node] >= 0:
+            node = int(parents[0, node])
+            ancestors.add(node)
+        assert {c for c in range(n) if mask[j, c]} == ancestors
+
+
+@given(st.lists(st.integers(0, 20), min_size=0, max_size=6), st.integers(1, 6), st.integers(0, 99))
+def test_flat_roundtrip(seq_lens, n, seed):
+    g = torch.Generator().manual_seed(seed)
+    mask = torch.randint(0, 2, (len(seq_lens), n, n), generator=g).bool()
+    sl = torch.tensor(seq_lens, dtype=torch.int64)
+    flat = flat_from_tree_mask(mask, sl)
+    assert flat.numel() == int(((sl + n) * n).sum())
+    assert torch.equal(tree_mask_from_flat(flat, sl, n), mask)
+
+
+def test_flat_extraction_compiles():
+    mask = torch.tril(torch.ones(3, 4, 4, dtype=torch.bool))
+    sl = torch.tensor([2, 0, 5])
+    flat = flat_from_tree_mask(mask, sl)
+    fn = torch.compile(tree_mask_from_flat, fullgraph=True, backend="aot_eager")
+    assert torch.equal(fn(flat, sl, 4), mask)
