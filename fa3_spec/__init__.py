@@ -10,6 +10,7 @@ with no host syncs, so that metadata and attention compile with
     ...     num_draft_tokens=6, max_bs=64, max_context_len=8192)
 """
 
+from .attention import cascade_attention, merge_attention_states
 from .builders import (
     build_decode_metadata,
     build_draft_decode_metadata,
@@ -30,6 +31,8 @@ __all__ = [
     "FA3Metadata",
     "SpecConfig",
     "build_decode_metadata",
+    "cascade_attention",
+    "merge_attention_states",
     "build_draft_decode_metadata",
     "build_draft_extend_metadata",
     "build_draft_prefix_metadata",

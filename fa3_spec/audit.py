@@ -150,16 +150,24 @@ class RecordingBackend:
         return torch._dynamo.lookup_backend(self.backend)(gm, example_inputs)
 
 
-def _count_host_syncs(fn: Callable, args: list) -> int:
+def count_host_syncs(fn: Callable, *args, calls: int = 2) -> tuple:
+    """``(count, messages)`` of synchronizing CUDA calls in ``calls`` runs.
+
+    One un-counted warm-up call comes first, so one-time process set-up
+    (lazy CUDA/library initialisation) is not charged to the step.
+    """
+    fn(*args)
     torch.cuda.synchronize()
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         torch.cuda.set_sync_debug_mode("warn")
         try:
-            fn(*args)
+            for _ in range(calls):
+                fn(*args)
         finally:
             torch.cuda.set_sync_debug_mode("default")
-    return sum("synchroniz" in str(w.message) for w in caught)
+    messages = [str(w.message) for w in caught if "synchroniz" in str(w.message)]
+    return len(messages), messages
 
 
 def _capture_and_replay(fn: Callable, args_a: list, args_b: list, expected) -> str:
@@ -215,7 +223,9 @@ def audit_case(case: AuditCase, *, backend: str = "aot_eager", device: str = "cp
 
     host_syncs, cuda_graph = None, ("skipped" if compiles else "fail")
     if compiles and device != "cpu" and torch.cuda.is_available():
-        host_syncs = _count_host_syncs(fn, args[0]) + _count_host_syncs(compiled, args[0])
+        syncs = [count_host_syncs(f, *args[0]) for f in (fn, compiled)]
+        host_syncs = sum(n for n, _ in syncs)
+        problems += [f"host sync: {m}" for _, msgs in syncs for m in msgs[:3]]
         try:
             cuda_graph = _capture_and_replay(compiled, args[0], args[1], fn(*args[1]))
         except Exception as exc:  # report, do not abort the audit

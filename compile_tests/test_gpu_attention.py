@@ -1,0 +1,135 @@
+"""Real FA3 on CUDA: cascade vs a float32 dense oracle, compile, capture.
+
+Skipped without CUDA or without an FA3 provider. Run on the H200 (see
+compile_tests/GPU_RESULTS.md for the command and the last summary).
+"""
+
+import json
+import os
+
+import pytest
+import torch
+
+import fa3_spec
+from fa3_spec.attention import fa3_available, provider_version
+from fa3_spec.testing import (
+    MODES, build, dense_attention, expected_key_slots, fill_kv_cache, make_world, num_queries,
+)
+
+pytestmark = [
+    pytest.mark.gpu,
+    pytest.mark.skipif(not fa3_available(), reason="needs CUDA sm90 and an FA3 provider"),
+]
+
+HEADS, KV_HEADS = 8, 2
+RESULTS = []  # (test, case, max rel err) gathered for the summary file
+
+
+def _record(kind, case, err):
+    RESULTS.append(dict(kind=kind, case=case, rel_err=err))
+    path = os.environ.get("FA3_SPEC_GPU_RESULTS")
+    if path:
+        with open(path, "w") as fh:
+            json.dump(dict(fa3=provider_version(), torch=torch.__version__,
+                           device=torch.cuda.get_device_name(), rows=RESULTS), fh, indent=1)
+
+
+def _rel_err(out, ref):
+    return float((out.float() - ref).norm() / ref.norm().clamp(min=1e-6))
+
+
+def _case(p, k, head_dim=128, n=8, steps=5, ctx=300):
+    cfg = fa3_spec.SpecConfig(page_size=p, topk=k, num_steps=steps, num_draft_tokens=n,
+                              max_bs=16, max_context_len=ctx)
+    return cfg
+
+
+GRID = [(p, k) for p in (1, 2, 16, 64) for k in (1, 4, 8)]
+
+
+@pytest.mark.parametrize("p, k", GRID, ids=[f"P{p}-K{k}" for p, k in GRID])
+@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("dtype", [torch.bfloat16])
+def test_fa3_matches_dense_reference(p, k, mode, dtype):
+    cfg = _case(p, k)
+    world = make_world(cfg, 6, seq_lens=[1, p, 77, 300, 0, 2 * p + 1], seed=p * 31 + k, device="cuda")
+    kc, vc = fill_kv_cache(world, num_kv_heads=KV_HEADS, head_dim=128, dtype=dtype, seed=k)
+    worst = 0.0
+    for tree in ([True, False] if mode == "target_verify" else [True]):
+        for step in (range(cfg.num_steps - 1) if mode == "draft_decode" else [0]):
+            md = build(mode, cfg, step=step, **world.mode_kwargs(mode, tree=tree))
+            q = torch.randn(num_queries(world, mode), HEADS, 128, device="cuda", dtype=dtype)
+            out = fa3_spec.cascade_attention(q, kc, vc, md, backend="fa3")
+            ref = dense_attention(q, kc, vc, expected_key_slots(world, mode, step=step, tree=tree))
+            assert not torch.isnan(out).any()
+            err = _rel_err(out, ref)
+            worst = max(worst, err)
+            assert err <= 1e-2, (mode, tree, step, err)
+    _record("fa3_vs_dense", f"{mode} P={p} K={k}", worst)
+
+
+@pytest.mark.parametrize("head_dim, dtype", [(64, torch.float16), (256, torch.bfloat16)])
+def test_head_dims_and_fp16(head_dim, dtype):
+    cfg = _case(2, 8)
+    world = make_world(cfg, 3, seq_lens=[5, 100, 0], seed=1, device="cuda")
+    kc, vc = fill_kv_cache(world, num_kv_heads=KV_HEADS, head_dim=head_dim, dtype=dtype)
+    md = build("draft_decode", cfg, step=3, **world.mode_kwargs("draft_decode"))
+    q = torch.randn(num_queries(world, "draft_decode"), HEADS, head_dim, device="cuda", dtype=dtype)
+    out = fa3_spec.cascade_attention(q, kc, vc, md, backend="fa3")
+    ref = dense_attention(q, kc, vc, expected_key_slots(world, "draft_decode", step=3))
+    err = _rel_err(out, ref)
+    _record("head_dim", f"D={head_dim} {dtype}", err)
+    assert err <= 1e-2
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_empty_batch_and_all_padding(mode):
+    cfg = _case(2, 8)
+    for seqs in ([], [0, 0, 0]):
+        world = make_world(cfg, len(seqs), seq_lens=seqs, device="cuda")
+        kc, vc = fill_kv_cache(world, num_kv_heads=KV_HEADS, head_dim=128, dtype=torch.bfloat16)
+        md = build(mode, cfg, step=1, **world.mode_kwargs(mode))
+        q = torch.randn(num_queries(world, mode), HEADS, 128, device="cuda", dtype=torch.bfloat16)
+        out = fa3_spec.cascade_attention(q, kc, vc, md, backend="fa3")
+        assert out.shape == q.shape and torch.equal(out, torch.zeros_like(out))
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_whole_step_compiles_captures_and_replays(mode):
+    """Metadata + FA3 + merge: fullgraph inductor, one CUDA graph, fresh batches."""
+    cfg = _case(2, 8)
+    worlds = [make_world(cfg, 5, num_padding=1, seed=s, device="cuda") for s in range(4)]
+    kc, vc = fill_kv_cache(worlds[0], num_kv_heads=KV_HEADS, head_dim=128, dtype=torch.bfloat16)
+    names = [n for n, v in worlds[0].mode_kwargs(mode).items() if v is not None and n != "req_to_token"]
+    r2t = worlds[0].req_to_token  # engine-owned, same pool for every batch
+
+    def step(q, *tensors):
+        md = build(mode, cfg, step=3, req_to_token=r2t, **dict(zip(names, tensors)))
+        return fa3_spec.cascade_attention(q, kc, vc, md, backend="fa3")
+
+    nq = num_queries(worlds[0], mode)
+    qs = [torch.randn(nq, HEADS, 128, device="cuda", dtype=torch.bfloat16) for _ in worlds]
+    args = [[qs[i]] + [w.mode_kwargs(mode)[n] for n in names] for i, w in enumerate(worlds)]
+    # Same pool for all worlds: rebuild their batches over world 0's req_to_token.
+    compiled = torch.compile(step, fullgraph=True, backend="inductor")
+    with torch._dynamo.config.patch(error_on_recompile=True):
+        for a in args[:2]:
+            torch.testing.assert_close(compiled(*a), step(*a), atol=2e-2, rtol=2e-2)
+    static = [t.clone() for t in args[0]]
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        compiled(*static)
+    torch.cuda.current_stream().wait_stream(s)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = compiled(*static)
+    ptr = out.data_ptr()
+    for a in args[1:]:
+        for dst, src in zip(static, a):
+            dst.copy_(src)
+        graph.replay()
+        want = step(*a)
+        err = _rel_err(out, want.float())
+        assert err <= 1e-2 and out.data_ptr() == ptr
+    _record("capture_replay", mode, err)

@@ -1,0 +1,20 @@
+"""Attention over fa3_spec metadata: the FA3 custom op, a torch reference, the merge."""
+
+from .cascade import BACKENDS, attention_call, cascade_attention
+from .fa3_op import default_num_splits, fa3_paged_attention
+from .merge import merge_attention_states
+from .providers import fa3_available, find_provider, provider_version
+from .reference import paged_attention_reference
+
+__all__ = [
+    "BACKENDS",
+    "attention_call",
+    "cascade_attention",
+    "default_num_splits",
+    "fa3_available",
+    "fa3_paged_attention",
+    "find_provider",
+    "merge_attention_states",
+    "paged_attention_reference",
+    "provider_version",
+]
