@@ -17,6 +17,7 @@ from .builders import (
     build_draft_extend_metadata,
     build_draft_prefix_metadata,
     build_target_verify_metadata,
+    draft_tail_copy_slots,
 )
 from .config import SpecConfig
 from .expand import draft_expand_page_table
@@ -38,6 +39,7 @@ __all__ = [
     "build_draft_prefix_metadata",
     "build_target_verify_metadata",
     "draft_expand_page_table",
+    "draft_tail_copy_slots",
     "tree_mask_from_flat",
     "tree_mask_from_parents",
 ]

@@ -1,6 +1,12 @@
 """The graph-break / recompile / host-sync / capture audit behind ``fa3-spec audit``.
 
-For each case (forward mode x configuration x draft step) the audit:
+Two scopes. A "builder" row audits one metadata builder (forward mode x
+configuration x draft step); its parity is against the upstream-style
+reference. A "step" row audits a whole captured step of
+`fa3_spec.iteration` (metadata + attention + LSE merge + KV writes: the full
+draft iteration, verify, or extend), with FA3 on CUDA and the torch backend
+on CPU; its parity is compiled vs eager (relative error <= 1e-2 in bf16,
+1e-4 in fp32). For each row the audit:
 
 1. traces the builder with ``torch._dynamo.explain`` and records graph
    breaks with their reasons;
@@ -40,6 +46,7 @@ class AuditCase:
     step: int = 0
     batch_size: int = 4
     num_padding: int = 1
+    scope: str = "builder"  # "builder": one metadata builder; "step": a whole step
 
     @property
     def tree(self) -> bool:
@@ -50,6 +57,7 @@ class AuditCase:
 @dataclasses.dataclass
 class AuditRow:
     mode: str
+    scope: str
     config: dict
     step: Optional[int]
     graph_breaks: int
@@ -98,6 +106,18 @@ def default_grid(
             for mode in MODES:
                 steps = (0, num_steps - 2) if mode == "draft_decode" else (0,)
                 cases.extend(AuditCase(mode, cfg, step) for step in steps)
+    return cases
+
+
+def step_grid(configs=((1, 1), (2, 8)), num_steps: int = 5, max_context_len: int = 64) -> list:
+    """Whole-step cases: draft iteration, verify (tree when topk > 1), extend."""
+    cases = []
+    for p, k in configs:
+        cfg = SpecConfig(page_size=p, topk=k, num_steps=num_steps,
+                         num_draft_tokens=6 if k > 1 else 4, max_bs=8,
+                         max_context_len=max_context_len)
+        for mode in ("draft_decode", "target_verify", "draft_extend"):
+            cases.append(AuditCase(mode, cfg, scope="step"))
     return cases
 
 
@@ -170,7 +190,8 @@ def count_host_syncs(fn: Callable, *args, calls: int = 2) -> tuple:
     return len(messages), messages
 
 
-def _capture_and_replay(fn: Callable, args_a: list, args_b: list, expected) -> str:
+def _capture_and_replay(fn: Callable, args_a: list, args_b: list, expected,
+                        same: Optional[Callable] = None) -> str:
     static = [a.clone() for a in args_a]
     side = torch.cuda.Stream()
     side.wait_stream(torch.cuda.current_stream())
@@ -185,55 +206,132 @@ def _capture_and_replay(fn: Callable, args_a: list, args_b: list, expected) -> s
         dst.copy_(src)
     graph.replay()
     torch.cuda.synchronize()
-    return "ok" if not metadata_mismatches(out, expected) else "fail"
+    if same is None:
+        return "ok" if not metadata_mismatches(out, expected) else "fail"
+    return "ok" if same(out, expected) else "fail"
+
+
+class _Subject:
+    """What one audit row exercises: ``fn(*args)`` on two argument sets."""
+
+    def __init__(self, fn, args, same, reference_problems, restore=lambda: None):
+        self.fn = fn
+        self.args = args  # two lists of tensors: equal shapes, other values
+        self.same = same  # same(got, want) -> list of problems
+        self.reference_problems = reference_problems  # (index, eager out) -> problems
+        self.restore = restore  # reset mutable state (KV caches) before a run
+
+
+def _builder_subject(case: AuditCase, device: str) -> _Subject:
+    worlds = [make_world(case.cfg, case.batch_size, num_padding=case.num_padding,
+                         seed=seed, device=device) for seed in (1, 2)]
+    kwargs = [w.mode_kwargs(case.mode, tree=case.tree) for w in worlds]
+    names = [k for k, v in kwargs[0].items() if v is not None]
+    reference = UpstreamStyleBuilder(case.cfg, device)
+
+    def reference_problems(i, eager):
+        want = reference.build(case.mode, step=case.step, **kwargs[i])
+        return [f"vs reference: {m}" for m in metadata_mismatches(eager, want)]
+
+    return _Subject(_builder(case, names), [[kw[n] for n in names] for kw in kwargs],
+                    metadata_mismatches, reference_problems)
+
+
+def _step_subject(case: AuditCase, device: str) -> _Subject:
+    from .attention import fa3_available
+    from .iteration import STEP_MODES, ToyModel, make_step, world_batch
+    from .testing import rebase_world
+
+    cfg = case.cfg
+    step_mode = case.mode if case.mode != "target_verify" or case.tree else "target_verify_chain"
+    on_gpu = device != "cpu"
+    dtype = torch.bfloat16 if on_gpu else torch.float32
+    base = make_world(cfg, case.batch_size, num_padding=case.num_padding, seed=1, device=device)
+    worlds = [base, rebase_world(make_world(cfg, case.batch_size, num_padding=case.num_padding,
+                                            seed=2, device=device), base.req_to_token)]
+    model = ToyModel.create(layers=1, num_pages=base.num_pages, page_size=cfg.page_size,
+                            num_heads=4, num_kv_heads=2, head_dim=64, dtype=dtype, device=device)
+    initial = (model.k_cache.clone(), model.v_cache.clone())
+    backend = "fa3" if on_gpu and fa3_available() else "torch"
+    step = make_step(step_mode, cfg, model, base.req_to_token, backend=backend)
+    names = list(STEP_MODES[step_mode])
+    g = torch.Generator().manual_seed(0)
+    rows = cfg.topk if step_mode == "draft_decode" else cfg.num_draft_tokens
+    args = []
+    for w in worlds:
+        hidden = torch.randn(case.batch_size, rows, model.hidden, generator=g).to(device, dtype)
+        batch = world_batch(step_mode, w, hidden)
+        args.append([batch[n] for n in names])
+
+    def restore():
+        model.k_cache.copy_(initial[0])
+        model.v_cache.copy_(initial[1])
+
+    def fn(*tensors):
+        return step(**dict(zip(names, tensors)))
+
+    tol = 1e-2 if dtype == torch.bfloat16 else 1e-4
+
+    def same(got, want):
+        if not torch.isfinite(got).all():
+            return ["non-finite output"]
+        err = float((got.float() - want.float()).norm() / want.float().norm().clamp(min=1e-6))
+        return [] if err <= tol else [f"relative error {err:.2e} > {tol:.0e}"]
+
+    return _Subject(fn, args, same, lambda i, eager: [], restore)
 
 
 def audit_case(case: AuditCase, *, backend: str = "aot_eager", device: str = "cpu") -> AuditRow:
     """Audit one case; see the module docstring for what is checked."""
     start = time.perf_counter()
     cfg = case.cfg
-    worlds = [
-        make_world(cfg, case.batch_size, num_padding=case.num_padding, seed=seed, device=device)
-        for seed in (1, 2)
-    ]
-    kwargs = [w.mode_kwargs(case.mode, tree=case.tree) for w in worlds]
-    names = [k for k, v in kwargs[0].items() if v is not None]
-    args = [[kw[n] for n in names] for kw in kwargs]
-    fn = _builder(case, names)
-    problems = []
+    subject = (_step_subject if case.scope == "step" else _builder_subject)(case, device)
+    fn, args = subject.fn, subject.args
+    parity_problems, other = [], []
 
+    subject.restore()
     breaks, reasons = graph_breaks(fn, *args[0])
     counter = RecordingBackend(backend)
     compiled = torch.compile(fn, fullgraph=True, backend=counter)
-    reference = UpstreamStyleBuilder(cfg, device)
     compiles = True
-    for world, arg in zip(worlds, args):
+    for i, arg in enumerate(args):
+        subject.restore()
         eager = fn(*arg)
-        expected = reference.build(case.mode, step=case.step, **world.mode_kwargs(case.mode, tree=case.tree))
-        problems += [f"vs reference: {m}" for m in metadata_mismatches(eager, expected)]
+        parity_problems += subject.reference_problems(i, eager)
+        subject.restore()
         try:
             got = compiled(*arg)
         except Exception as exc:  # a fullgraph failure is a finding, not a crash
-            problems.append(f"fullgraph compile failed: {type(exc).__name__}: {str(exc).splitlines()[0]}")
+            parity_problems.append(
+                f"fullgraph compile failed: {type(exc).__name__}: {str(exc).splitlines()[0]}")
             compiles = False
             break
-        problems += [f"compiled vs eager: {m}" for m in metadata_mismatches(got, eager)]
+        parity_problems += [f"compiled vs eager: {m}" for m in subject.same(got, eager)]
     recompiles = max(counter.frame_count - 1, 0)
-    problems += [f"data-dependent op: {op}" for op in counter.data_dependent]
+    other += [f"data-dependent op: {op}" for op in counter.data_dependent]
 
     host_syncs, cuda_graph = None, ("skipped" if compiles else "fail")
     if compiles and device != "cpu" and torch.cuda.is_available():
-        syncs = [count_host_syncs(f, *args[0]) for f in (fn, compiled)]
+        syncs = []
+        for f in (fn, compiled):
+            subject.restore()
+            syncs.append(count_host_syncs(f, *args[0]))
         host_syncs = sum(n for n, _ in syncs)
-        problems += [f"host sync: {m}" for _, msgs in syncs for m in msgs[:3]]
+        other += [f"host sync: {m}" for _, msgs in syncs for m in msgs[:3]]
         try:
-            cuda_graph = _capture_and_replay(compiled, args[0], args[1], fn(*args[1]))
+            subject.restore()
+            want = fn(*args[1])
+            subject.restore()
+            cuda_graph = _capture_and_replay(compiled, args[0], args[1], want,
+                                             same=lambda a, b: not subject.same(a, b))
         except Exception as exc:  # report, do not abort the audit
             cuda_graph = "fail"
-            problems.append(f"capture: {type(exc).__name__}: {exc}")
+            other.append(f"capture: {type(exc).__name__}: {exc}")
+    subject.restore()
 
     return AuditRow(
         mode=case.mode,
+        scope=case.scope,
         config=dict(
             page_size=cfg.page_size,
             topk=cfg.topk,
@@ -241,29 +339,29 @@ def audit_case(case: AuditCase, *, backend: str = "aot_eager", device: str = "cp
             num_draft_tokens=cfg.num_draft_tokens,
             tree=case.tree if case.mode == "target_verify" else None,
         ),
-        step=case.step if case.mode == "draft_decode" else None,
+        step=case.step if case.mode == "draft_decode" and case.scope == "builder" else None,
         graph_breaks=breaks,
         break_reasons=reasons,
         recompiles=recompiles,
         data_dependent=len(counter.data_dependent),
         host_syncs=host_syncs,
         cuda_graph=cuda_graph,
-        parity=not problems,
-        problems=problems,
+        parity=not parity_problems,
+        problems=parity_problems + other,
         seconds=round(time.perf_counter() - start, 2),
     )
 
 
 def format_table(rows: list) -> str:
     """A fixed-width table of audit rows, one line each, plus a summary."""
-    head = f"{'mode':<14}{'P':>4}{'K':>3}{'S':>3}{'step':>5}  {'breaks':>6}{'recomp':>7}{'dd':>4}{'syncs':>6}  {'graph':<8}{'parity':<7}{'sec':>6}"
+    head = f"{'mode':<14}{'scope':<8}{'P':>4}{'K':>3}{'S':>3}{'step':>5}  {'breaks':>6}{'recomp':>7}{'dd':>4}{'syncs':>6}  {'graph':<8}{'parity':<7}{'sec':>6}"
     lines = [head, "-" * len(head)]
     for r in rows:
         c = r.config
         syncs = "-" if r.host_syncs is None else str(r.host_syncs)
         step = "-" if r.step is None else str(r.step)
         lines.append(
-            f"{r.mode:<14}{c['page_size']:>4}{c['topk']:>3}{c['num_steps']:>3}{step:>5}  "
+            f"{r.mode:<14}{r.scope:<8}{c['page_size']:>4}{c['topk']:>3}{c['num_steps']:>3}{step:>5}  "
             f"{r.graph_breaks:>6}{r.recompiles:>7}{r.data_dependent:>4}{syncs:>6}  {r.cuda_graph:<8}"
             f"{'yes' if r.parity else 'NO':<7}{r.seconds:>6.1f}"
         )

@@ -10,12 +10,14 @@ import torch
 
 
 def _audit(args: argparse.Namespace) -> int:
-    from .audit import audit_case, default_grid, format_table
+    from .audit import audit_case, default_grid, format_table, step_grid
 
     device = args.device
     if device == "auto":
         device = "cuda" if torch.cuda.is_available() else "cpu"
     cases = default_grid(page_sizes=args.page_sizes, topks=args.topks, num_steps=args.num_steps)
+    if not args.no_steps:
+        cases += step_grid(num_steps=args.num_steps)
     if args.modes:
         cases = [c for c in cases if c.mode in args.modes]
     print(
@@ -57,6 +59,8 @@ def main(argv=None) -> int:
     audit.add_argument("--num-steps", type=int, default=5)
     audit.add_argument("--modes", nargs="+", choices=["decode", "draft_decode",
                                                       "target_verify", "draft_extend"])
+    audit.add_argument("--no-steps", action="store_true",
+                       help="skip the whole-step rows (metadata + attention + merge)")
     audit.add_argument("-v", "--verbose", action="store_true")
     args = parser.parse_args(argv)
     if args.command == "audit":

@@ -180,6 +180,19 @@ def make_world(
     return world.to(device)
 
 
+def rebase_world(world: World, req_to_token: torch.Tensor) -> World:
+    """``world``'s batch over another pool of the same shape (slots re-read).
+
+    Engines keep one ``req_to_token`` pool; to feed several batches to one
+    captured step, give them all the same pool.
+    """
+    if req_to_token.shape != world.req_to_token.shape:
+        raise ValueError("req_to_token must have the world's shape")
+    rows = world.req_pool_indices.view(-1, 1, 1)
+    loc = req_to_token[rows, world.draft_positions].to(torch.int64).reshape(-1)
+    return dataclasses.replace(world, req_to_token=req_to_token, out_cache_loc=loc)
+
+
 def fill_kv_cache(
     world: World,
     *,

@@ -153,3 +153,34 @@ def build_draft_decode_metadata(
         causal=False,
     )
     return CascadeMetadata(prefix=prefix, expand=expand)
+
+
+def draft_tail_copy_slots(
+    cfg: SpecConfig, *, seq_lens: torch.Tensor, out_cache_loc: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Slots to copy so every branch's first page starts with the prefix tail.
+
+    With ``P > 1`` and ``topk > 1`` draft token 0 of branch ``t`` sits at
+    in-page offset ``last = seq_len % P`` of the branch's first page; offsets
+    ``0 .. last-1`` of that page must hold the prefix's partial last page
+    (branch 0's first page *is* that page). Returns ``(src, dst)``, int64
+    ``[B * K * (P - 1)]``: copy K/V of slot ``src[i]`` to ``dst[i]``. Entries
+    with nothing to copy have ``dst == src`` (a no-op copy), so the shapes are
+    static; padding rows copy slot 0 onto itself.
+
+    For ``P == 1`` or ``topk == 1`` there is no tail: both are empty.
+    """
+    p, k = cfg.page_size, cfg.topk
+    sl = _validate.tensor("seq_lens", seq_lens, ndim=1)
+    bs = sl.shape[0]
+    loc = _draft_slots(cfg, out_cache_loc, bs).view(bs, k, cfg.num_steps).to(torch.int64)
+    if p == 1 or k == 1:
+        empty = torch.zeros(0, dtype=torch.int64, device=loc.device)
+        return empty, empty
+    last = torch.remainder(sl.to(torch.int64).clamp(min=0), p).view(bs, 1, 1)
+    offset = torch.arange(p - 1, device=loc.device).view(1, 1, p - 1)
+    first = loc[:, :, :1] - last  # slot of offset 0 in each branch's first page
+    src = (first[:, :1] + offset).expand(bs, k, p - 1)
+    dst = first + offset
+    dst = torch.where((offset < last) & (sl.view(bs, 1, 1) > 0), dst, src)
+    return src.clamp(min=0).reshape(-1), dst.clamp(min=0).reshape(-1)

@@ -1,0 +1,85 @@
+"""Compile + capture cost of the CUDA-graph runner: 16 buckets, every step mode.
+
+    python3 benchmarks/compile_capture.py --json OUT.json
+
+For each step mode (draft iteration, tree verify, chain verify, draft extend)
+it builds a `CUDAGraphRunner` over 16 batch-size buckets with inductor and
+the batch dimension marked dynamic, and reports the compiled frames and the
+capture time: *cold* (fresh inductor cache directory, first runner in the
+process) and *warm* (dynamo reset, a second runner: inductor's FX-graph
+cache hits). It also checks one replay against eager (relative error).
+Needs CUDA + FA3; `--smoke` runs a tiny CPU version with strategy="eager".
+"""
+
+import argparse
+import json
+import os
+import sys
+import tempfile
+import time
+
+if "--smoke" not in sys.argv:
+    os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", tempfile.mkdtemp(prefix="fa3spec-inductor-"))
+
+import torch  # noqa: E402
+
+import fa3_spec  # noqa: E402
+from fa3_spec.graphs import CUDAGraphRunner  # noqa: E402
+from fa3_spec.iteration import STEP_MODES, ToyModel, example_batch, make_step, world_batch  # noqa: E402
+from fa3_spec.testing import make_world, rebase_world  # noqa: E402
+
+BUCKETS = [1, 2, 3, 4, 5, 6, 7, 8, 12, 16, 20, 24, 32, 40, 48, 64]
+
+
+def measure(mode, smoke):
+    device = "cpu" if smoke else "cuda"
+    buckets = BUCKETS[:3] if smoke else BUCKETS
+    cfg = fa3_spec.SpecConfig(page_size=2, topk=8, num_steps=5, num_draft_tokens=16,
+                              max_bs=max(buckets), max_context_len=64 if smoke else 4096)
+    base = make_world(cfg, max(buckets), seed=0, device=device)
+    model = ToyModel.create(layers=1, num_pages=base.num_pages, page_size=2,
+                            num_heads=4 if smoke else 32, num_kv_heads=2 if smoke else 8,
+                            head_dim=64 if smoke else 128,
+                            dtype=torch.float32 if smoke else torch.bfloat16, device=device)
+    step = make_step(mode, cfg, model, base.req_to_token, backend="torch" if smoke else "fa3")
+    row = dict(kind="compile", mode=mode, buckets=len(buckets), page_size=2, topk=8,
+               num_steps=5, num_draft_tokens=16)
+    for phase in ("cold", "warm"):
+        torch._dynamo.reset()
+        runner = CUDAGraphRunner(step, buckets=buckets, strategy="eager" if smoke else "manual",
+                                 backend="inductor",
+                                 example=lambda bs: example_batch(mode, cfg, model, bs, device=device))
+        start = time.perf_counter()
+        runner.capture()
+        row[f"{phase}_capture_s"] = round(time.perf_counter() - start, 2)
+        row[f"{phase}_compiles"] = runner.compile_counter.frame_count
+    row["max_bucket_capture_s"] = round(max(runner.capture_seconds.values()), 3)
+    initial = (model.k_cache.clone(), model.v_cache.clone())
+    world = rebase_world(make_world(cfg, 5, seed=3, num_padding=1, device=device), base.req_to_token)
+    rows = cfg.topk if mode == "draft_decode" else cfg.num_draft_tokens
+    hidden = torch.randn(5, rows, model.hidden, device=device).to(model.wq.dtype)
+    batch = world_batch(mode, world, hidden)
+    got = runner(**batch).clone()
+    model.k_cache.copy_(initial[0]); model.v_cache.copy_(initial[1])
+    want = step(**batch)
+    row["replay_rel_err"] = float((got.float() - want.float()).norm() / want.float().norm())
+    return row
+
+
+def main():
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--json")
+    parser.add_argument("--smoke", action="store_true")
+    parser.add_argument("--modes", nargs="+", default=list(STEP_MODES))
+    args = parser.parse_args()
+    rows = []
+    for mode in args.modes:
+        rows.append(measure(mode, args.smoke))
+        print(json.dumps(rows[-1]), flush=True)
+    if args.json:
+        with open(args.json, "w") as fh:
+            json.dump(dict(torch=torch.__version__, rows=rows), fh, indent=1)
+
+
+if __name__ == "__main__":
+    main()

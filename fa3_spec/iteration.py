@@ -1,0 +1,276 @@
+"""Whole speculative steps, metadata inside: what a CUDA-graph runner captures.
+
+A `ToyModel` is a stack of attention-only layers with fixed random weights and
+one paged KV cache per layer: enough to exercise every attention call an EAGLE
+iteration makes, write K/V where an engine writes them, and chain the draft
+steps through hidden states (each step's output feeds the next), so a replay
+that read stale or wrong metadata would show in the result.
+
+Steps (pure functions of their tensor inputs, except the KV writes):
+
+* `draft_iteration`: copies each prefix tail into every branch's first page
+  (`draft_tail_copy_slots`), then runs all ``num_steps - 1`` draft-decode
+  steps; the topk > 1 prefix metadata is built once and reused by every step.
+* `target_verify_step`: the target's verify pass (chain or tree).
+* `draft_extend_step`: the draft model re-reading accepted tokens.
+
+Every slot written is clamped into the cache; padding rows (``seq_len == 0``)
+write to slot 0 (the reserved dummy page) and read nothing.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Callable, Optional
+
+import torch
+
+from ._paged import BatchView
+from .attention import cascade_attention
+from .builders import (
+    build_draft_decode_metadata,
+    build_draft_extend_metadata,
+    build_draft_prefix_metadata,
+    build_target_verify_metadata,
+    draft_tail_copy_slots,
+)
+from .config import SpecConfig
+
+
+@dataclasses.dataclass
+class ToyModel:
+    """``layers`` attention-only layers over paged KV caches.
+
+    Attributes:
+        wq, wk, wv: ``[L, hidden, H * D]`` projections (``H_q`` for q,
+            ``H_kv`` for k and v); wo: ``[L, H_q * D, hidden]``.
+        k_cache, v_cache: ``[L, num_pages, page_size, H_kv, D]``.
+    """
+
+    wq: torch.Tensor
+    wk: torch.Tensor
+    wv: torch.Tensor
+    wo: torch.Tensor
+    k_cache: torch.Tensor
+    v_cache: torch.Tensor
+
+    @classmethod
+    def create(cls, *, layers: int, num_pages: int, page_size: int, num_heads: int,
+               num_kv_heads: int, head_dim: int, dtype=torch.bfloat16, device="cpu",
+               seed: int = 0) -> "ToyModel":
+        g = torch.Generator().manual_seed(seed)
+        hidden = num_heads * head_dim
+
+        def w(*shape):
+            return (torch.randn(*shape, generator=g) * shape[-2] ** -0.5).to(device, dtype)
+
+        cache = (layers, num_pages, page_size, num_kv_heads, head_dim)
+        return cls(
+            wq=w(layers, hidden, num_heads * head_dim),
+            wk=w(layers, hidden, num_kv_heads * head_dim),
+            wv=w(layers, hidden, num_kv_heads * head_dim),
+            wo=w(layers, num_heads * head_dim, hidden),
+            k_cache=(torch.randn(cache, generator=g)).to(device, dtype),
+            v_cache=(torch.randn(cache, generator=g)).to(device, dtype),
+        )
+
+    @property
+    def num_layers(self) -> int:
+        return self.wq.shape[0]
+
+    @property
+    def hidden(self) -> int:
+        return self.wq.shape[1]
+
+    def copy_slots(self, src: torch.Tensor, dst: torch.Tensor) -> None:
+        """Copy K/V of slots ``src`` to ``dst`` in every layer (clamped)."""
+        layers, pages, p, hkv, d = self.k_cache.shape
+        src = src.clamp(0, pages * p - 1)
+        dst = dst.clamp(0, pages * p - 1)
+        for cache in (self.k_cache, self.v_cache):
+            flat = cache.view(layers, pages * p, hkv, d)
+            flat.index_copy_(1, dst, flat.index_select(1, src))
+
+    def forward(self, x: torch.Tensor, slots: torch.Tensor,
+                attend: Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
+                ) -> torch.Tensor:
+        """Run every layer on ``x [T, hidden]`` whose tokens live at ``slots [T]``.
+
+        Each layer writes the tokens' K/V at their slots (clamped into the
+        cache), then attends with ``attend(q, k_cache_l, v_cache_l)``.
+        """
+        t = x.shape[0]
+        _, pages, p, hkv, d = self.k_cache.shape
+        slots = slots.to(torch.int64).clamp(0, pages * p - 1)
+        for layer in range(self.num_layers):
+            q = (x @ self.wq[layer]).view(t, -1, d)
+            k = (x @ self.wk[layer]).view(t, hkv, d)
+            v = (x @ self.wv[layer]).view(t, hkv, d)
+            self.k_cache[layer].view(-1, hkv, d).index_copy_(0, slots, k)
+            self.v_cache[layer].view(-1, hkv, d).index_copy_(0, slots, v)
+            out = attend(q, self.k_cache[layer], self.v_cache[layer])
+            x = x + out.reshape(t, -1) @ self.wo[layer]
+        return x
+
+
+def _attend_with(md, backend: str, num_splits: Optional[int]):
+    def attend(q, k_cache, v_cache):
+        return cascade_attention(q, k_cache, v_cache, md, backend=backend, num_splits=num_splits)
+    return attend
+
+
+def draft_iteration(
+    cfg: SpecConfig,
+    model: ToyModel,
+    *,
+    req_to_token: torch.Tensor,
+    req_pool_indices: torch.Tensor,
+    seq_lens: torch.Tensor,
+    out_cache_loc: torch.Tensor,
+    hidden: torch.Tensor,
+    backend: str = "auto",
+    num_splits: Optional[int] = None,
+) -> torch.Tensor:
+    """All draft-decode steps of one iteration.
+
+    Args:
+        out_cache_loc: int64 ``[B, K, S]`` draft slots (SPEC §3 layout).
+        hidden: ``[B, K, hidden]`` input of step 0 per branch.
+
+    Returns:
+        ``[B, K, S - 1, hidden]``: each step's output (the next step's input).
+    """
+    bs, k, s = out_cache_loc.shape
+    loc = out_cache_loc.reshape(bs * k, s)
+    x = hidden.reshape(bs * k, -1)
+    batch = dict(req_to_token=req_to_token, req_pool_indices=req_pool_indices, seq_lens=seq_lens)
+    model.copy_slots(*draft_tail_copy_slots(cfg, seq_lens=seq_lens, out_cache_loc=loc))
+    prefix = build_draft_prefix_metadata(cfg, **batch) if cfg.topk > 1 else None
+    outs = []
+    for step in range(cfg.num_steps - 1):
+        md = build_draft_decode_metadata(cfg, step, **batch, out_cache_loc=loc, prefix=prefix)
+        x = model.forward(x, loc[:, step], _attend_with(md, backend, num_splits))
+        outs.append(x)
+    return torch.stack(outs, dim=1).view(bs, k, cfg.num_steps - 1, -1)
+
+
+def target_verify_step(
+    cfg: SpecConfig,
+    model: ToyModel,
+    *,
+    req_to_token: torch.Tensor,
+    req_pool_indices: torch.Tensor,
+    seq_lens: torch.Tensor,
+    hidden: torch.Tensor,
+    tree_mask: Optional[torch.Tensor] = None,
+    backend: str = "auto",
+    num_splits: Optional[int] = None,
+) -> torch.Tensor:
+    """The verify pass over N draft tokens at row positions ``seq_len + c``.
+
+    ``hidden``: ``[B, N, hidden]``; returns the same shape.
+    """
+    bs, n = hidden.shape[0], cfg.num_draft_tokens
+    batch = dict(req_to_token=req_to_token, req_pool_indices=req_pool_indices, seq_lens=seq_lens)
+    md = build_target_verify_metadata(cfg, **batch, tree_mask=tree_mask)
+    view = BatchView(cfg, req_to_token, req_pool_indices, seq_lens)
+    positions = view.seq_lens.unsqueeze(1) + torch.arange(n, device=seq_lens.device)
+    slots = view.mask_padding(view.slots(positions), 1).reshape(bs * n)
+    x = model.forward(hidden.reshape(bs * n, -1), slots, _attend_with(md, backend, num_splits))
+    return x.view(bs, n, -1)
+
+
+def draft_extend_step(
+    cfg: SpecConfig,
+    model: ToyModel,
+    *,
+    req_to_token: torch.Tensor,
+    req_pool_indices: torch.Tensor,
+    seq_lens: torch.Tensor,
+    extend_seq_lens: torch.Tensor,
+    hidden: torch.Tensor,
+    backend: str = "auto",
+    num_splits: Optional[int] = None,
+) -> torch.Tensor:
+    """Draft extend: the packed accepted tokens re-read by the draft model.
+
+    ``hidden``: ``[B, N, hidden]`` viewed flat as ``[B*N, hidden]`` with the
+    ``sum(extend_seq_lens)`` real tokens packed at the front (request order).
+    Token ``i`` of request ``b`` sits at row position
+    ``seq_len - extend_seq_len + i``. Returns ``[B, N, hidden]``; rows past
+    the real tokens are the (unattended) input passed through the layers.
+    """
+    bs, n = hidden.shape[0], cfg.num_draft_tokens
+    batch = dict(req_to_token=req_to_token, req_pool_indices=req_pool_indices, seq_lens=seq_lens)
+    md = build_draft_extend_metadata(cfg, **batch, extend_seq_lens=extend_seq_lens)
+    view = BatchView(cfg, req_to_token, req_pool_indices, seq_lens)
+    cu = md.cu_seqlens_q.to(torch.int64)
+    j = torch.arange(bs * n, device=seq_lens.device)
+    row = torch.searchsorted(cu[1:], j, right=True).clamp(max=max(bs - 1, 0))
+    owned = j < cu[-1]
+    if bs == 0:
+        slots = torch.zeros(0, dtype=torch.int64, device=seq_lens.device)
+    else:
+        queries = cu[1:] - cu[:-1]
+        position = view.seq_lens[row] - queries[row] + (j - cu[row])
+        cols = position.clamp(0, req_to_token.shape[1] - 1)
+        slots = req_to_token[view.rows[row], cols].to(torch.int64)
+        slots = torch.where(owned, slots, 0)
+    x = model.forward(hidden.reshape(bs * n, -1), slots, _attend_with(md, backend, num_splits))
+    return x.view(bs, n, -1)
+
+
+#: Forward modes a runner step exists for, with the batch keys each takes.
+STEP_MODES = {
+    "draft_decode": ("req_pool_indices", "seq_lens", "out_cache_loc", "hidden"),
+    "target_verify": ("req_pool_indices", "seq_lens", "tree_mask", "hidden"),
+    "target_verify_chain": ("req_pool_indices", "seq_lens", "hidden"),
+    "draft_extend": ("req_pool_indices", "seq_lens", "extend_seq_lens", "hidden"),
+}
+
+
+def make_step(mode: str, cfg: SpecConfig, model: ToyModel, req_to_token: torch.Tensor, *,
+              backend: str = "auto", num_splits: Optional[int] = None) -> Callable:
+    """``step(**batch)`` of ``mode`` (a key of `STEP_MODES`) over an engine's pool.
+
+    ``req_to_token`` and ``model`` (weights, KV caches) are closed over, as an
+    engine's pools are; the batch holds only batch-major tensors.
+    """
+    common = dict(req_to_token=req_to_token, backend=backend, num_splits=num_splits)
+    if mode == "draft_decode":
+        return lambda **b: draft_iteration(cfg, model, **common, **b)
+    if mode in ("target_verify", "target_verify_chain"):
+        return lambda **b: target_verify_step(cfg, model, **common, **b)
+    if mode == "draft_extend":
+        return lambda **b: draft_extend_step(cfg, model, **common, **b)
+    raise ValueError(f"mode must be one of {sorted(STEP_MODES)}, got {mode!r}")
+
+
+def example_batch(mode: str, cfg: SpecConfig, model: ToyModel, bs: int, *, device) -> dict:
+    """An all-padding batch of ``bs`` rows with the shapes ``mode`` takes."""
+    k, s, n, h = cfg.topk, cfg.num_steps, cfg.num_draft_tokens, model.hidden
+    i64 = dict(dtype=torch.int64, device=device)
+    shapes = {
+        "req_pool_indices": torch.zeros(bs, **i64),
+        "seq_lens": torch.zeros(bs, **i64),
+        "extend_seq_lens": torch.zeros(bs, **i64),
+        "out_cache_loc": torch.zeros(bs, k, s, **i64),
+        "tree_mask": torch.zeros(bs, n, n, dtype=torch.bool, device=device),
+        "hidden": torch.zeros(bs, k if mode == "draft_decode" else n, h,
+                              dtype=model.wq.dtype, device=device),
+    }
+    return {name: shapes[name] for name in STEP_MODES[mode]}
+
+
+def world_batch(mode: str, world, hidden: torch.Tensor) -> dict:
+    """The batch of ``mode`` for a `fa3_spec.testing.World` and ``hidden``."""
+    cfg = world.cfg
+    values = dict(
+        req_pool_indices=world.req_pool_indices,
+        seq_lens=world.seq_lens,
+        extend_seq_lens=world.extend_seq_lens,
+        out_cache_loc=world.out_cache_loc.view(-1, cfg.topk, cfg.num_steps),
+        tree_mask=world.tree_mask,
+        hidden=hidden,
+    )
+    return {name: values[name] for name in STEP_MODES[mode]}
