@@ -55,9 +55,10 @@ def measure(mode, smoke):
         row[f"{phase}_compiles"] = runner.compile_counter.frame_count
     row["max_bucket_capture_s"] = round(max(runner.capture_seconds.values()), 3)
     initial = (model.k_cache.clone(), model.v_cache.clone())
-    world = rebase_world(make_world(cfg, 5, seed=3, num_padding=1, device=device), base.req_to_token)
+    bs = min(5, max(buckets))
+    world = rebase_world(make_world(cfg, bs, seed=3, num_padding=1, device=device), base.req_to_token)
     rows = cfg.topk if mode == "draft_decode" else cfg.num_draft_tokens
-    hidden = torch.randn(5, rows, model.hidden, device=device).to(model.wq.dtype)
+    hidden = torch.randn(bs, rows, model.hidden, device=device).to(model.wq.dtype)
     batch = world_batch(mode, world, hidden)
     got = runner(**batch).clone()
     model.k_cache.copy_(initial[0]); model.v_cache.copy_(initial[1])

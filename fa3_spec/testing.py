@@ -181,13 +181,14 @@ def make_world(
 
 
 def rebase_world(world: World, req_to_token: torch.Tensor) -> World:
-    """``world``'s batch over another pool of the same shape (slots re-read).
+    """``world``'s batch over another pool (same row length, as many rows or more).
 
     Engines keep one ``req_to_token`` pool; to feed several batches to one
     captured step, give them all the same pool.
     """
-    if req_to_token.shape != world.req_to_token.shape:
-        raise ValueError("req_to_token must have the world's shape")
+    if (req_to_token.shape[1] != world.req_to_token.shape[1]
+            or req_to_token.shape[0] < world.req_to_token.shape[0]):
+        raise ValueError("req_to_token must have the world's row length and at least its rows")
     rows = world.req_pool_indices.view(-1, 1, 1)
     loc = req_to_token[rows, world.draft_positions].to(torch.int64).reshape(-1)
     return dataclasses.replace(world, req_to_token=req_to_token, out_cache_loc=loc)
