@@ -67,9 +67,11 @@ def test_runner_replays_fresh_batches(mode, p, k):
         want = step(**batch)
         assert got.shape == want.shape and torch.isfinite(got).all()
         assert _rel(got, want) <= 1e-2, (bs, _rel(got, want))
-        # Same KV writes: a stale row of the previous batch would write
-        # O(1) values into slots the eager step leaves alone.
-        assert float((k_after.float() - model.k_cache.float()).abs().max()) < 0.25
+        # Same KV writes outside page 0 (the dummy page every padding row
+        # writes, racing): a stale row of the previous batch would write
+        # O(1) values into real slots the eager step leaves alone.
+        diff = (k_after[:, 1:].float() - model.k_cache[:, 1:].float()).abs().max()
+        assert float(diff) < 0.25
     for b in runner.buckets:
         assert [t.data_ptr() for t in runner.static_inputs(b).values()] == addresses[b]
         assert runner.output_buffers(b).data_ptr() == out_address[b]
@@ -104,3 +106,13 @@ def test_inductor_draft_iteration_capture():
     got = runner(**batch).clone()
     model.k_cache.copy_(initial[0]); model.v_cache.copy_(initial[1])
     assert _rel(got, step(**batch)) <= 1e-2
+
+
+def test_sync_counter_sees_a_real_host_sync():
+    """The audit's host-sync count is live: .item() is counted on every call."""
+    from fa3_spec.audit import count_host_syncs
+
+    x = torch.ones(4, device="cuda")
+    count, messages = count_host_syncs(lambda t: t.sum().item(), x, calls=2)
+    assert count >= 2, messages
+    assert count_host_syncs(lambda t: t * 2, x)[0] == 0
