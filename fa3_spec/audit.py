@@ -109,10 +109,18 @@ def default_grid(
     return cases
 
 
-def step_grid(configs=((1, 1), (2, 8)), num_steps: int = 5, max_context_len: int = 64) -> list:
-    """Whole-step cases: draft iteration, verify (tree when topk > 1), extend."""
+def step_grid(page_sizes: Iterable[int] = (1, 2, 16, 64), topks: Iterable[int] = (1, 8),
+              num_steps: int = 5, max_context_len: int = 64) -> list:
+    """Whole-step cases: draft iteration, verify (tree when topk > 1), extend.
+
+    One configuration per topk (compiling whole steps costs more than
+    builders): page size 2 for topk > 1 when selected (the seed's case),
+    else the first page size.
+    """
+    page_sizes = list(page_sizes)
     cases = []
-    for p, k in configs:
+    for k in topks:
+        p = 2 if k > 1 and 2 in page_sizes else page_sizes[0]
         cfg = SpecConfig(page_size=p, topk=k, num_steps=num_steps,
                          num_draft_tokens=6 if k > 1 else 4, max_bs=8,
                          max_context_len=max_context_len)

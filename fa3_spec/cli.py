@@ -17,7 +17,7 @@ def _audit(args: argparse.Namespace) -> int:
         device = "cuda" if torch.cuda.is_available() else "cpu"
     cases = default_grid(page_sizes=args.page_sizes, topks=args.topks, num_steps=args.num_steps)
     if not args.no_steps:
-        cases += step_grid(num_steps=args.num_steps)
+        cases += step_grid(page_sizes=args.page_sizes, topks=args.topks, num_steps=args.num_steps)
     if args.modes:
         cases = [c for c in cases if c.mode in args.modes]
     print(

@@ -25,7 +25,7 @@ from typing import Callable, Optional
 
 import torch
 
-from ._paged import BatchView
+from ._paged import BatchView, query_rows
 from .attention import cascade_attention
 from .builders import (
     build_draft_decode_metadata,
@@ -206,7 +206,7 @@ def draft_extend_step(
     view = BatchView(cfg, req_to_token, req_pool_indices, seq_lens)
     cu = md.cu_seqlens_q.to(torch.int64)
     j = torch.arange(bs * n, device=seq_lens.device)
-    row = torch.searchsorted(cu[1:], j, right=True).clamp(max=max(bs - 1, 0))
+    row = query_rows(cu, bs * n).clamp(max=max(bs - 1, 0))
     owned = j < cu[-1]
     if bs == 0:
         slots = torch.zeros(0, dtype=torch.int64, device=seq_lens.device)

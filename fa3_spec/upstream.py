@@ -121,10 +121,16 @@ class UpstreamStyleBuilder:
         )
         return CascadeMetadata(prefix, expand)
 
-    def target_verify(self, *, req_to_token, req_pool_indices, seq_lens, tree_mask=None):
+    def target_verify(self, *, req_to_token, req_pool_indices, seq_lens, tree_mask=None,
+                      custom_mask=None):
+        """Chain verify, or tree verify from ``tree_mask`` / upstream's flat ``custom_mask``.
+
+        Engines receive the flat mask ready-made; pass it as ``custom_mask`` to
+        keep its construction (a host loop here) out of timings.
+        """
         cfg, n = self.cfg, self.cfg.num_draft_tokens
         live = seq_lens > 0
-        if tree_mask is None:
+        if tree_mask is None and custom_mask is None:
             return self._fill_request_call(req_to_token, req_pool_indices,
                                            (seq_lens + n) * live, n,
                                            cfg.max_context_len + n, True)
@@ -132,7 +138,8 @@ class UpstreamStyleBuilder:
                                          cfg.max_context_len, False)
         bs = seq_lens.shape[0]
         # Upstream receives the flat custom mask and cuts the draft part out.
-        custom_mask = flat_from_tree_mask(tree_mask, seq_lens)
+        if custom_mask is None:
+            custom_mask = flat_from_tree_mask(tree_mask, seq_lens)
         row_lens = seq_lens + n
         block_starts = F.pad(torch.cumsum(row_lens * n, 0), (1, 0))[:-1]
         j = torch.arange(n, device=seq_lens.device)
