@@ -155,6 +155,10 @@ class CUDAGraphRunner:
             out = self._fn(**static)
         return pytree.tree_map(lambda t: t[:bs], out)
 
+    def graph(self, bucket: int) -> torch.cuda.CUDAGraph:
+        """The captured graph of ``bucket`` (manual strategy)."""
+        return self._graphs[bucket]
+
     def output_buffers(self, bucket: int) -> Optional[object]:
         """The captured outputs of ``bucket`` (manual strategy)."""
         return self._outputs.get(bucket)

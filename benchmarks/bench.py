@@ -1,0 +1,295 @@
+"""Metadata cost and the draft loop, fa3_spec vs an upstream-style host path.
+
+    python3 benchmarks/bench.py --scenarios seed latency --json OUT.json   # H200 + FA3
+    python3 benchmarks/bench.py --smoke                                    # CPU, tiny
+
+Per scenario point (config x batch), in one process:
+
+metadata (one draft iteration: every draft step + verify + extend)
+  a  upstream-style: `UpstreamStyleBuilder` (host-synced, in-place buffers,
+     prefix rebuilt every step); wall time per iteration, synced at the end.
+  b  fa3_spec builders compiled (inductor) per step, launched eagerly; wall.
+  c  the same builders captured in one CUDA graph; replay wall (launch, no
+     sync) and device time (CUDA events).
+  kernels per draft step: CUDA kernels one compiled draft-step builder launches.
+
+draft_loop (all draft steps of one iteration, 1 attention layer, FA3)
+  a  upstream-style: metadata built on the host per step, copied into a
+     per-step captured attention graph, replayed.
+  b  fa3_spec: one captured graph, metadata inside (`CUDAGraphRunner`).
+  c  floor: one captured graph of the same attention with precomputed metadata.
+
+All times are medians of ``--iters`` runs after warm-up, with the
+interquartile range; report ratios within a run, not absolute numbers.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import time
+
+import torch
+
+import fa3_spec
+from fa3_spec import builders
+from fa3_spec.attention import provider_version
+from fa3_spec.graphs import CUDAGraphRunner
+from fa3_spec.iteration import ToyModel, example_batch, make_step, world_batch
+from fa3_spec.testing import make_world
+from fa3_spec.tree import flat_from_tree_mask
+from fa3_spec.upstream import UpstreamStyleBuilder
+
+# name: (batches, context, (num_steps, topk, num_draft_tokens), page sizes)
+SCENARIOS = {
+    "seed": ([1, 8, 32], 4096, [(5, 8, 16)], [2]),
+    "latency": ([1], 4096, [(5, 4, 8)], [1, 16]),
+    "wide-tree": ([4], 4096, [(5, 8, 32)], [1, 2]),
+    "page-sweep": ([8], 8192, [(5, 4, 8)], [1, 2, 16, 64, 128]),
+    "throughput": ([64], 4096, [(5, 4, 8), (3, 1, 4)], [16]),
+    "long-context": ([16], 32768, [(5, 4, 8)], [1, 64]),
+}
+HEADS, KV_HEADS, HEAD_DIM = 32, 8, 128  # Llama-3-8B
+
+
+def _stats(samples_s):
+    us = sorted(x * 1e6 for x in samples_s)
+    q = statistics.quantiles(us, n=4) if len(us) >= 4 else [us[0], us[len(us) // 2], us[-1]]
+    return round(statistics.median(us), 2), round(q[2] - q[0], 2)
+
+
+def _sync(device):
+    if device == "cuda":
+        torch.cuda.synchronize()
+
+
+def _wall(fn, iters, device):
+    for _ in range(3):
+        fn()
+    _sync(device)
+    samples = []
+    for _ in range(iters):
+        start = time.perf_counter()
+        fn()
+        _sync(device)
+        samples.append(time.perf_counter() - start)
+    return _stats(samples)
+
+
+def _graph_times(graph, iters):
+    """(launch wall, device time via events) of ``graph.replay()``."""
+    for _ in range(3):
+        graph.replay()
+    torch.cuda.synchronize()
+    launch, device = [], []
+    for _ in range(iters):
+        begin, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        begin.record()
+        t0 = time.perf_counter()
+        graph.replay()
+        launch.append(time.perf_counter() - t0)
+        end.record()
+        end.synchronize()
+        device.append(begin.elapsed_time(end) / 1e3)
+    return _stats(launch), _stats(device)
+
+
+def _capture(fn):
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        for _ in range(2):
+            fn()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = fn()
+    return graph, out
+
+
+def _kernels(fn):
+    from torch.profiler import ProfilerActivity, profile
+
+    fn()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        fn()
+        torch.cuda.synchronize()
+    return sum(1 for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA)
+
+
+def metadata_row(cfg, world, bs, args):
+    device, iters = args.device, args.iters
+    tree = cfg.topk > 1
+    batch = world.batch()
+    flat = flat_from_tree_mask(world.tree_mask, world.seq_lens) if tree else None
+    ref = UpstreamStyleBuilder(cfg, device)
+    steps = range(cfg.num_steps - 1)
+
+    def upstream():
+        for step in steps:
+            ref.draft_decode(step, **batch, out_cache_loc=world.out_cache_loc)
+        ref.target_verify(**batch, custom_mask=flat)
+        ref.draft_extend(**batch, extend_seq_lens=world.extend_seq_lens)
+
+    backend = args.backend
+    prefix_c = torch.compile(builders.build_draft_prefix_metadata, fullgraph=True, backend=backend)
+    step_c = [torch.compile(lambda s=s, **kw: builders.build_draft_decode_metadata(cfg, s, **kw),
+                            fullgraph=True, backend=backend) for s in steps]
+    verify_c = torch.compile(builders.build_target_verify_metadata, fullgraph=True, backend=backend)
+    extend_c = torch.compile(builders.build_draft_extend_metadata, fullgraph=True, backend=backend)
+    mask = world.tree_mask if tree else None
+
+    def ours():
+        prefix = prefix_c(cfg, **batch) if cfg.topk > 1 else None
+        out = [step_c[s](**batch, out_cache_loc=world.out_cache_loc, prefix=prefix) for s in steps]
+        out.append(verify_c(cfg, **batch, tree_mask=mask))
+        out.append(extend_c(cfg, **batch, extend_seq_lens=world.extend_seq_lens))
+        return out
+
+    row = dict(kind="metadata", page_size=cfg.page_size, topk=cfg.topk, num_steps=cfg.num_steps,
+               num_draft_tokens=cfg.num_draft_tokens, batch=bs, context=cfg.max_context_len)
+    row["upstream_host_us"], row["upstream_host_iqr_us"] = _wall(upstream, iters, device)
+    row["compiled_eager_host_us"], row["compiled_eager_host_iqr_us"] = _wall(ours, iters, device)
+    if device == "cuda":
+        graph, _ = _capture(ours)
+        (row["graph_launch_us"], row["graph_launch_iqr_us"]), (row["graph_device_us"], row["graph_device_iqr_us"]) = _graph_times(graph, iters)
+        row["upstream_over_graph_device"] = round(row["upstream_host_us"] / row["graph_device_us"], 1)
+        one_step = lambda: step_c[0](**batch, out_cache_loc=world.out_cache_loc)  # noqa: E731
+        row["kernels_per_draft_step"] = _kernels(one_step)
+    return row
+
+
+def draft_loop_row(cfg, world, bs, args):
+    device, iters = args.device, args.iters
+    heads = (HEADS, KV_HEADS, HEAD_DIM) if device == "cuda" else (4, 2, 16)
+    model = ToyModel.create(layers=1, num_pages=world.num_pages, page_size=cfg.page_size,
+                            num_heads=heads[0], num_kv_heads=heads[1], head_dim=heads[2],
+                            dtype=torch.bfloat16, device=device)
+    backend_attn = "fa3" if device == "cuda" else "torch"
+    g = torch.Generator(device=device).manual_seed(0)
+    hidden = torch.randn(bs, cfg.topk, model.hidden, device=device, generator=g).bfloat16()
+    batch = world_batch("draft_decode", world, hidden)
+    loc = batch["out_cache_loc"].reshape(bs * cfg.topk, cfg.num_steps)
+    kw = world.batch()
+
+    # b: one graph with metadata inside.
+    step = make_step("draft_decode", cfg, model, world.req_to_token, backend=backend_attn)
+    runner = CUDAGraphRunner(step, buckets=[bs], backend=args.backend,
+                             strategy="manual" if device == "cuda" else "eager",
+                             example=lambda n: example_batch("draft_decode", cfg, model, n, device=device))
+    runner.capture()
+    for name, buf in runner.static_inputs(bs).items():
+        buf.copy_(batch[name])
+
+    def attend_with(md):
+        return lambda q, k, v: fa3_spec.cascade_attention(q, k, v, md, backend=backend_attn)
+
+    # c: floor, same attention with precomputed metadata.
+    prefix = builders.build_draft_prefix_metadata(cfg, **kw) if cfg.topk > 1 else None
+    mds = [builders.build_draft_decode_metadata(cfg, s, **kw, out_cache_loc=loc, prefix=prefix)
+           for s in range(cfg.num_steps - 1)]
+    tails = fa3_spec.draft_tail_copy_slots(cfg, seq_lens=world.seq_lens, out_cache_loc=loc)
+
+    def floor_fn():
+        model.copy_slots(*tails)
+        x = hidden.reshape(bs * cfg.topk, -1)
+        for s, md in enumerate(mds):
+            x = model.forward(x, loc[:, s], attend_with(md))
+        return x
+
+    floor_c = torch.compile(floor_fn, fullgraph=True, backend=args.backend)
+
+    # a: host metadata per step into static buffers of per-step attention graphs.
+    ref = UpstreamStyleBuilder(cfg, device)
+    static_mds = [ref.draft_decode(s, **kw, out_cache_loc=loc) for s in range(cfg.num_steps - 1)]
+    x_static = [hidden.reshape(bs * cfg.topk, -1).clone() for _ in static_mds]
+
+    def attn_step(s):
+        def fn():
+            if s == 0:
+                model.copy_slots(*tails)
+            return model.forward(x_static[s], loc[:, s], attend_with(static_mds[s]))
+        return fn
+
+    row = dict(kind="draft_loop", page_size=cfg.page_size, topk=cfg.topk, num_steps=cfg.num_steps,
+               batch=bs, context=cfg.max_context_len, layers=1)
+    if device == "cuda":
+        graphs = [_capture(attn_step(s)) for s in range(len(static_mds))]
+
+        def upstream_loop():
+            for s, (graph, out) in enumerate(graphs):
+                md = ref.draft_decode(s, **kw, out_cache_loc=loc)
+                for dst, src in zip(torch.utils._pytree.tree_leaves(static_mds[s]),
+                                    torch.utils._pytree.tree_leaves(md)):
+                    dst.copy_(src)
+                graph.replay()
+                if s + 1 < len(graphs):
+                    x_static[s + 1].copy_(out)
+
+        floor_graph, _ = _capture(floor_c)
+        ours_graph = runner.graph(bs)
+        row["upstream_us"], row["upstream_iqr_us"] = _wall(upstream_loop, iters, device)
+        row["fa3_spec_us"], row["fa3_spec_iqr_us"] = _wall(ours_graph.replay, iters, device)
+        row["floor_us"], row["floor_iqr_us"] = _wall(floor_graph.replay, iters, device)
+        _, (row["fa3_spec_device_us"], _) = _graph_times(ours_graph, iters)
+        _, (row["floor_device_us"], _) = _graph_times(floor_graph, iters)
+        row["upstream_over_fa3_spec"] = round(row["upstream_us"] / row["fa3_spec_us"], 2)
+        row["fa3_spec_over_floor_minus_1"] = round(row["fa3_spec_device_us"] / row["floor_device_us"] - 1, 4)
+    else:
+        row["fa3_spec_us"], row["fa3_spec_iqr_us"] = _wall(lambda: runner(**batch), iters, device)
+        row["floor_us"], row["floor_iqr_us"] = _wall(floor_c, iters, device)
+    return row
+
+
+def points(names, smoke):
+    if smoke:
+        yield "smoke", fa3_spec.SpecConfig(page_size=2, topk=4, num_steps=3, num_draft_tokens=4,
+                                           max_bs=2, max_context_len=64), 2
+        return
+    for name in names:
+        batches, context, shapes, page_sizes = SCENARIOS[name]
+        for steps, topk, n in shapes:
+            for p in page_sizes:
+                for bs in batches:
+                    yield name, fa3_spec.SpecConfig(page_size=p, topk=topk, num_steps=steps,
+                                                    num_draft_tokens=n, max_bs=bs,
+                                                    max_context_len=context), bs
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--scenarios", nargs="+", default=list(SCENARIOS), choices=list(SCENARIOS))
+    parser.add_argument("--kinds", nargs="+", default=["metadata", "draft_loop"])
+    parser.add_argument("--iters", type=int, default=50)
+    parser.add_argument("--json")
+    parser.add_argument("--smoke", action="store_true", help="tiny CPU run of every code path")
+    args = parser.parse_args()
+    args.device = "cpu" if args.smoke else "cuda"
+    args.backend = "aot_eager" if args.smoke else "inductor"
+    if args.smoke:
+        args.iters = min(args.iters, 3)
+    rows = []
+    for name, cfg, bs in points(args.scenarios, args.smoke):
+        lo = max(1, cfg.max_context_len * 3 // 4)
+        g = torch.Generator().manual_seed(bs)
+        seqs = torch.randint(lo, cfg.max_context_len + 1, (bs,), generator=g).tolist()
+        world = make_world(cfg, bs, seq_lens=seqs, seed=1, device=args.device)
+        for kind in args.kinds:
+            torch._dynamo.reset()
+            row = (metadata_row if kind == "metadata" else draft_loop_row)(cfg, world, bs, args)
+            row["scenario"] = name
+            rows.append(row)
+            print(json.dumps(row), flush=True)
+    if args.json:
+        device = torch.cuda.get_device_name() if args.device == "cuda" else "cpu"
+        with open(args.json, "w") as fh:
+            json.dump(dict(device=device, torch=torch.__version__, fa3=provider_version(),
+                           command="python3 benchmarks/bench.py " + " ".join(sys.argv[1:]),
+                           rows=rows), fh, indent=1)
+
+
+if __name__ == "__main__":
+    main()
