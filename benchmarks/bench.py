@@ -120,6 +120,19 @@ def _kernels(fn):
     return sum(1 for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA)
 
 
+def _print_profile(label, fn, top=12):
+    """Kernel-level breakdown of one call (CUDA-graph kernels included)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    fn()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        fn()
+        torch.cuda.synchronize()
+    print(f"--- profile: {label}")
+    print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=top, max_name_column_width=60))
+
+
 def metadata_row(cfg, world, bs, args):
     device, iters = args.device, args.iters
     tree = cfg.topk > 1
@@ -237,6 +250,9 @@ def draft_loop_row(cfg, world, bs, args):
         _, (row["fa3_spec_device_us"], _) = _graph_times(ours_graph, iters)
         _, (row["floor_device_us"], _) = _graph_times(floor_graph, iters)
         row["upstream_over_fa3_spec"] = round(row["upstream_us"] / row["fa3_spec_us"], 2)
+        if args.profile:
+            _print_profile("upstream-style loop", upstream_loop)
+            _print_profile("floor graph", floor_graph.replay)
         row["fa3_spec_over_floor_minus_1"] = round(row["fa3_spec_device_us"] / row["floor_device_us"] - 1, 4)
     else:
         row["fa3_spec_us"], row["fa3_spec_iqr_us"] = _wall(lambda: runner(**batch), iters, device)
@@ -244,7 +260,7 @@ def draft_loop_row(cfg, world, bs, args):
     return row
 
 
-def points(names, smoke):
+def points(names, smoke, args_batches=None):
     if smoke:
         yield "smoke", fa3_spec.SpecConfig(page_size=2, topk=4, num_steps=3, num_draft_tokens=4,
                                            max_bs=2, max_context_len=64), 2
@@ -253,7 +269,7 @@ def points(names, smoke):
         batches, context, shapes, page_sizes = SCENARIOS[name]
         for steps, topk, n in shapes:
             for p in page_sizes:
-                for bs in batches:
+                for bs in (args_batches or batches):
                     yield name, fa3_spec.SpecConfig(page_size=p, topk=topk, num_steps=steps,
                                                     num_draft_tokens=n, max_bs=bs,
                                                     max_context_len=context), bs
@@ -265,6 +281,8 @@ def main():
     parser.add_argument("--kinds", nargs="+", default=["metadata", "draft_loop"])
     parser.add_argument("--iters", type=int, default=50)
     parser.add_argument("--json")
+    parser.add_argument("--profile", action="store_true", help="print kernel tables (draft_loop)")
+    parser.add_argument("--batches", type=int, nargs="+", help="override scenario batches")
     parser.add_argument("--smoke", action="store_true", help="tiny CPU run of every code path")
     args = parser.parse_args()
     args.device = "cpu" if args.smoke else "cuda"
@@ -272,7 +290,7 @@ def main():
     if args.smoke:
         args.iters = min(args.iters, 3)
     rows = []
-    for name, cfg, bs in points(args.scenarios, args.smoke):
+    for name, cfg, bs in points(args.scenarios, args.smoke, args.batches):
         lo = max(1, cfg.max_context_len * 3 // 4)
         g = torch.Generator().manual_seed(bs)
         seqs = torch.randint(lo, cfg.max_context_len + 1, (bs,), generator=g).tolist()
