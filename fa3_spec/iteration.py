@@ -27,6 +27,7 @@ import torch
 
 from ._paged import BatchView, query_rows
 from .attention import cascade_attention
+from .attention.kv_store import store_kv
 from .builders import (
     build_draft_decode_metadata,
     build_draft_extend_metadata,
@@ -82,14 +83,21 @@ class ToyModel:
     def hidden(self) -> int:
         return self.wq.shape[1]
 
+    def _flat(self, layer_slots: torch.Tensor) -> torch.Tensor:
+        """``[L, T]`` per-layer slots (clamped) -> flat slots into all layers."""
+        layers, pages, p = self.k_cache.shape[:3]
+        per_layer = pages * p
+        offsets = torch.arange(layers, device=layer_slots.device).unsqueeze(1) * per_layer
+        return (layer_slots.clamp(0, per_layer - 1) + offsets).reshape(-1)
+
     def copy_slots(self, src: torch.Tensor, dst: torch.Tensor) -> None:
         """Copy K/V of slots ``src`` to ``dst`` in every layer (clamped)."""
-        layers, pages, p, hkv, d = self.k_cache.shape
-        src = src.clamp(0, pages * p - 1)
-        dst = dst.clamp(0, pages * p - 1)
-        for cache in (self.k_cache, self.v_cache):
-            flat = cache.view(layers, pages * p, hkv, d)
-            flat.index_copy_(1, dst, flat.index_select(1, src))
+        layers, _, _, hkv, d = self.k_cache.shape
+        src_all = self._flat(src.to(torch.int64).unsqueeze(0).expand(layers, -1))
+        dst_all = self._flat(dst.to(torch.int64).unsqueeze(0).expand(layers, -1))
+        k = self.k_cache.view(-1, hkv, d)[src_all]
+        v = self.v_cache.view(-1, hkv, d)[src_all]
+        store_kv(self.k_cache, self.v_cache, dst_all, k, v)
 
     def forward(self, x: torch.Tensor, slots: torch.Tensor,
                 attend: Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
@@ -97,17 +105,17 @@ class ToyModel:
         """Run every layer on ``x [T, hidden]`` whose tokens live at ``slots [T]``.
 
         Each layer writes the tokens' K/V at their slots (clamped into the
-        cache), then attends with ``attend(q, k_cache_l, v_cache_l)``.
+        cache, through the `fa3_spec.attention.kv_store.store_kv` op so that a
+        compiled step writes T rows, not a copy of the cache), then attends with ``attend(q, k_cache_l, v_cache_l)``.
         """
         t = x.shape[0]
-        _, pages, p, hkv, d = self.k_cache.shape
+        layers, pages, p, hkv, d = self.k_cache.shape
         slots = slots.to(torch.int64).clamp(0, pages * p - 1)
         for layer in range(self.num_layers):
             q = (x @ self.wq[layer]).view(t, -1, d)
             k = (x @ self.wk[layer]).view(t, hkv, d)
             v = (x @ self.wv[layer]).view(t, hkv, d)
-            self.k_cache[layer].view(-1, hkv, d).index_copy_(0, slots, k)
-            self.v_cache[layer].view(-1, hkv, d).index_copy_(0, slots, v)
+            store_kv(self.k_cache, self.v_cache, slots + layer * pages * p, k, v)
             out = attend(q, self.k_cache[layer], self.v_cache[layer])
             x = x + out.reshape(t, -1) @ self.wo[layer]
         return x
