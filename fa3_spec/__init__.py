@@ -12,6 +12,8 @@ with no host syncs, so that metadata and attention compile with
 
 from .attention import cascade_attention, merge_attention_states
 from .builders import (
+    MODES,
+    build_metadata,
     build_decode_metadata,
     build_draft_decode_metadata,
     build_draft_extend_metadata,
@@ -19,6 +21,7 @@ from .builders import (
     build_target_verify_metadata,
     draft_tail_copy_slots,
 )
+from .checks import ErrorFlag, describe_errors, error_flags
 from .config import SpecConfig
 from .expand import draft_expand_page_table
 from .metadata import PAGE_SENTINEL, CascadeMetadata, FA3Metadata
@@ -27,6 +30,11 @@ from .tree import tree_mask_from_flat, tree_mask_from_parents
 __version__ = "0.1.0"
 
 __all__ = [
+    "MODES",
+    "ErrorFlag",
+    "build_metadata",
+    "describe_errors",
+    "error_flags",
     "PAGE_SENTINEL",
     "CascadeMetadata",
     "FA3Metadata",

@@ -22,11 +22,11 @@ from typing import Optional, Sequence
 
 import torch
 
+from .builders import MODES, build_metadata
 from .config import SpecConfig, cdiv
 from .metadata import PAGE_SENTINEL, CascadeMetadata, FA3Metadata
 from .tree import tree_mask_from_parents
 
-MODES = ("decode", "draft_decode", "target_verify", "draft_extend")
 
 
 @dataclasses.dataclass
@@ -364,13 +364,7 @@ def dead_columns_clean(md) -> bool:
     return torch.equal(_visible_table(md, md.page_table.shape[1]), md.page_table.to(torch.int64))
 
 
-def build(mode: str, cfg: SpecConfig, *, step: int = 0, **kwargs):
-    """Call the fa3_spec builder of ``mode`` (see `MODES`)."""
-    from . import builders
-
-    if mode == "draft_decode":
-        return builders.build_draft_decode_metadata(cfg, step, **kwargs)
-    return getattr(builders, f"build_{mode}_metadata")(cfg, **kwargs)
+build = build_metadata  # the builder of a mode, by name
 
 
 def key_slots_read(md, num_queries: int) -> list:

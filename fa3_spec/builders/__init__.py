@@ -9,7 +9,26 @@ from .draft import (
 from .extend import build_draft_extend_metadata
 from .verify import build_target_verify_metadata
 
+MODES = ("decode", "draft_decode", "target_verify", "draft_extend")
+
+
+def build_metadata(mode: str, cfg, *, step: int = 0, **kwargs):
+    """Call the builder of ``mode`` (one of `MODES`) with the builder's keywords."""
+    if mode == "draft_decode":
+        return build_draft_decode_metadata(cfg, step, **kwargs)
+    builders = {
+        "decode": build_decode_metadata,
+        "target_verify": build_target_verify_metadata,
+        "draft_extend": build_draft_extend_metadata,
+    }
+    if mode not in builders:
+        raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
+    return builders[mode](cfg, **kwargs)
+
+
 __all__ = [
+    "MODES",
+    "build_metadata",
     "build_decode_metadata",
     "build_draft_decode_metadata",
     "build_draft_extend_metadata",

@@ -1,0 +1,137 @@
+"""Checked mode: every planted violation sets its bit, valid worlds set none, no sync."""
+
+import pytest
+import torch
+from hypothesis import given, strategies as st
+
+import fa3_spec
+from fa3_spec import ErrorFlag, describe_errors, error_flags
+from fa3_spec.audit import RecordingBackend
+from fa3_spec.testing import MODES, make_world
+
+CFG = fa3_spec.SpecConfig(page_size=4, topk=3, num_steps=4, num_draft_tokens=5, max_bs=8,
+                          max_context_len=40)
+
+
+def _flags(world, mode, step=2, num_pages=None, **over):
+    kw = world.mode_kwargs(mode)
+    kw.update(over)
+    return int(error_flags(world.cfg, mode, step=step, num_pages=num_pages or world.num_pages, **kw))
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_valid_world_sets_no_flag(mode):
+    world = make_world(CFG, 5, num_padding=1, seed=1)
+    for step in range(CFG.num_steps - 1):
+        assert _flags(world, mode, step=step) == 0
+
+
+def _world():
+    return make_world(CFG, 4, seq_lens=[9, 13, 40, 0], seed=2)
+
+
+def test_request_index_out_of_range():
+    w = _world()
+    rpi = w.req_pool_indices.clone()
+    rpi[1] = w.req_to_token.shape[0]
+    assert _flags(w, "decode", req_pool_indices=rpi) & ErrorFlag.REQUEST_INDEX_OUT_OF_RANGE
+    rpi[1] = -1
+    assert _flags(w, "decode", req_pool_indices=rpi) & ErrorFlag.REQUEST_INDEX_OUT_OF_RANGE
+
+
+@pytest.mark.parametrize("bad", [41, -3])
+def test_seq_len_out_of_range(bad):
+    w = _world()
+    seq = w.seq_lens.clone()
+    seq[0] = bad
+    assert _flags(w, "decode", seq_lens=seq) & ErrorFlag.SEQ_LEN_OUT_OF_RANGE
+
+
+def test_draft_layout_violation():
+    w = _world()
+    loc = w.out_cache_loc.view(4, CFG.topk, CFG.num_steps).clone()
+    loc[1, 2, 1] = loc[2, 0, 0]  # a draft slot on another request's page
+    assert _flags(w, "draft_decode", step=2, out_cache_loc=loc.reshape(-1)) & ErrorFlag.DRAFT_LAYOUT
+    loc = w.out_cache_loc.view(4, CFG.topk, CFG.num_steps).clone()
+    loc[0, 1, 0] += 1  # token 0 not at in-page offset seq_len % P
+    assert _flags(w, "draft_decode", step=0, out_cache_loc=loc.reshape(-1)) & ErrorFlag.DRAFT_LAYOUT
+
+
+@pytest.mark.parametrize("how", ["self", "root", "ancestor"])
+def test_tree_mask_not_a_tree(how):
+    w = _world()
+    mask = w.tree_mask.clone()
+    n = CFG.num_draft_tokens
+    mask[0] = torch.tril(torch.ones(n, n, dtype=torch.bool))  # a valid chain 0-1-2-3-4
+    assert _flags(w, "target_verify", tree_mask=mask) == 0
+    if how == "self":
+        mask[0, 3, 3] = False
+    elif how == "root":
+        mask[0, 4, 0] = False
+    else:  # 3 sees its parent 2, but not 2's parent 1: not closed under ancestors
+        mask[0, 3, 1] = False
+    assert _flags(w, "target_verify", tree_mask=mask) & ErrorFlag.TREE_MASK_NOT_A_TREE
+
+
+def test_dropping_only_a_parent_is_another_valid_tree():
+    """Without parents, a mask row that skips its parent but keeps the rest is a
+    different, valid tree (j hangs from its grandparent): not flagged."""
+    w = _world()
+    mask = w.tree_mask.clone()
+    n = CFG.num_draft_tokens
+    mask[0] = torch.tril(torch.ones(n, n, dtype=torch.bool))
+    mask[0, 4, 3] = False  # 4's parent becomes 2
+    assert _flags(w, "target_verify", tree_mask=mask) == 0
+
+
+def test_padding_rows_are_exempt_from_tree_checks():
+    w = _world()
+    mask = w.tree_mask.clone()
+    mask[3] = False  # row 3 is padding (seq_len 0)
+    assert _flags(w, "target_verify", tree_mask=mask) == 0
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_page_id_outside_the_pool(mode):
+    w = _world()
+    assert _flags(w, mode, num_pages=3) & ErrorFlag.PAGE_ID_OUT_OF_RANGE
+
+
+def test_extend_length_out_of_range():
+    w = _world()
+    for bad in (6, -1):
+        ext = w.extend_seq_lens.clone()
+        ext[0] = bad
+        assert _flags(w, "draft_extend", extend_seq_lens=ext) & ErrorFlag.EXTEND_LEN_OUT_OF_RANGE
+
+
+def test_describe_errors_names_each_bit():
+    flags = torch.tensor(int(ErrorFlag.SEQ_LEN_OUT_OF_RANGE | ErrorFlag.DRAFT_LAYOUT))
+    messages = describe_errors(flags)
+    assert len(messages) == 2 and "seq_len" in messages[0] and "SPEC" in messages[1]
+    assert describe_errors(torch.tensor(0)) == []
+
+
+def test_flags_compile_in_one_graph_without_data_dependent_ops():
+    w = _world()
+    seq = w.seq_lens.clone()
+    seq[0] = 99
+
+    def fn(r2t, rpi, seq, loc):
+        return error_flags(CFG, "draft_decode", step=1, num_pages=w.num_pages, req_to_token=r2t,
+                           req_pool_indices=rpi, seq_lens=seq, out_cache_loc=loc)
+
+    recorder = RecordingBackend("aot_eager")
+    compiled = torch.compile(fn, fullgraph=True, backend=recorder)
+    args = (w.req_to_token, w.req_pool_indices, seq, w.out_cache_loc)
+    assert int(compiled(*args)) == int(fn(*args)) != 0
+    assert recorder.frame_count == 1 and recorder.data_dependent == []
+
+
+@given(st.integers(1, 8), st.integers(1, 6), st.integers(2, 6), st.integers(1, 8),
+       st.integers(0, 9), st.integers(0, 2**16), st.sampled_from(MODES))
+def test_random_valid_worlds_never_flag(p, k, s, n, bs, seed, mode):
+    cfg = fa3_spec.SpecConfig(page_size=p, topk=k, num_steps=s, num_draft_tokens=n, max_bs=16,
+                              max_context_len=60)
+    world = make_world(cfg, bs, seed=seed, num_padding=min(bs, 1))
+    assert _flags(world, mode, step=s - 2) == 0

@@ -1,0 +1,107 @@
+"""Property-based fuzzing over wide configurations (SPEC ranges, issue 5).
+
+Page sizes are any int in 1..128 (powers of two are not required anywhere in
+the builders). Example counts: FA3_SPEC_FUZZ_EXAMPLES (default 1000 per
+property in CI; the "dev" hypothesis profile and a larger value for long runs).
+"""
+
+import os
+
+import torch
+from hypothesis import given, settings, strategies as st
+
+import fa3_spec
+from fa3_spec import CascadeMetadata
+from fa3_spec.testing import MODES, build, dead_columns_clean, make_world, metadata_mismatches
+from fa3_spec.upstream import UpstreamStyleBuilder
+
+EXAMPLES = int(os.environ.get("FA3_SPEC_FUZZ_EXAMPLES", "1000"))
+fuzz = settings(max_examples=EXAMPLES, deadline=None)
+
+
+@st.composite
+def configs(draw):
+    return fa3_spec.SpecConfig(
+        page_size=draw(st.integers(1, 128)),
+        topk=draw(st.integers(1, 16)),
+        num_steps=draw(st.integers(2, 10)),
+        num_draft_tokens=draw(st.integers(1, 64)),
+        max_bs=64,
+        max_context_len=draw(st.integers(1, 300)),
+    )
+
+
+@st.composite
+def worlds(draw):
+    cfg = draw(configs())
+    bs = draw(st.integers(0, 64))
+    seqs = draw(st.lists(st.integers(0, cfg.max_context_len), min_size=bs, max_size=bs))
+    return make_world(cfg, bs, seq_lens=seqs, seed=draw(st.integers(0, 2**20)), extra_rows=2)
+
+
+def _calls(md):
+    return [md] if not isinstance(md, CascadeMetadata) else [md.prefix, md.expand]
+
+
+@fuzz
+@given(worlds(), st.sampled_from(MODES), st.booleans(), st.data())
+def test_parity_and_page_ids_in_pool(world, mode, tree, data):
+    cfg = world.cfg
+    step = data.draw(st.integers(0, cfg.num_steps - 2))
+    kwargs = world.mode_kwargs(mode, tree=tree)
+    got = build(mode, cfg, step=step, **kwargs)
+    assert metadata_mismatches(got, UpstreamStyleBuilder(cfg).build(mode, step=step, **kwargs)) == []
+    assert dead_columns_clean(got)
+    for call in _calls(got):
+        pool = world.num_pages * (cfg.page_size if call.page_size == 1 else 1)
+        assert ((call.page_table >= 0) & (call.page_table.to(torch.int64) < pool)).all()
+    assert int(fa3_spec.error_flags(cfg, mode, step=step, num_pages=world.num_pages, **kwargs)) == 0
+
+
+@fuzz
+@given(configs(), st.integers(0, 24), st.sampled_from(MODES), st.integers(0, 2**20), st.data())
+def test_garbage_values_never_index_out_of_range(cfg, bs, mode, seed, data):
+    g = torch.Generator().manual_seed(seed)
+    dtype_r2t = data.draw(st.sampled_from([torch.int32, torch.int64]))
+
+    def garbage(shape, dtype):
+        info = torch.iinfo(dtype)
+        return torch.randint(info.min, info.max, shape, dtype=dtype, generator=g)
+
+    kwargs = dict(
+        req_to_token=garbage((data.draw(st.integers(1, 4)), cfg.min_row_len), dtype_r2t),
+        req_pool_indices=garbage((bs,), torch.int64),
+        seq_lens=garbage((bs,), torch.int64),
+    )
+    n = cfg.num_draft_tokens
+    if mode == "draft_decode":
+        kwargs["out_cache_loc"] = garbage((bs * cfg.topk * cfg.num_steps,), torch.int64)
+    elif mode == "target_verify":
+        kwargs["tree_mask"] = torch.randint(0, 2, (bs, n, n), generator=g).bool()
+    elif mode == "draft_extend":
+        kwargs["extend_seq_lens"] = garbage((bs,), torch.int64)
+    step = data.draw(st.integers(0, cfg.num_steps - 2))
+    for call in _calls(build(mode, cfg, step=step, **kwargs)):
+        csl = call.cache_seqlens.to(torch.int64)
+        assert (csl >= 0).all() and (csl <= call.max_seqlen_k).all()
+        assert ((csl + call.page_size - 1) // call.page_size <= call.page_table.shape[1]).all()
+        assert int(call.cu_seqlens_q[-1]) <= max(bs, 1) * call.max_seqlen_q * max(cfg.topk, n)
+
+
+@fuzz
+@given(worlds(), st.sampled_from(MODES), st.data())
+def test_padding_rows_never_change_live_rows(world, mode, data):
+    bs = world.batch_size
+    pad = torch.tensor(data.draw(st.lists(st.booleans(), min_size=bs, max_size=bs)), dtype=torch.bool)
+    cfg = world.cfg
+    step = cfg.num_steps - 2
+    a = build(mode, cfg, step=step, **world.mode_kwargs(mode))
+    padded = world.mode_kwargs(mode)
+    padded["seq_lens"] = torch.where(pad, 0, world.seq_lens) if bs else world.seq_lens
+    b = build(mode, cfg, step=step, **padded)
+    for x, y in zip(_calls(a), _calls(b)):
+        per = x.num_rows // bs if bs else 1
+        live_rows = (~pad).repeat_interleave(per) if bs else torch.zeros(0, dtype=torch.bool)
+        assert torch.equal(x.page_table[live_rows], y.page_table[live_rows])
+        assert torch.equal(x.cache_seqlens[live_rows], y.cache_seqlens[live_rows])
+        assert (y.cache_seqlens[~live_rows] == 0).all() and (y.page_table[~live_rows] == 0).all()
