@@ -1,6 +1,5 @@
 import json
 
-import torch
 
 from fa3_spec import cli
 from fa3_spec.audit import AuditCase, audit_case, default_grid

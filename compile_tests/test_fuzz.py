@@ -12,31 +12,12 @@ from hypothesis import given, settings, strategies as st
 
 import fa3_spec
 from fa3_spec import CascadeMetadata
-from fa3_spec.testing import MODES, build, dead_columns_clean, make_world, metadata_mismatches
+from fa3_spec.testing import MODES, build, dead_columns_clean, metadata_mismatches
 from fa3_spec.upstream import UpstreamStyleBuilder
+from strategies import WIDE, configs, worlds
 
 EXAMPLES = int(os.environ.get("FA3_SPEC_FUZZ_EXAMPLES", "1000"))
 fuzz = settings(max_examples=EXAMPLES, deadline=None)
-
-
-@st.composite
-def configs(draw):
-    return fa3_spec.SpecConfig(
-        page_size=draw(st.integers(1, 128)),
-        topk=draw(st.integers(1, 16)),
-        num_steps=draw(st.integers(2, 10)),
-        num_draft_tokens=draw(st.integers(1, 64)),
-        max_bs=64,
-        max_context_len=draw(st.integers(1, 300)),
-    )
-
-
-@st.composite
-def worlds(draw):
-    cfg = draw(configs())
-    bs = draw(st.integers(0, 64))
-    seqs = draw(st.lists(st.integers(0, cfg.max_context_len), min_size=bs, max_size=bs))
-    return make_world(cfg, bs, seq_lens=seqs, seed=draw(st.integers(0, 2**20)), extra_rows=2)
 
 
 def _calls(md):
@@ -44,7 +25,7 @@ def _calls(md):
 
 
 @fuzz
-@given(worlds(), st.sampled_from(MODES), st.booleans(), st.data())
+@given(worlds(**WIDE), st.sampled_from(MODES), st.booleans(), st.data())
 def test_parity_and_page_ids_in_pool(world, mode, tree, data):
     cfg = world.cfg
     step = data.draw(st.integers(0, cfg.num_steps - 2))
@@ -59,7 +40,7 @@ def test_parity_and_page_ids_in_pool(world, mode, tree, data):
 
 
 @fuzz
-@given(configs(), st.integers(0, 24), st.sampled_from(MODES), st.integers(0, 2**20), st.data())
+@given(configs(**WIDE), st.integers(0, 24), st.sampled_from(MODES), st.integers(0, 2**20), st.data())
 def test_garbage_values_never_index_out_of_range(cfg, bs, mode, seed, data):
     g = torch.Generator().manual_seed(seed)
     dtype_r2t = data.draw(st.sampled_from([torch.int32, torch.int64]))
@@ -89,7 +70,7 @@ def test_garbage_values_never_index_out_of_range(cfg, bs, mode, seed, data):
 
 
 @fuzz
-@given(worlds(), st.sampled_from(MODES), st.data())
+@given(worlds(**WIDE), st.sampled_from(MODES), st.data())
 def test_padding_rows_never_change_live_rows(world, mode, data):
     bs = world.batch_size
     pad = torch.tensor(data.draw(st.lists(st.booleans(), min_size=bs, max_size=bs)), dtype=torch.bool)

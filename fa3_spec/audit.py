@@ -33,7 +33,7 @@ from typing import Callable, Iterable, Optional
 import torch
 
 from .config import SpecConfig
-from .testing import MODES, World, build, make_world, metadata_mismatches
+from .testing import MODES, build, make_world, metadata_mismatches
 from .upstream import UpstreamStyleBuilder
 
 
@@ -157,7 +157,7 @@ class RecordingBackend:
     one call site means a recompile) and every data-dependent node: ``item``
     / ``tolist`` calls and any value carrying unbacked symbols (``nonzero``,
     value-sized slices, ...). Such nodes are host syncs on CUDA. The check is
-    needed because recent torch versions (seen on 2.13) accept ``.item()``
+    needed because recent torch versions (seen on 2.13) accept ``Tensor.item``
     under ``fullgraph=True`` by capturing it as an unbacked symbol.
     """
 

@@ -121,6 +121,10 @@ class ToyModel:
         return x
 
 
+def _batch(req_to_token, req_pool_indices, seq_lens) -> dict:
+    return dict(req_to_token=req_to_token, req_pool_indices=req_pool_indices, seq_lens=seq_lens)
+
+
 def _attend_with(md, backend: str, num_splits: Optional[int]):
     def attend(q, k_cache, v_cache):
         return cascade_attention(q, k_cache, v_cache, md, backend=backend, num_splits=num_splits)
@@ -151,7 +155,7 @@ def draft_iteration(
     bs, k, s = out_cache_loc.shape
     loc = out_cache_loc.reshape(bs * k, s)
     x = hidden.reshape(bs * k, -1)
-    batch = dict(req_to_token=req_to_token, req_pool_indices=req_pool_indices, seq_lens=seq_lens)
+    batch = _batch(req_to_token, req_pool_indices, seq_lens)
     model.copy_slots(*draft_tail_copy_slots(cfg, seq_lens=seq_lens, out_cache_loc=loc))
     prefix = build_draft_prefix_metadata(cfg, **batch) if cfg.topk > 1 else None
     outs = []
@@ -179,9 +183,9 @@ def target_verify_step(
     ``hidden``: ``[B, N, hidden]``; returns the same shape.
     """
     bs, n = hidden.shape[0], cfg.num_draft_tokens
-    batch = dict(req_to_token=req_to_token, req_pool_indices=req_pool_indices, seq_lens=seq_lens)
+    batch = _batch(req_to_token, req_pool_indices, seq_lens)
     md = build_target_verify_metadata(cfg, **batch, tree_mask=tree_mask)
-    view = BatchView(cfg, req_to_token, req_pool_indices, seq_lens)
+    view = BatchView(cfg, **batch)
     positions = view.seq_lens.unsqueeze(1) + torch.arange(n, device=seq_lens.device)
     slots = view.mask_padding(view.slots(positions), 1).reshape(bs * n)
     x = model.forward(hidden.reshape(bs * n, -1), slots, _attend_with(md, backend, num_splits))
@@ -209,9 +213,9 @@ def draft_extend_step(
     the real tokens are the (unattended) input passed through the layers.
     """
     bs, n = hidden.shape[0], cfg.num_draft_tokens
-    batch = dict(req_to_token=req_to_token, req_pool_indices=req_pool_indices, seq_lens=seq_lens)
+    batch = _batch(req_to_token, req_pool_indices, seq_lens)
     md = build_draft_extend_metadata(cfg, **batch, extend_seq_lens=extend_seq_lens)
-    view = BatchView(cfg, req_to_token, req_pool_indices, seq_lens)
+    view = BatchView(cfg, **batch)
     cu = md.cu_seqlens_q.to(torch.int64)
     j = torch.arange(bs * n, device=seq_lens.device)
     row = query_rows(cu, bs * n).clamp(max=max(bs - 1, 0))

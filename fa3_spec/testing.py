@@ -22,7 +22,7 @@ from typing import Optional, Sequence
 
 import torch
 
-from .builders import MODES, build_metadata
+from .builders import MODES, build_metadata  # noqa: F401  (MODES re-exported)
 from .config import SpecConfig, cdiv
 from .metadata import PAGE_SENTINEL, CascadeMetadata, FA3Metadata
 from .tree import tree_mask_from_parents

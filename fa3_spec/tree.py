@@ -47,7 +47,7 @@ def flat_from_tree_mask(tree_mask: torch.Tensor, seq_lens: torch.Tensor) -> torc
     """
     blocks = []
     n = tree_mask.shape[-1]
-    for b, s in enumerate(seq_lens.tolist()):
+    for b, s in enumerate(seq_lens.tolist()):  # ok-host: host-side helper, never in a step
         prefix = torch.ones(n, int(s), dtype=torch.bool, device=tree_mask.device)
         blocks.append(torch.cat([prefix, tree_mask[b]], dim=1).reshape(-1))
     if not blocks:

@@ -20,8 +20,6 @@ nothing), not any one engine's quirks.
 
 from __future__ import annotations
 
-from typing import Optional
-
 import torch
 import torch.nn.functional as F
 

@@ -37,7 +37,7 @@ def build_decode_metadata(
         >>> r2t = torch.arange(16, dtype=torch.int32).view(2, 8)  # identity rows
         >>> md = build_decode_metadata(cfg, req_to_token=r2t,
         ...     req_pool_indices=torch.tensor([1, 0]), seq_lens=torch.tensor([3, 0]))
-        >>> md.page_table.tolist(), md.cache_seqlens.tolist()
+        >>> md.page_table.tolist(), md.cache_seqlens.tolist()  # ok-host: doctest
         ([[4, 5, 0, 0], [0, 0, 0, 0]], [3, 0])
     """
     _validate.batch(cfg, req_to_token, req_pool_indices, seq_lens)

@@ -1,0 +1,32 @@
+"""Hypothesis strategies shared by the property tests."""
+
+from hypothesis import strategies as st
+
+import fa3_spec
+from fa3_spec.testing import make_world
+
+NARROW = dict(page_sizes=st.sampled_from([1, 2, 3, 4, 7, 16, 64, 128]), max_topk=10, max_steps=8,
+              max_n=12, max_bs=32, max_ctx=160)
+WIDE = dict(page_sizes=st.integers(1, 128), max_topk=16, max_steps=10, max_n=64, max_bs=64,
+            max_ctx=300)
+
+
+@st.composite
+def configs(draw, page_sizes, max_topk, max_steps, max_n, max_bs, max_ctx):
+    return fa3_spec.SpecConfig(
+        page_size=draw(page_sizes),
+        topk=draw(st.integers(1, max_topk)),
+        num_steps=draw(st.integers(2, max_steps)),
+        num_draft_tokens=draw(st.integers(1, max_n)),
+        max_bs=max_bs,
+        max_context_len=draw(st.integers(1, max_ctx)),
+    )
+
+
+@st.composite
+def worlds(draw, **ranges):
+    """A random `World`: configuration, batch of 0..max_bs, lengths 0..C (0 = padding)."""
+    cfg = draw(configs(**ranges))
+    bs = draw(st.integers(0, ranges["max_bs"]))
+    seqs = draw(st.lists(st.integers(0, cfg.max_context_len), min_size=bs, max_size=bs))
+    return make_world(cfg, bs, seq_lens=seqs, seed=draw(st.integers(0, 2**20)), extra_rows=2)
