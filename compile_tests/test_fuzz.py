@@ -12,9 +12,8 @@ from hypothesis import given, settings, strategies as st
 
 import fa3_spec
 from fa3_spec import CascadeMetadata
-from fa3_spec.testing import MODES, build, dead_columns_clean, metadata_mismatches
-from fa3_spec.upstream import UpstreamStyleBuilder
-from strategies import WIDE, configs, worlds
+from fa3_spec.testing import MODES, build
+from helpers import WIDE, assert_builder_matches, configs, worlds
 
 EXAMPLES = int(os.environ.get("FA3_SPEC_FUZZ_EXAMPLES", "1000"))
 fuzz = settings(max_examples=EXAMPLES, deadline=None)
@@ -30,9 +29,7 @@ def test_parity_and_page_ids_in_pool(world, mode, tree, data):
     cfg = world.cfg
     step = data.draw(st.integers(0, cfg.num_steps - 2))
     kwargs = world.mode_kwargs(mode, tree=tree)
-    got = build(mode, cfg, step=step, **kwargs)
-    assert metadata_mismatches(got, UpstreamStyleBuilder(cfg).build(mode, step=step, **kwargs)) == []
-    assert dead_columns_clean(got)
+    got = assert_builder_matches(world, mode, step, tree, spec_slots=False)
     for call in _calls(got):
         pool = world.num_pages * (cfg.page_size if call.page_size == 1 else 1)
         assert ((call.page_table >= 0) & (call.page_table.to(torch.int64) < pool)).all()

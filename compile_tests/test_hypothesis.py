@@ -4,31 +4,14 @@ import torch
 from hypothesis import given, strategies as st
 
 from fa3_spec import CascadeMetadata
-from fa3_spec.testing import (
-    MODES,
-    build,
-    dead_columns_clean,
-    expected_key_slots,
-    key_slots_read,
-    metadata_mismatches,
-    num_queries,
-)
-from fa3_spec.upstream import UpstreamStyleBuilder
-from strategies import NARROW, worlds
+from fa3_spec.testing import MODES, build
+from helpers import NARROW, assert_builder_matches, worlds
 
 
 @given(worlds(**NARROW), st.sampled_from(MODES), st.booleans(), st.data())
 def test_random_worlds_match_reference_and_spec(world, mode, tree, data):
-    cfg = world.cfg
-    step = data.draw(st.integers(0, cfg.num_steps - 2))
-    kwargs = world.mode_kwargs(mode, tree=tree)
-    got = build(mode, cfg, step=step, **kwargs)
-    want = UpstreamStyleBuilder(cfg).build(mode, step=step, **kwargs)
-    assert metadata_mismatches(got, want) == []
-    assert dead_columns_clean(got)
-    read = key_slots_read(got, num_queries(world, mode))
-    expected = expected_key_slots(world, mode, step=step, tree=tree)
-    assert read == expected + [[]] * (len(read) - len(expected))
+    step = data.draw(st.integers(0, world.cfg.num_steps - 2))
+    assert_builder_matches(world, mode, step, tree)
 
 
 @given(worlds(**NARROW), st.sampled_from(MODES), st.data())

@@ -3,17 +3,8 @@
 import pytest
 
 from fa3_spec import SpecConfig
-from fa3_spec.testing import (
-    MODES,
-    build,
-    dead_columns_clean,
-    expected_key_slots,
-    key_slots_read,
-    make_world,
-    metadata_mismatches,
-    num_queries,
-)
-from fa3_spec.upstream import UpstreamStyleBuilder
+from fa3_spec.testing import MODES, build, make_world, metadata_mismatches
+from helpers import assert_builder_matches
 
 # Named workloads: the seed's case first.
 WORKLOADS = {
@@ -46,15 +37,7 @@ def _cases():
 def test_builder_matches_reference_and_spec(name, mode, step, tree):
     cfg, seqs = WORKLOADS[name]
     world = make_world(cfg, len(seqs), seq_lens=seqs, seed=7)
-    kwargs = world.mode_kwargs(mode, tree=tree)
-    got = build(mode, cfg, step=step, **kwargs)
-    want = UpstreamStyleBuilder(cfg).build(mode, step=step, **kwargs)
-    assert metadata_mismatches(got, want) == []
-    assert dead_columns_clean(got)
-    # Independent oracle: the slots FA3 will read are exactly SPEC §3's.
-    read = key_slots_read(got, num_queries(world, mode))
-    expected = expected_key_slots(world, mode, step=step, tree=tree)
-    assert read == expected + [[]] * (len(read) - len(expected))
+    assert_builder_matches(world, mode, step, tree)
 
 
 def test_seed_example_expand_rows():

@@ -1,9 +1,13 @@
-"""Hypothesis strategies shared by the property tests."""
+"""Hypothesis strategies and assertions shared by the property and parity tests."""
 
 from hypothesis import strategies as st
 
 import fa3_spec
-from fa3_spec.testing import make_world
+from fa3_spec.testing import (
+    build, dead_columns_clean, expected_key_slots, key_slots_read, make_world, metadata_mismatches,
+    num_queries,
+)
+from fa3_spec.upstream import UpstreamStyleBuilder
 
 NARROW = dict(page_sizes=st.sampled_from([1, 2, 3, 4, 7, 16, 64, 128]), max_topk=10, max_steps=8,
               max_n=12, max_bs=32, max_ctx=160)
@@ -30,3 +34,20 @@ def worlds(draw, **ranges):
     bs = draw(st.integers(0, ranges["max_bs"]))
     seqs = draw(st.lists(st.integers(0, cfg.max_context_len), min_size=bs, max_size=bs))
     return make_world(cfg, bs, seq_lens=seqs, seed=draw(st.integers(0, 2**20)), extra_rows=2)
+
+
+def assert_builder_matches(world, mode, step, tree=True, *, spec_slots=True):
+    """The builder of ``mode`` equals the upstream-style reference in every value
+    FA3 reads, keeps dead columns at the sentinel, and (``spec_slots``) makes
+    each query read exactly SPEC §3's key slots. Returns the metadata."""
+    cfg = world.cfg
+    kwargs = world.mode_kwargs(mode, tree=tree)
+    got = build(mode, cfg, step=step, **kwargs)
+    want = UpstreamStyleBuilder(cfg).build(mode, step=step, **kwargs)
+    assert metadata_mismatches(got, want) == []
+    assert dead_columns_clean(got)
+    if spec_slots:
+        read = key_slots_read(got, num_queries(world, mode))
+        expected = expected_key_slots(world, mode, step=step, tree=tree)
+        assert read == expected + [[]] * (len(read) - len(expected))
+    return got
