@@ -85,7 +85,7 @@ def test_runner_padding_leaves_real_rows_unchanged(mode):
     rows = 4 if mode == "draft_decode" else 5
     full = world_batch(mode, world, torch.randn(8, rows, model.hidden))
     initial = (model.k_cache.clone(), model.v_cache.clone())
-    for bs in (8, 3, 5):  # a full bucket, then smaller batches in the same bucket
+    for bs in (8, 3, 5, 0):  # a full bucket, then smaller batches in it, then none
         batch = {k: v[:bs] for k, v in full.items()}
         model.k_cache.copy_(initial[0]); model.v_cache.copy_(initial[1])
         got = runner(**batch)

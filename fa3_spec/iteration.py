@@ -110,14 +110,15 @@ class ToyModel:
         """
         t = x.shape[0]
         layers, pages, p, hkv, d = self.k_cache.shape
+        hq = self.wq.shape[2] // d  # explicit sizes: an empty batch has 0 elements
         slots = slots.to(torch.int64).clamp(0, pages * p - 1)
         for layer in range(self.num_layers):
-            q = (x @ self.wq[layer]).view(t, -1, d)
+            q = (x @ self.wq[layer]).view(t, hq, d)
             k = (x @ self.wk[layer]).view(t, hkv, d)
             v = (x @ self.wv[layer]).view(t, hkv, d)
             store_kv(self.k_cache, self.v_cache, slots + layer * pages * p, k, v)
             out = attend(q, self.k_cache[layer], self.v_cache[layer])
-            x = x + out.reshape(t, -1) @ self.wo[layer]
+            x = x + out.reshape(t, hq * d) @ self.wo[layer]
         return x
 
 
@@ -154,7 +155,7 @@ def draft_iteration(
     """
     bs, k, s = out_cache_loc.shape
     loc = out_cache_loc.reshape(bs * k, s)
-    x = hidden.reshape(bs * k, -1)
+    x = hidden.reshape(bs * k, model.hidden)
     batch = _batch(req_to_token, req_pool_indices, seq_lens)
     model.copy_slots(*draft_tail_copy_slots(cfg, seq_lens=seq_lens, out_cache_loc=loc))
     prefix = build_draft_prefix_metadata(cfg, **batch) if cfg.topk > 1 else None
@@ -163,7 +164,7 @@ def draft_iteration(
         md = build_draft_decode_metadata(cfg, step, **batch, out_cache_loc=loc, prefix=prefix)
         x = model.forward(x, loc[:, step], _attend_with(md, backend, num_splits))
         outs.append(x)
-    return torch.stack(outs, dim=1).view(bs, k, cfg.num_steps - 1, -1)
+    return torch.stack(outs, dim=1).view(bs, k, cfg.num_steps - 1, model.hidden)
 
 
 def target_verify_step(
@@ -188,8 +189,8 @@ def target_verify_step(
     view = BatchView(cfg, **batch)
     positions = view.seq_lens.unsqueeze(1) + torch.arange(n, device=seq_lens.device)
     slots = view.mask_padding(view.slots(positions), 1).reshape(bs * n)
-    x = model.forward(hidden.reshape(bs * n, -1), slots, _attend_with(md, backend, num_splits))
-    return x.view(bs, n, -1)
+    x = model.forward(hidden.reshape(bs * n, model.hidden), slots, _attend_with(md, backend, num_splits))
+    return x.view(bs, n, model.hidden)
 
 
 def draft_extend_step(
@@ -228,8 +229,8 @@ def draft_extend_step(
         cols = position.clamp(0, req_to_token.shape[1] - 1)
         slots = req_to_token[view.rows[row], cols].to(torch.int64)
         slots = torch.where(owned, slots, 0)
-    x = model.forward(hidden.reshape(bs * n, -1), slots, _attend_with(md, backend, num_splits))
-    return x.view(bs, n, -1)
+    x = model.forward(hidden.reshape(bs * n, model.hidden), slots, _attend_with(md, backend, num_splits))
+    return x.view(bs, n, model.hidden)
 
 
 #: Forward modes a runner step exists for, with the batch keys each takes.

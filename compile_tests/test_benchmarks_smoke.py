@@ -1,0 +1,29 @@
+"""The benchmark entry points run end to end in their CPU smoke modes.
+
+Smoke runs exercise every code path at tiny sizes; their timings mean nothing.
+"""
+
+import json
+import pathlib
+import subprocess
+import sys
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+
+
+def _run(script, tmp_path):
+    out = tmp_path / "rows.json"
+    subprocess.run([sys.executable, str(ROOT / "benchmarks" / script), "--smoke", "--json", str(out)],
+                   check=True, cwd=ROOT, capture_output=True, timeout=600)
+    return json.loads(out.read_text())["rows"]
+
+
+def test_bench_smoke(tmp_path):
+    rows = _run("bench.py", tmp_path)
+    assert {r["kind"] for r in rows} == {"metadata", "draft_loop"}
+    assert all(r["upstream_host_us"] > 0 for r in rows if r["kind"] == "metadata")
+
+
+def test_compile_capture_smoke(tmp_path):
+    rows = _run("compile_capture.py", tmp_path)
+    assert len(rows) == 4 and all(r["replay_rel_err"] < 1e-4 for r in rows)
