@@ -135,3 +135,14 @@ def test_random_valid_worlds_never_flag(p, k, s, n, bs, seed, mode):
                               max_context_len=60)
     world = make_world(cfg, bs, seed=seed, num_padding=min(bs, 1))
     assert _flags(world, mode, step=s - 2) == 0
+
+
+def test_missing_extend_lengths_is_a_named_error():
+    w = _world()
+    with pytest.raises(TypeError, match="extend_seq_lens"):
+        _flags(w, "draft_extend", extend_seq_lens=None)
+
+
+def test_custom_ops_register_on_import():
+    assert hasattr(torch.ops.fa3_spec, "fa3_paged_attention")
+    assert hasattr(torch.ops.fa3_spec, "store_kv")

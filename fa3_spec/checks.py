@@ -96,8 +96,8 @@ def error_flags(
         if tree_mask is not None:
             flags = flags | _tree_flags(tree_mask, live)
     elif mode == "draft_extend":
+        ext = _validate.tensor("extend_seq_lens", extend_seq_lens, ndim=1).to(torch.int64)
         kwargs["extend_seq_lens"] = extend_seq_lens
-        ext = extend_seq_lens.to(torch.int64)
         bad = (ext < 0) | (ext > cfg.num_draft_tokens) | (ext > raw_seq)
         flags = flags | _flag(bad & live, ErrorFlag.EXTEND_LEN_OUT_OF_RANGE)
     elif mode != "decode":

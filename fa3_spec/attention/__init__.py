@@ -1,7 +1,12 @@
-"""Attention over fa3_spec metadata: the FA3 custom op, a torch reference, the merge."""
+"""Attention over fa3_spec metadata: the FA3 custom op, a torch reference, the merge.
+
+Importing this package registers both custom ops, with their fakes:
+``fa3_spec::fa3_paged_attention`` and ``fa3_spec::store_kv``.
+"""
 
 from .cascade import BACKENDS, attention_call, cascade_attention
 from .fa3_op import default_num_splits, fa3_paged_attention
+from .kv_store import store_kv
 from .merge import merge_attention_states
 from .providers import fa3_available, find_provider, provider_version
 from .reference import paged_attention_reference
@@ -17,4 +22,5 @@ __all__ = [
     "merge_attention_states",
     "paged_attention_reference",
     "provider_version",
+    "store_kv",
 ]
