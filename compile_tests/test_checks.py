@@ -146,3 +146,40 @@ def test_missing_extend_lengths_is_a_named_error():
 def test_custom_ops_register_on_import():
     assert hasattr(torch.ops.fa3_spec, "fa3_paged_attention")
     assert hasattr(torch.ops.fa3_spec, "store_kv")
+
+
+def _planted():
+    """(name, mode, step, overrides, bit): one planted violation each."""
+    w = _world()
+    n = CFG.num_draft_tokens
+    rpi = w.req_pool_indices.clone(); rpi[1] = -1
+    seq = w.seq_lens.clone(); seq[0] = CFG.max_context_len + 1
+    loc = w.out_cache_loc.view(4, CFG.topk, CFG.num_steps).clone(); loc[0, 1, 0] += 1
+    chain = torch.tril(torch.ones(n, n, dtype=torch.bool))
+    tree = w.tree_mask.clone(); tree[0] = chain; tree[0, 3, 1] = False
+    ext = w.extend_seq_lens.clone(); ext[0] = n + 1
+    return w, [
+        ("request", "decode", 0, dict(req_pool_indices=rpi), ErrorFlag.REQUEST_INDEX_OUT_OF_RANGE),
+        ("seq_len", "decode", 0, dict(seq_lens=seq), ErrorFlag.SEQ_LEN_OUT_OF_RANGE),
+        ("layout", "draft_decode", 1, dict(out_cache_loc=loc.reshape(-1)), ErrorFlag.DRAFT_LAYOUT),
+        ("tree", "target_verify", 0, dict(tree_mask=tree), ErrorFlag.TREE_MASK_NOT_A_TREE),
+        ("extend", "draft_extend", 0, dict(extend_seq_lens=ext), ErrorFlag.EXTEND_LEN_OUT_OF_RANGE),
+        ("page", "decode", 0, dict(num_pages=3), ErrorFlag.PAGE_ID_OUT_OF_RANGE),
+    ]
+
+
+@pytest.mark.parametrize("index", range(6), ids=[c[0] for c in _planted()[1]])
+def test_each_planted_violation_eager_and_compiled(index):
+    w, cases = _planted()
+    name, mode, step, over, bit = cases[index]
+    kw = w.mode_kwargs(mode)
+    num_pages = over.pop("num_pages", w.num_pages)
+    kw.update(over)
+    names = list(kw)
+
+    def fn(*tensors):
+        return error_flags(CFG, mode, step=step, num_pages=num_pages, **dict(zip(names, tensors)))
+
+    eager = int(fn(*kw.values()))
+    compiled = int(torch.compile(fn, fullgraph=True, backend="aot_eager")(*kw.values()))
+    assert eager & bit and compiled == eager
