@@ -36,7 +36,7 @@ import torch
 import fa3_spec
 from fa3_spec import builders
 from fa3_spec.attention import provider_version
-from fa3_spec.graphs import CUDAGraphRunner
+from fa3_spec.graphs import CUDAGraphRunner, capture
 from fa3_spec.iteration import ToyModel, example_batch, make_step, world_batch
 from fa3_spec.testing import make_world
 from fa3_spec.tree import flat_from_tree_mask
@@ -94,19 +94,6 @@ def _graph_times(graph, iters):
         end.synchronize()
         device.append(begin.elapsed_time(end) / 1e3)
     return _stats(launch), _stats(device)
-
-
-def _capture(fn):
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        for _ in range(2):
-            fn()
-    torch.cuda.current_stream().wait_stream(side)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        out = fn()
-    return graph, out
 
 
 def _kernels(fn):
@@ -167,7 +154,7 @@ def metadata_row(cfg, world, bs, args):
     row["upstream_host_us"], row["upstream_host_iqr_us"] = _wall(upstream, iters, device)
     row["compiled_eager_host_us"], row["compiled_eager_host_iqr_us"] = _wall(ours, iters, device)
     if device == "cuda":
-        graph, _ = _capture(ours)
+        graph, _ = capture(ours)
         (row["graph_launch_us"], row["graph_launch_iqr_us"]), (row["graph_device_us"], row["graph_device_iqr_us"]) = _graph_times(graph, iters)
         row["upstream_over_graph_device"] = round(row["upstream_host_us"] / row["graph_device_us"], 1)
         one_step = lambda: step_c[0](**batch, out_cache_loc=world.out_cache_loc)  # noqa: E731
@@ -230,7 +217,7 @@ def draft_loop_row(cfg, world, bs, args):
     row = dict(kind="draft_loop", page_size=cfg.page_size, topk=cfg.topk, num_steps=cfg.num_steps,
                batch=bs, context=cfg.max_context_len, layers=1)
     if device == "cuda":
-        graphs = [_capture(attn_step(s)) for s in range(len(static_mds))]
+        graphs = [capture(attn_step(s)) for s in range(len(static_mds))]
 
         def upstream_loop():
             for s, (graph, out) in enumerate(graphs):
@@ -242,7 +229,7 @@ def draft_loop_row(cfg, world, bs, args):
                 if s + 1 < len(graphs):
                     x_static[s + 1].copy_(out)
 
-        floor_graph, _ = _capture(floor_c)
+        floor_graph, _ = capture(floor_c)
         ours_graph = runner.graph(bs)
         row["upstream_us"], row["upstream_iqr_us"] = _wall(upstream_loop, iters, device)
         row["fa3_spec_us"], row["fa3_spec_iqr_us"] = _wall(ours_graph.replay, iters, device)

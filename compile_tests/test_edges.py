@@ -3,7 +3,6 @@
 import pytest
 import torch
 
-import fa3_spec
 from fa3_spec import SpecConfig
 from fa3_spec.testing import MODES, build, make_world
 
@@ -28,7 +27,7 @@ def test_empty_batch_is_an_ordinary_shape(mode):
 def test_padding_rows_read_nothing_and_leave_live_rows_alone(mode):
     world = make_world(CFG, 6, seq_lens=[7, 0, 40, 0, 1, 0], seed=4)
     md = build(mode, CFG, step=2, **world.mode_kwargs(mode))
-    calls = [md] if isinstance(md, fa3_spec.FA3Metadata) else [md.prefix, md.expand]
+    calls = md.calls
     for call in calls:
         per_req = call.num_rows // 6
         csl = call.cache_seqlens.view(6, per_req)
@@ -38,7 +37,7 @@ def test_padding_rows_read_nothing_and_leave_live_rows_alone(mode):
     # Live rows are unchanged when padding rows are replaced by live ones.
     dense = make_world(CFG, 6, seq_lens=[7, 3, 40, 9, 1, 2], seed=4)
     md2 = build(mode, CFG, step=2, **dense.mode_kwargs(mode))
-    calls2 = [md2] if isinstance(md2, fa3_spec.FA3Metadata) else [md2.prefix, md2.expand]
+    calls2 = md2.calls
     for call, call2 in zip(calls, calls2):
         per_req = call.num_rows // 6
         for b in (0, 2, 4):
@@ -52,7 +51,7 @@ def test_max_context_fits_every_window(mode):
     world = make_world(CFG, 3, seq_lens=[CFG.max_context_len] * 3, seed=2)
     for step in range(CFG.num_steps - 1):
         md = build(mode, CFG, step=step, **world.mode_kwargs(mode))
-        for call in ([md] if isinstance(md, fa3_spec.FA3Metadata) else [md.prefix, md.expand]):
+        for call in md.calls:
             pages = (call.cache_seqlens + call.page_size - 1) // call.page_size
             assert int(pages.max()) <= call.page_table.shape[1]
             assert int(call.cache_seqlens.max()) <= call.max_seqlen_k
@@ -82,7 +81,7 @@ def test_garbage_index_values_never_index_out_of_range(mode, seed):
         kwargs["extend_seq_lens"] = _garbage((bs,), torch.int64, g)
     for step in range(CFG.num_steps - 1):
         md = build(mode, CFG, step=step, **kwargs)
-        for call in ([md] if isinstance(md, fa3_spec.FA3Metadata) else [md.prefix, md.expand]):
+        for call in md.calls:
             csl = call.cache_seqlens.to(torch.int64)
             assert (csl >= 0).all() and (csl <= call.max_seqlen_k).all()
             assert ((csl + call.page_size - 1) // call.page_size <= call.page_table.shape[1]).all()

@@ -11,16 +11,11 @@ import torch
 from hypothesis import given, settings, strategies as st
 
 import fa3_spec
-from fa3_spec import CascadeMetadata
 from fa3_spec.testing import MODES, build
 from helpers import WIDE, assert_builder_matches, configs, worlds
 
 EXAMPLES = int(os.environ.get("FA3_SPEC_FUZZ_EXAMPLES", "1000"))
 fuzz = settings(max_examples=EXAMPLES, deadline=None)
-
-
-def _calls(md):
-    return [md] if not isinstance(md, CascadeMetadata) else [md.prefix, md.expand]
 
 
 @fuzz
@@ -30,7 +25,7 @@ def test_parity_and_page_ids_in_pool(world, mode, tree, data):
     step = data.draw(st.integers(0, cfg.num_steps - 2))
     kwargs = world.mode_kwargs(mode, tree=tree)
     got = assert_builder_matches(world, mode, step, tree, spec_slots=False)
-    for call in _calls(got):
+    for call in got.calls:
         pool = world.num_pages * (cfg.page_size if call.page_size == 1 else 1)
         assert ((call.page_table >= 0) & (call.page_table.to(torch.int64) < pool)).all()
     assert int(fa3_spec.error_flags(cfg, mode, step=step, num_pages=world.num_pages, **kwargs)) == 0
@@ -59,7 +54,7 @@ def test_garbage_values_never_index_out_of_range(cfg, bs, mode, seed, data):
     elif mode == "draft_extend":
         kwargs["extend_seq_lens"] = garbage((bs,), torch.int64)
     step = data.draw(st.integers(0, cfg.num_steps - 2))
-    for call in _calls(build(mode, cfg, step=step, **kwargs)):
+    for call in build(mode, cfg, step=step, **kwargs).calls:
         csl = call.cache_seqlens.to(torch.int64)
         assert (csl >= 0).all() and (csl <= call.max_seqlen_k).all()
         assert ((csl + call.page_size - 1) // call.page_size <= call.page_table.shape[1]).all()
@@ -77,7 +72,7 @@ def test_padding_rows_never_change_live_rows(world, mode, data):
     padded = world.mode_kwargs(mode)
     padded["seq_lens"] = torch.where(pad, 0, world.seq_lens) if bs else world.seq_lens
     b = build(mode, cfg, step=step, **padded)
-    for x, y in zip(_calls(a), _calls(b)):
+    for x, y in zip(a.calls, b.calls):
         per = x.num_rows // bs if bs else 1
         live_rows = (~pad).repeat_interleave(per) if bs else torch.zeros(0, dtype=torch.bool)
         assert torch.equal(x.page_table[live_rows], y.page_table[live_rows])

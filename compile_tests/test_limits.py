@@ -4,14 +4,9 @@ import pytest
 import torch
 
 import fa3_spec
-from fa3_spec import CascadeMetadata
 from fa3_spec.testing import (
     MODES, build, expected_key_slots, key_slots_read, make_world, metadata_mismatches, num_queries,
 )
-
-
-def _calls(md):
-    return [md] if not isinstance(md, CascadeMetadata) else [md.prefix, md.expand]
 
 
 @pytest.mark.parametrize("p, k", [(1, 1), (2, 8), (7, 3), (64, 4)])

@@ -34,6 +34,11 @@ class BatchView:
         self.live = self.seq_lens > 0
 
     @property
+    def last_page_lens(self) -> torch.Tensor:
+        """int64 ``[B]`` ``seq_len % P``: tokens on the partial last page (0 if P == 1)."""
+        return torch.remainder(self.seq_lens, self.cfg.page_size)
+
+    @property
     def batch_size(self) -> int:
         return self.rows.shape[0]
 

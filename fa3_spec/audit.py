@@ -202,16 +202,10 @@ def count_host_syncs(fn: Callable, *args, calls: int = 2) -> tuple:
 def _capture_and_replay(fn: Callable, args_a: list, args_b: list, expected,
                         same: Optional[Callable] = None,
                         before_replay: Callable = lambda: None) -> str:
+    from .graphs import capture
+
     static = [a.clone() for a in args_a]
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        for _ in range(2):
-            fn(*static)
-    torch.cuda.current_stream().wait_stream(side)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        out = fn(*static)
+    graph, out = capture(fn, *static)
     for dst, src in zip(static, args_b):
         dst.copy_(src)
     before_replay()  # e.g. reset KV caches the warm-up runs wrote into

@@ -104,17 +104,11 @@ def error_flags(
         raise ValueError(f"unknown mode {mode!r}")
 
     if num_pages is not None:
-        md = build_metadata(mode, cfg, step=step, **kwargs)
-        calls = [md] if not hasattr(md, "prefix") else [md.prefix, md.expand]
-        for call in calls:
-            if call is None:
-                continue
-            pool = num_pages * cfg.page_size if call.page_size == 1 and cfg.page_size > 1 else num_pages
-            cols = torch.arange(call.page_table.shape[1], device=seq_lens.device)
-            used = cols < ((call.cache_seqlens.to(torch.int64) + call.page_size - 1)
-                           // call.page_size).unsqueeze(1)
+        for call in build_metadata(mode, cfg, step=step, **kwargs).calls:
+            pool = num_pages * cfg.page_size // call.page_size  # pages of the call's own size
             page = call.page_table.to(torch.int64)
-            flags = flags | _flag(used & ((page < 0) | (page >= pool)), ErrorFlag.PAGE_ID_OUT_OF_RANGE)
+            bad = call.read_columns() & ((page < 0) | (page >= pool))
+            flags = flags | _flag(bad, ErrorFlag.PAGE_ID_OUT_OF_RANGE)
     return flags
 
 
@@ -123,7 +117,7 @@ def _draft_layout(cfg: SpecConfig, step: int, view: BatchView, out_cache_loc) ->
     loc = out_cache_loc.reshape(view.batch_size * k, cfg.num_steps)[:, :d].to(torch.int64)
     pages = torch.div(loc, p, rounding_mode="floor")
     distinct = 1 + (pages[:, 1:] != pages[:, :-1]).sum(dim=1)
-    last = repeat_rows(torch.remainder(view.seq_lens, p), k)
+    last = repeat_rows(view.last_page_lens, k)
     # Consecutive positions: their offsets also follow on from `last`.
     offsets_ok = (torch.remainder(loc[:, 0], p) == last)
     bad = (distinct != (last + d + p - 1) // p) | ~offsets_ok

@@ -36,6 +36,24 @@ import torch.utils._pytree as pytree
 STRATEGIES = ("manual", "reduce-overhead", "eager")
 
 
+def capture(fn: Callable, *args, warmup: int = 2, pool=None, **kwargs):
+    """Warm ``fn(*args, **kwargs)`` up on a side stream, then capture one call.
+
+    Returns ``(graph, out)``: replaying ``graph`` recomputes ``out`` in place
+    from the same input buffers. ``pool`` shares a memory pool between graphs.
+    """
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        for _ in range(warmup):
+            fn(*args, **kwargs)
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph, pool=pool):
+        out = fn(*args, **kwargs)
+    return graph, out
+
+
 class CUDAGraphRunner:
     """Capture ``step(**batch)`` per bucket; replay it with fresh batches.
 
@@ -107,18 +125,10 @@ class CUDAGraphRunner:
         return self.capture_seconds
 
     def _capture_manual(self, bucket: int, static: Dict[str, torch.Tensor]) -> None:
-        side = torch.cuda.Stream()
-        side.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(side):
-            for _ in range(self.warmup):
-                self._fn(**static)
-        torch.cuda.current_stream().wait_stream(side)
-        graph = torch.cuda.CUDAGraph()
         if self._pool is None:
             self._pool = torch.cuda.graph_pool_handle()
-        with torch.cuda.graph(graph, pool=self._pool):
-            self._outputs[bucket] = self._fn(**static)
-        self._graphs[bucket] = graph
+        self._graphs[bucket], self._outputs[bucket] = capture(
+            self._fn, warmup=self.warmup, pool=self._pool, **static)
 
     # ----------------------------------------------------------------- replay
     def bucket_for(self, bs: int) -> int:

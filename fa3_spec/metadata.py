@@ -59,6 +59,18 @@ class FA3Metadata:
     def num_rows(self) -> int:
         return self.cache_seqlens.shape[0]
 
+    @property
+    def calls(self) -> tuple:
+        """The FA3 calls this metadata describes: just this one."""
+        return (self,)
+
+    def read_columns(self) -> torch.Tensor:
+        """bool ``[rows, W]``: the page-table columns FA3 reads,
+        ``j < ceil(cache_seqlens[b] / page_size)``; all others are dead."""
+        cols = torch.arange(self.page_table.shape[1], device=self.page_table.device)
+        pages = (self.cache_seqlens.to(torch.int64) + self.page_size - 1) // self.page_size
+        return cols < pages.unsqueeze(1)
+
 
 @dataclasses.dataclass(frozen=True)
 class CascadeMetadata:
@@ -73,6 +85,11 @@ class CascadeMetadata:
 
     prefix: FA3Metadata
     expand: Optional[FA3Metadata]
+
+    @property
+    def calls(self) -> tuple:
+        """The FA3 calls, in order: prefix, then expand if present."""
+        return (self.prefix,) if self.expand is None else (self.prefix, self.expand)
 
 
 _TENSOR_FIELDS = ("page_table", "cache_seqlens", "cu_seqlens_q", "cu_seqlens_k")

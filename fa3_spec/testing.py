@@ -316,13 +316,11 @@ def dense_attention(
 
 def _visible_table(md: FA3Metadata, width: int) -> torch.Tensor:
     """``md.page_table`` with every column FA3 never reads set to the sentinel."""
-    table = md.page_table.to(torch.int64)
+    table = torch.where(md.read_columns(), md.page_table.to(torch.int64), PAGE_SENTINEL)
     pad = width - table.shape[1]
     if pad > 0:
         table = torch.nn.functional.pad(table, (0, pad), value=PAGE_SENTINEL)
-    used_cols = (md.cache_seqlens.to(torch.int64) + md.page_size - 1) // md.page_size
-    used = torch.arange(table.shape[1], device=table.device) < used_cols.unsqueeze(1)
-    return torch.where(used, table, PAGE_SENTINEL)
+    return table
 
 
 def metadata_mismatches(actual, expected, *, prefix: str = "") -> list:
@@ -359,9 +357,8 @@ def metadata_mismatches(actual, expected, *, prefix: str = "") -> list:
 
 def dead_columns_clean(md) -> bool:
     """True when every column FA3 never reads holds `PAGE_SENTINEL`."""
-    if isinstance(md, CascadeMetadata):
-        return dead_columns_clean(md.prefix) and (md.expand is None or dead_columns_clean(md.expand))
-    return torch.equal(_visible_table(md, md.page_table.shape[1]), md.page_table.to(torch.int64))
+    return all(torch.equal(_visible_table(c, c.page_table.shape[1]), c.page_table.to(torch.int64))
+               for c in md.calls)
 
 
 build = build_metadata  # the builder of a mode, by name

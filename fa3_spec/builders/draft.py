@@ -30,13 +30,6 @@ from ..metadata import CascadeMetadata, FA3Metadata
 from ._common import request_call
 
 
-def _last_page_lens(view: BatchView) -> torch.Tensor:
-    p = view.cfg.page_size
-    if p == 1:
-        return torch.zeros_like(view.seq_lens)
-    return torch.remainder(view.seq_lens, p)
-
-
 def build_draft_prefix_metadata(
     cfg: SpecConfig,
     *,
@@ -60,7 +53,7 @@ def _prefix(view: BatchView) -> FA3Metadata:
     cfg = view.cfg
     return request_call(
         view,
-        view.seq_lens - _last_page_lens(view),
+        view.seq_lens - view.last_page_lens,
         queries_per_row=cfg.topk,
         max_seqlen_k=cfg.max_context_len,
         causal=False,
@@ -139,7 +132,7 @@ def build_draft_decode_metadata(
 
     k, p = cfg.topk, cfg.page_size
     cache_seqlens, page_table = draft_expand_page_table(
-        loc, _last_page_lens(view), decode_length=d, topk=k, page_size=p
+        loc, view.last_page_lens, decode_length=d, topk=k, page_size=p
     )
     cache_seqlens = view.mask_padding(cache_seqlens, k)
     expand = FA3Metadata(
