@@ -1,23 +1,35 @@
-"""Metadata cost and the draft loop, fa3_spec vs an upstream-style host path.
+"""Metadata cost, the draft loop and verify: fa3_spec vs an upstream-style host path.
 
-    python3 benchmarks/bench.py --scenarios seed latency --json OUT.json   # H200 + FA3
-    python3 benchmarks/bench.py --smoke                                    # CPU, tiny
+One entry point for every benchmark (H200 + FA3; ``--smoke`` is a tiny CPU run)::
+
+    python3 benchmarks/bench.py --json h200.json                  # the issue's table, all kinds
+    python3 benchmarks/bench.py --scenarios scale-batch scale-context scale-topk \
+        --kinds metadata draft_loop --json scaling.json           # scaling curves
+    python3 benchmarks/bench.py --kinds compile --json compile.json  # 16 buckets x all modes
+    python3 benchmarks/bench.py --smoke                           # CPU, tiny, every code path
 
 Per scenario point (config x batch), in one process:
 
 metadata (one draft iteration: every draft step + verify + extend)
   a  upstream-style: `UpstreamStyleBuilder` (host-synced, in-place buffers,
      prefix rebuilt every step); wall time per iteration, synced at the end.
-  b  fa3_spec builders compiled (inductor) per step, launched eagerly; wall.
-  c  the same builders captured in one CUDA graph; replay wall (launch, no
+  b  fa3_spec: the iteration's builders in one compiled function
+     (`build_draft_iteration_metadata` + verify + extend), launched eagerly.
+  c  the same function captured in one CUDA graph; replay wall (launch, no
      sync) and device time (CUDA events).
-  kernels per draft step: CUDA kernels one compiled draft-step builder launches.
+  kernels: CUDA kernels of (b) per iteration (draft steps + verify + extend).
 
 draft_loop (all draft steps of one iteration, 1 attention layer, FA3)
   a  upstream-style: metadata built on the host per step, copied into a
      per-step captured attention graph, replayed.
   b  fa3_spec: one captured graph, metadata inside (`CUDAGraphRunner`).
   c  floor: one captured graph of the same attention with precomputed metadata.
+  Metadata kernels per step = (kernels of b - kernels of c) / draft steps.
+
+verify (the target's verify pass over ``--layers`` layers, default 32): the
+  same three ways (a: host metadata into a captured verify graph).
+
+compile: `compile_capture.py` in a subprocess (cold inductor cache).
 
 All times are medians of ``--iters`` runs after warm-up, with the
 interquartile range; report ratios within a run, not absolute numbers.
@@ -27,7 +39,9 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import statistics
+import subprocess
 import sys
 import time
 
@@ -35,6 +49,7 @@ import torch
 
 import fa3_spec
 from fa3_spec import builders
+from fa3_spec._paged import BatchView
 from fa3_spec.attention import provider_version
 from fa3_spec.graphs import CUDAGraphRunner, capture
 from fa3_spec.iteration import ToyModel, example_batch, make_step, world_batch
@@ -42,15 +57,22 @@ from fa3_spec.testing import make_world
 from fa3_spec.tree import flat_from_tree_mask
 from fa3_spec.upstream import UpstreamStyleBuilder
 
-# name: (batches, context, (num_steps, topk, num_draft_tokens), page sizes)
+# name: (batches, contexts, [(num_steps, topk, num_draft_tokens)], page sizes)
 SCENARIOS = {
-    "seed": ([1, 8, 32], 4096, [(5, 8, 16)], [2]),
-    "latency": ([1], 4096, [(5, 4, 8)], [1, 16]),
-    "wide-tree": ([4], 4096, [(5, 8, 32)], [1, 2]),
-    "page-sweep": ([8], 8192, [(5, 4, 8)], [1, 2, 16, 64, 128]),
-    "throughput": ([64], 4096, [(5, 4, 8), (3, 1, 4)], [16]),
-    "long-context": ([16], 32768, [(5, 4, 8)], [1, 64]),
+    "seed": ([1, 8, 32], [4096], [(5, 8, 16)], [2]),
+    "latency": ([1], [4096], [(5, 4, 8)], [1, 16]),
+    "wide-tree": ([4], [4096], [(5, 8, 32)], [1, 2]),
+    "page-sweep": ([8], [8192], [(5, 4, 8)], [1, 2, 16, 64, 128]),
+    "throughput": ([64], [4096], [(5, 4, 8), (3, 1, 4)], [16]),
+    "long-context": ([16], [32768], [(5, 4, 8)], [1, 64]),
+    # Scaling curves around the seed configuration (P = 2, topk = 8, 5 steps).
+    # With "seed" they give batch 1..256, context 1K..128K and topk 1..10.
+    "scale-batch": ([4, 16, 64, 256], [4096], [(5, 8, 16)], [2]),
+    "scale-context": ([8], [1024, 16384, 131072], [(5, 8, 16)], [2]),
+    "scale-topk": ([8], [4096], [(5, k, 16) for k in (1, 4, 10)], [2]),
 }
+#: Scenarios of the issue's table (the scaling ones add points around "seed").
+TABLE = ("seed", "latency", "wide-tree", "page-sweep", "throughput", "long-context")
 HEADS, KV_HEADS, HEAD_DIM = 32, 8, 128  # Llama-3-8B
 
 
@@ -135,19 +157,21 @@ def metadata_row(cfg, world, bs, args):
         ref.draft_extend(**batch, extend_seq_lens=world.extend_seq_lens)
 
     backend = args.backend
-    prefix_c = torch.compile(builders.build_draft_prefix_metadata, fullgraph=True, backend=backend)
-    step_c = [torch.compile(lambda s=s, **kw: builders.build_draft_decode_metadata(cfg, s, **kw),
-                            fullgraph=True, backend=backend) for s in steps]
-    verify_c = torch.compile(builders.build_target_verify_metadata, fullgraph=True, backend=backend)
-    extend_c = torch.compile(builders.build_draft_extend_metadata, fullgraph=True, backend=backend)
     mask = world.tree_mask if tree else None
+    loc = world.out_cache_loc
+
+    def draft_metadata(**kw):
+        return builders.build_draft_iteration_metadata(cfg, **kw, out_cache_loc=loc)
+
+    def iteration_metadata(**kw):
+        return (draft_metadata(**kw),
+                builders.build_target_verify_metadata(cfg, **kw, tree_mask=mask),
+                builders.build_draft_extend_metadata(cfg, **kw, extend_seq_lens=world.extend_seq_lens))
+
+    ours_c = torch.compile(iteration_metadata, fullgraph=True, backend=backend)
 
     def ours():
-        prefix = prefix_c(cfg, **batch) if cfg.topk > 1 else None
-        out = [step_c[s](**batch, out_cache_loc=world.out_cache_loc, prefix=prefix) for s in steps]
-        out.append(verify_c(cfg, **batch, tree_mask=mask))
-        out.append(extend_c(cfg, **batch, extend_seq_lens=world.extend_seq_lens))
-        return out
+        return ours_c(**batch)
 
     row = dict(kind="metadata", page_size=cfg.page_size, topk=cfg.topk, num_steps=cfg.num_steps,
                num_draft_tokens=cfg.num_draft_tokens, batch=bs, context=cfg.max_context_len)
@@ -157,8 +181,7 @@ def metadata_row(cfg, world, bs, args):
         graph, _ = capture(ours)
         (row["graph_launch_us"], row["graph_launch_iqr_us"]), (row["graph_device_us"], row["graph_device_iqr_us"]) = _graph_times(graph, iters)
         row["upstream_over_graph_device"] = round(row["upstream_host_us"] / row["graph_device_us"], 1)
-        one_step = lambda: step_c[0](**batch, out_cache_loc=world.out_cache_loc)  # noqa: E731
-        row["kernels_per_draft_step"] = _kernels(one_step)
+        row["kernels_per_iteration"] = _kernels(ours)
     return row
 
 
@@ -241,10 +264,94 @@ def draft_loop_row(cfg, world, bs, args):
             _print_profile("upstream-style loop", upstream_loop)
             _print_profile("floor graph", floor_graph.replay)
         row["fa3_spec_over_floor_minus_1"] = round(row["fa3_spec_device_us"] / row["floor_device_us"] - 1, 4)
+        static = runner.static_inputs(bs)
+        row["fa3_spec_kernels"] = _kernels(lambda: runner._fn(**static))
+        row["floor_kernels"] = _kernels(floor_c)
+        row["metadata_kernels_per_step"] = round(
+            (row["fa3_spec_kernels"] - row["floor_kernels"]) / (cfg.num_steps - 1), 2)
     else:
         row["fa3_spec_us"], row["fa3_spec_iqr_us"] = _wall(lambda: runner(**batch), iters, device)
         row["floor_us"], row["floor_iqr_us"] = _wall(floor_c, iters, device)
     return row
+
+
+def verify_row(cfg, world, bs, args):
+    """Target verify over ``args.layers`` layers: upstream-style vs one graph vs floor.
+
+    a  upstream-style: host metadata (tree verify cut from the flat custom
+       mask, given ready-made) copied into the static buffers of a captured
+       verify graph, replayed.
+    b  fa3_spec: the whole verify step (metadata inside) in one graph.
+    c  floor: the same layers with metadata and KV slots precomputed.
+    """
+    device, iters = args.device, args.iters
+    heads = (HEADS, KV_HEADS, HEAD_DIM) if device == "cuda" else (4, 2, 16)
+    layers = args.layers if device == "cuda" else 2
+    model = ToyModel.create(layers=layers, num_pages=world.num_pages, page_size=cfg.page_size,
+                            num_heads=heads[0], num_kv_heads=heads[1], head_dim=heads[2],
+                            dtype=torch.bfloat16, device=device)
+    backend_attn = "fa3" if device == "cuda" else "torch"
+    tree = cfg.topk > 1
+    mode = "target_verify" if tree else "target_verify_chain"
+    n = cfg.num_draft_tokens
+    g = torch.Generator(device=device).manual_seed(0)
+    hidden = torch.randn(bs, n, model.hidden, device=device, generator=g).bfloat16()
+    batch = world_batch(mode, world, hidden)
+    kw = world.batch()
+    mask = world.tree_mask if tree else None
+
+    step = make_step(mode, cfg, model, world.req_to_token, backend=backend_attn)
+    runner = CUDAGraphRunner(step, buckets=[bs], backend=args.backend,
+                             strategy="manual" if device == "cuda" else "eager",
+                             example=lambda b: example_batch(mode, cfg, model, b, device=device))
+    runner.capture()
+    for name, buf in runner.static_inputs(bs).items():
+        buf.copy_(batch[name])
+
+    view = BatchView(cfg, **kw)
+    positions = view.seq_lens.unsqueeze(1) + torch.arange(n, device=device)
+    slots = view.mask_padding(view.slots(positions), 1).reshape(bs * n)
+    x_flat = hidden.reshape(bs * n, model.hidden)
+
+    def forward_with(md):
+        return lambda: model.forward(
+            x_flat, slots, lambda q, k, v: fa3_spec.cascade_attention(q, k, v, md, backend=backend_attn))
+
+    md = builders.build_target_verify_metadata(cfg, **kw, tree_mask=mask)
+    floor_c = torch.compile(forward_with(md), fullgraph=True, backend=args.backend)
+    ref = UpstreamStyleBuilder(cfg, device)
+    flat = flat_from_tree_mask(world.tree_mask, world.seq_lens) if tree else None
+    static_md = ref.target_verify(**kw, custom_mask=flat)
+    upstream_c = torch.compile(forward_with(static_md), fullgraph=True, backend=args.backend)
+
+    row = dict(kind="verify", page_size=cfg.page_size, topk=cfg.topk, num_steps=cfg.num_steps,
+               num_draft_tokens=n, batch=bs, context=cfg.max_context_len, layers=layers)
+    if device != "cuda":
+        row["fa3_spec_us"], row["fa3_spec_iqr_us"] = _wall(lambda: runner(**batch), iters, device)
+        row["floor_us"], row["floor_iqr_us"] = _wall(floor_c, iters, device)
+        return row
+    up_graph, _ = capture(upstream_c)
+
+    def upstream():
+        fresh = ref.target_verify(**kw, custom_mask=flat)
+        for dst, src in zip(torch.utils._pytree.tree_leaves(static_md),
+                            torch.utils._pytree.tree_leaves(fresh)):
+            dst.copy_(src)
+        up_graph.replay()
+
+    floor_graph, _ = capture(floor_c)
+    ours_graph = runner.graph(bs)
+    row["upstream_us"], row["upstream_iqr_us"] = _wall(upstream, iters, device)
+    row["fa3_spec_us"], row["fa3_spec_iqr_us"] = _wall(ours_graph.replay, iters, device)
+    row["floor_us"], row["floor_iqr_us"] = _wall(floor_graph.replay, iters, device)
+    _, (row["fa3_spec_device_us"], _) = _graph_times(ours_graph, iters)
+    _, (row["floor_device_us"], _) = _graph_times(floor_graph, iters)
+    row["upstream_over_fa3_spec"] = round(row["upstream_us"] / row["fa3_spec_us"], 2)
+    row["fa3_spec_over_floor_minus_1"] = round(row["fa3_spec_device_us"] / row["floor_device_us"] - 1, 4)
+    return row
+
+
+KINDS = {"metadata": metadata_row, "draft_loop": draft_loop_row, "verify": verify_row}
 
 
 def points(names, smoke, args_batches=None):
@@ -253,21 +360,31 @@ def points(names, smoke, args_batches=None):
                                            max_bs=2, max_context_len=64), 2
         return
     for name in names:
-        batches, context, shapes, page_sizes = SCENARIOS[name]
-        for steps, topk, n in shapes:
-            for p in page_sizes:
-                for bs in (args_batches or batches):
-                    yield name, fa3_spec.SpecConfig(page_size=p, topk=topk, num_steps=steps,
-                                                    num_draft_tokens=n, max_bs=bs,
-                                                    max_context_len=context), bs
+        batches, contexts, shapes, page_sizes = SCENARIOS[name]
+        for context in contexts:
+            for steps, topk, n in shapes:
+                for p in page_sizes:
+                    for bs in (args_batches or batches):
+                        yield name, fa3_spec.SpecConfig(page_size=p, topk=topk, num_steps=steps,
+                                                        num_draft_tokens=n, max_bs=bs,
+                                                        max_context_len=context), bs
+
+
+def _write(path, args, rows):
+    device = torch.cuda.get_device_name() if args.device == "cuda" else "cpu"
+    with open(path, "w") as fh:
+        json.dump(dict(device=device, torch=torch.__version__, fa3=provider_version(),
+                       command="python3 benchmarks/bench.py " + " ".join(sys.argv[1:]),
+                       rows=rows), fh, indent=1)
 
 
 def main():
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--scenarios", nargs="+", default=list(SCENARIOS), choices=list(SCENARIOS))
-    parser.add_argument("--kinds", nargs="+", default=["metadata", "draft_loop"])
+    parser.add_argument("--scenarios", nargs="+", default=list(TABLE), choices=list(SCENARIOS))
+    parser.add_argument("--kinds", nargs="+", default=list(KINDS), choices=list(KINDS) + ["compile"])
     parser.add_argument("--iters", type=int, default=50)
-    parser.add_argument("--json")
+    parser.add_argument("--layers", type=int, default=32, help="target layers of the verify kind")
+    parser.add_argument("--json", help="written after every row, so a cut-off run keeps its rows")
     parser.add_argument("--profile", action="store_true", help="print kernel tables (draft_loop)")
     parser.add_argument("--batches", type=int, nargs="+", help="override scenario batches")
     parser.add_argument("--smoke", action="store_true", help="tiny CPU run of every code path")
@@ -277,23 +394,34 @@ def main():
     if args.smoke:
         args.iters = min(args.iters, 3)
     rows = []
+    if "compile" in args.kinds:  # its own process: a cold inductor cache
+        cmd = [sys.executable, os.path.join(os.path.dirname(__file__), "compile_capture.py"),
+               "--json", "-"] + (["--smoke"] if args.smoke else [])
+        out = subprocess.run(cmd, check=True, capture_output=True, text=True).stdout
+        rows += json.loads(out.strip().splitlines()[-1])["rows"]
+        for row in rows:
+            print(json.dumps(row), flush=True)
+        if args.json:
+            _write(args.json, args, rows)
+    kinds = [k for k in args.kinds if k != "compile"]
     for name, cfg, bs in points(args.scenarios, args.smoke, args.batches):
         lo = max(1, cfg.max_context_len * 3 // 4)
         g = torch.Generator().manual_seed(bs)
         seqs = torch.randint(lo, cfg.max_context_len + 1, (bs,), generator=g).tolist()
         world = make_world(cfg, bs, seq_lens=seqs, seed=1, device=args.device)
-        for kind in args.kinds:
+        for kind in kinds:
             torch._dynamo.reset()
-            row = (metadata_row if kind == "metadata" else draft_loop_row)(cfg, world, bs, args)
+            start = time.perf_counter()
+            row = KINDS[kind](cfg, world, bs, args)
             row["scenario"] = name
+            row["bench_s"] = round(time.perf_counter() - start, 1)
             rows.append(row)
             print(json.dumps(row), flush=True)
-    if args.json:
-        device = torch.cuda.get_device_name() if args.device == "cuda" else "cpu"
-        with open(args.json, "w") as fh:
-            json.dump(dict(device=device, torch=torch.__version__, fa3=provider_version(),
-                           command="python3 benchmarks/bench.py " + " ".join(sys.argv[1:]),
-                           rows=rows), fh, indent=1)
+            if args.json:
+                _write(args.json, args, rows)
+        del world
+        if args.device == "cuda":
+            torch.cuda.empty_cache()
 
 
 if __name__ == "__main__":

@@ -77,7 +77,9 @@ def main():
     for mode in args.modes:
         rows.append(measure(mode, args.smoke))
         print(json.dumps(rows[-1]), flush=True)
-    if args.json:
+    if args.json == "-":  # one JSON line on stdout, for benchmarks/bench.py --kinds compile
+        print(json.dumps(dict(torch=torch.__version__, rows=rows)), flush=True)
+    elif args.json:
         with open(args.json, "w") as fh:
             json.dump(dict(torch=torch.__version__, rows=rows), fh, indent=1)
 

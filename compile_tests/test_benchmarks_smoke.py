@@ -20,7 +20,7 @@ def _run(script, tmp_path):
 
 def test_bench_smoke(tmp_path):
     rows = _run("bench.py", tmp_path)
-    assert {r["kind"] for r in rows} == {"metadata", "draft_loop"}
+    assert {r["kind"] for r in rows} == {"metadata", "draft_loop", "verify"}
     assert all(r["upstream_host_us"] > 0 for r in rows if r["kind"] == "metadata")
 
 

@@ -17,13 +17,14 @@ from .builders import (
     build_decode_metadata,
     build_draft_decode_metadata,
     build_draft_extend_metadata,
+    build_draft_iteration_metadata,
     build_draft_prefix_metadata,
     build_target_verify_metadata,
     draft_tail_copy_slots,
 )
 from .checks import ErrorFlag, describe_errors, error_flags
 from .config import SpecConfig
-from .expand import draft_expand_page_table
+from .expand import draft_expand_page_table, draft_expand_tables
 from .metadata import PAGE_SENTINEL, CascadeMetadata, FA3Metadata
 from .tree import tree_mask_from_flat, tree_mask_from_parents
 
@@ -44,9 +45,11 @@ __all__ = [
     "merge_attention_states",
     "build_draft_decode_metadata",
     "build_draft_extend_metadata",
+    "build_draft_iteration_metadata",
     "build_draft_prefix_metadata",
     "build_target_verify_metadata",
     "draft_expand_page_table",
+    "draft_expand_tables",
     "draft_tail_copy_slots",
     "tree_mask_from_flat",
     "tree_mask_from_parents",

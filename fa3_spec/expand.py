@@ -31,6 +31,7 @@ run-index equals ``c``, and run-indices are ``< d`` by construction.
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 
 from . import _validate
 from ._paged import repeat_rows
@@ -73,48 +74,115 @@ def draft_expand_page_table(
     Compiles to one fused graph (no host sync, no data-dependent shape) and
     is safe inside CUDA-graph capture.
     """
-    _validate.tensor("cache_loc", cache_loc, ndim=2)
-    _validate.tensor("last_page_lens", last_page_lens, ndim=1)
-    for name, value, minimum in (
-        ("decode_length", decode_length, 1),
-        ("topk", topk, 1),
-        ("page_size", page_size, 1),
-    ):
+    _check_ints(decode_length=decode_length, topk=topk, page_size=page_size)
+    _check_shapes(cache_loc, last_page_lens, "decode_length", decode_length, topk)
+    d = decode_length
+    live = cache_loc[:, :d].to(torch.int64)  # the slice #27360 was missing
+    if page_size == 1:
+        sentinel = torch.full_like(live[:, :1], PAGE_SENTINEL)
+        table = torch.cat([live, sentinel], dim=1)
+        cache_seqlens = torch.full_like(live[:, 0], d)
+        return cache_seqlens.to(torch.int32), table.to(torch.int32)
+    table, runs = _distinct_pages(live, page_size)
+    live_cols = torch.arange(d + 1, device=live.device) < runs[:, -1:]
+    table = torch.where(live_cols, table, PAGE_SENTINEL)
+    last = last_page_lens.to(torch.int64).clamp(0, page_size - 1)
+    cache_seqlens = (repeat_rows(last, topk) + d).to(torch.int32)
+    return cache_seqlens, table.to(torch.int32)
+
+
+def draft_expand_tables(
+    cache_loc: torch.Tensor,
+    last_page_lens: torch.Tensor,
+    *,
+    num_draft_steps: int,
+    topk: int,
+    page_size: int,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """`draft_expand_page_table` for every draft step of an iteration at once.
+
+    Step ``i`` (``d = i + 1``, ``0 <= i < num_draft_steps``) gets exactly the
+    live columns `draft_expand_page_table` gives it: the run structure of
+    ``cache_loc[n, :d]`` is a prefix of that of ``cache_loc[n, :D]``
+    (``D = num_draft_steps``), so one pass over ``D`` slots serves all steps.
+
+    Returns ``(cache_seqlens, page_tables)``: int32 ``[D, rows]`` and int32
+    ``[D, rows, D + 1]``. Step ``i`` uses ``cache_seqlens[i]`` (contiguous) and
+    ``page_tables[i, :, :i + 2]`` (a view with row stride ``D + 1``; FA3 only
+    needs a unit stride along a row). Columns ``c`` past step ``i``'s live
+    pages hold `PAGE_SENTINEL`.
+
+    Example (``P = 2``, one branch at row positions 5, 6, 7, 8 on identity
+    slots, ``last = 1``, ``D = 3``): pages ``[2, 3, 3]``, so
+    ``page_tables = [[[2, 0, 0, 0]], [[2, 3, 0, 0]], [[2, 3, 0, 0]]]`` and
+    ``cache_seqlens = [[2], [3], [4]]``.
+
+    For ``D <= 8`` this is elementwise work only (inductor unrolls reductions
+    that small): one fused kernel for all steps' tables.
+    """
+    _check_ints(num_draft_steps=num_draft_steps, topk=topk, page_size=page_size)
+    _check_shapes(cache_loc, last_page_lens, "num_draft_steps", num_draft_steps, topk)
+    steps = num_draft_steps
+    live = cache_loc[:, :steps].to(torch.int64)
+    rows = live.shape[0]
+    device = live.device
+    d = torch.arange(1, steps + 1, device=device).view(steps, 1)
+    cols = torch.arange(steps + 1, device=device).view(1, 1, steps + 1)
+    if page_size == 1:
+        table = F.pad(live, (0, 1), value=PAGE_SENTINEL).unsqueeze(0)
+        table = torch.where(cols < d.unsqueeze(2), table, PAGE_SENTINEL)
+        cache_seqlens = d.expand(steps, rows)
+        return cache_seqlens.to(torch.int32), table.to(torch.int32)
+    full, runs = _distinct_pages(live, page_size)  # [rows, D+1], [rows, D]
+    live_cols = cols < runs.t().unsqueeze(2)  # [D, rows, D+1]
+    table = torch.where(live_cols, full.unsqueeze(0), PAGE_SENTINEL)
+    last = last_page_lens.to(torch.int64).clamp(0, page_size - 1)
+    cache_seqlens = repeat_rows(last, topk).unsqueeze(0) + d
+    return cache_seqlens.to(torch.int32), table.to(torch.int32)
+
+
+def _distinct_pages(live: torch.Tensor, page_size: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Run structure of the pages of ``live`` slots (int64 ``[n, d]``).
+
+    Returns ``(table, runs)``: ``table[n, c]`` (``[n, d + 1]``) is the page of
+    the ``c``-th run of equal consecutive pages (0 where there is none);
+    ``runs[n, j]`` (``[n, d]``) is the number of runs among slots ``0..j``.
+    Column ``c`` is filled by the slot that opens a run and has ``c`` runs
+    before it; run counts are ``<= d``, so every column index is in range. The
+    prefix counts are a triangular-mask sum rather than a ``cumsum``: for small
+    ``d`` inductor unrolls both sums and the whole table is one fused kernel.
+    """
+    n, d = live.shape
+    pages = torch.div(live, page_size, rounding_mode="floor")
+    opens = torch.cat([torch.ones_like(pages[:, :1], dtype=torch.bool),
+                       pages[:, 1:] != pages[:, :-1]], dim=1)  # [n, d]
+    upto = torch.ones(d, d, dtype=torch.bool, device=live.device).tril()  # [j, j']: j' <= j
+    runs = (opens.unsqueeze(1) & upto).sum(dim=2)  # [n, d]
+    columns = torch.arange(d + 1, device=live.device)
+    fills = opens.unsqueeze(2) & ((runs - 1).unsqueeze(2) == columns)  # [n, j, c]
+    table = torch.where(fills, pages.unsqueeze(2), 0).sum(dim=1)  # <= 1 term each
+    return table, runs
+
+
+def _check_ints(**values: int) -> None:
+    for name, value in values.items():
         if isinstance(value, bool) or not isinstance(value, int):
             raise TypeError(f"{name} must be an int, got {type(value).__name__}")
-        if value < minimum:
-            raise ValueError(f"{name} must be >= {minimum}, got {value}")
+        if value < 1:
+            raise ValueError(f"{name} must be >= 1, got {value}")
+
+
+def _check_shapes(cache_loc, last_page_lens, width_name: str, width: int, topk: int) -> None:
+    _validate.tensor("cache_loc", cache_loc, ndim=2)
+    _validate.tensor("last_page_lens", last_page_lens, ndim=1)
     rows = cache_loc.shape[0]
     if rows != last_page_lens.shape[0] * topk:
         raise ValueError(
             f"cache_loc has {rows} rows but last_page_lens has "
             f"{last_page_lens.shape[0]} requests x topk={topk}"
         )
-    if cache_loc.shape[1] < decode_length:
+    if cache_loc.shape[1] < width:
         raise ValueError(
-            f"cache_loc has {cache_loc.shape[1]} columns, fewer than "
-            f"decode_length={decode_length}"
+            f"cache_loc has {cache_loc.shape[1]} columns, fewer than {width_name}={width}"
         )
     _validate.same_device(cache_loc=cache_loc, last_page_lens=last_page_lens)
-
-    d = decode_length
-    live = cache_loc[:, :d].to(torch.int64)  # the slice #27360 was missing
-    device = cache_loc.device
-    if page_size == 1:
-        cache_seqlens = torch.full((rows,), d, dtype=torch.int32, device=device)
-        sentinel = torch.full((rows, 1), PAGE_SENTINEL, dtype=torch.int64, device=device)
-        return cache_seqlens, torch.cat([live, sentinel], dim=1).to(torch.int32)
-
-    pages = torch.div(live, page_size, rounding_mode="floor")  # [n, d]
-    starts_run = torch.ones_like(pages, dtype=torch.bool)
-    starts_run = torch.cat([starts_run[:, :1], pages[:, 1:] != pages[:, :-1]], dim=1)
-    run_index = torch.cumsum(starts_run.to(torch.int32), dim=1) - 1  # in [0, d-1]
-    columns = torch.arange(d + 1, device=device)
-    # first[n, j, c]: slot j opens the run that fills column c.
-    first = starts_run.unsqueeze(2) & (run_index.unsqueeze(2) == columns)
-    table = torch.where(first, pages.unsqueeze(2), 0).sum(dim=1)  # <= 1 term each
-    table = torch.where(first.any(dim=1), table, PAGE_SENTINEL)
-
-    last = last_page_lens.to(torch.int64).clamp(0, page_size - 1)
-    cache_seqlens = (repeat_rows(last, topk) + d).to(torch.int32)
-    return cache_seqlens, table.to(torch.int32)

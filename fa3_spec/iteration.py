@@ -10,7 +10,8 @@ Steps (pure functions of their tensor inputs, except the KV writes):
 
 * `draft_iteration`: copies each prefix tail into every branch's first page
   (`draft_tail_copy_slots`), then runs all ``num_steps - 1`` draft-decode
-  steps; the topk > 1 prefix metadata is built once and reused by every step.
+  steps on metadata from `build_draft_iteration_metadata` (all steps' tables
+  built together; the topk > 1 prefix once).
 * `target_verify_step`: the target's verify pass (chain or tree).
 * `draft_extend_step`: the draft model re-reading accepted tokens.
 
@@ -29,9 +30,8 @@ from ._paged import BatchView, query_rows
 from .attention import cascade_attention
 from .attention.kv_store import store_kv
 from .builders import (
-    build_draft_decode_metadata,
     build_draft_extend_metadata,
-    build_draft_prefix_metadata,
+    build_draft_iteration_metadata,
     build_target_verify_metadata,
     draft_tail_copy_slots,
 )
@@ -158,10 +158,8 @@ def draft_iteration(
     x = hidden.reshape(bs * k, model.hidden)
     batch = _batch(req_to_token, req_pool_indices, seq_lens)
     model.copy_slots(*draft_tail_copy_slots(cfg, seq_lens=seq_lens, out_cache_loc=loc))
-    prefix = build_draft_prefix_metadata(cfg, **batch) if cfg.topk > 1 else None
     outs = []
-    for step in range(cfg.num_steps - 1):
-        md = build_draft_decode_metadata(cfg, step, **batch, out_cache_loc=loc, prefix=prefix)
+    for step, md in enumerate(build_draft_iteration_metadata(cfg, **batch, out_cache_loc=loc)):
         x = model.forward(x, loc[:, step], _attend_with(md, backend, num_splits))
         outs.append(x)
     return torch.stack(outs, dim=1).view(bs, k, cfg.num_steps - 1, model.hidden)

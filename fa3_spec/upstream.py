@@ -35,11 +35,20 @@ class UpstreamStyleBuilder:
         cfg: static configuration.
         device: where the buffers live.
         revert_pr_27360: replay the pre-#27360 unsliced scatter (A/B switch).
+        scatter: ``scatter(table_view, index, pages)`` that fills the expand
+            table in place; default `torch.Tensor.scatter_` (bounds-checked:
+            an index error on CPU, a device-side assert on CUDA). Pass a
+            kernel that trusts its indices (e.g. the scatter compiled by
+            inductor with ``assert_indirect_indexing=False``) to study the
+            pre-fix overflow as compiled graph code meets it: a silent write
+            past the row (see ``compile_tests/memcheck_probe.py``).
     """
 
-    def __init__(self, cfg: SpecConfig, device="cpu", *, revert_pr_27360: bool = False):
+    def __init__(self, cfg: SpecConfig, device="cpu", *, revert_pr_27360: bool = False,
+                 scatter=None):
         self.cfg = cfg
         self.revert_pr_27360 = revert_pr_27360
+        self.scatter = scatter or torch.Tensor.scatter_
         rows = cfg.max_bs * max(cfg.topk, cfg.num_draft_tokens)
         i32 = dict(dtype=torch.int32, device=device)
         self.page_table = torch.zeros(rows, cfg.max_pages, **i32)
@@ -106,7 +115,7 @@ class UpstreamStyleBuilder:
             if not self.revert_pr_27360:
                 cache_loc = cache_loc[:, :d]  # the #27360 fix
                 assert cache_loc.shape[1] <= table.shape[1]
-            _scatter_distinct_pages(table, cache_loc, p)
+            _scatter_distinct_pages(table, cache_loc, p, self.scatter)
         live_rows = live.repeat_interleave(k)
         table[:n] *= live_rows[:, None]
         self.expand_cache_seqlens[:n].copy_((last.repeat_interleave(k) + d) * live_rows)
@@ -177,7 +186,8 @@ class UpstreamStyleBuilder:
         return getattr(self, mode)(**kwargs)
 
 
-def _scatter_distinct_pages(table: torch.Tensor, cache_loc: torch.Tensor, page_size: int):
+def _scatter_distinct_pages(table: torch.Tensor, cache_loc: torch.Tensor, page_size: int,
+                            scatter=torch.Tensor.scatter_):
     """Upstream's vectorised ``unique_consecutive``: scatter at run indices.
 
     The scatter target is sized by ``.item()`` on the largest run index; when
@@ -192,4 +202,4 @@ def _scatter_distinct_pages(table: torch.Tensor, cache_loc: torch.Tensor, page_s
     starts[:, 1:] = pages[:, 1:] != pages[:, :-1]
     positions = starts.cumsum(dim=1) - 1
     max_positions = int(positions.max().item()) + 1  # host sync
-    table[:n, :max_positions].scatter_(1, positions, pages)
+    scatter(table[:n, :max_positions], 1, positions, pages)

@@ -3,6 +3,7 @@
 from .decode import build_decode_metadata
 from .draft import (
     build_draft_decode_metadata,
+    build_draft_iteration_metadata,
     build_draft_prefix_metadata,
     draft_tail_copy_slots,
 )
@@ -32,6 +33,7 @@ __all__ = [
     "build_decode_metadata",
     "build_draft_decode_metadata",
     "build_draft_extend_metadata",
+    "build_draft_iteration_metadata",
     "build_draft_prefix_metadata",
     "build_target_verify_metadata",
     "draft_tail_copy_slots",

@@ -18,15 +18,16 @@ iteration: build it once and reuse it (`build_draft_prefix_metadata`).
 
 from __future__ import annotations
 
-from typing import Optional, Union
+from typing import Optional, Tuple, Union
 
 import torch
+import torch.nn.functional as F
 
 from .. import _validate
-from .._paged import BatchView, cu_seqlens, uniform_cu_seqlens
+from .._paged import BatchView, cdiv_tensor, cu_seqlens, repeat_rows, uniform_cu_seqlens
 from ..config import SpecConfig
-from ..expand import draft_expand_page_table
-from ..metadata import CascadeMetadata, FA3Metadata
+from ..expand import draft_expand_page_table, draft_expand_tables
+from ..metadata import PAGE_SENTINEL, CascadeMetadata, FA3Metadata
 from ._common import request_call
 
 
@@ -146,6 +147,100 @@ def build_draft_decode_metadata(
         causal=False,
     )
     return CascadeMetadata(prefix=prefix, expand=expand)
+
+
+def build_draft_iteration_metadata(
+    cfg: SpecConfig,
+    *,
+    req_to_token: torch.Tensor,
+    req_pool_indices: torch.Tensor,
+    seq_lens: torch.Tensor,
+    out_cache_loc: Optional[torch.Tensor] = None,
+) -> Tuple[Union[FA3Metadata, CascadeMetadata], ...]:
+    """Metadata of all ``num_steps - 1`` draft steps of one iteration, built together.
+
+    Same values, in every column FA3 reads, as calling
+    `build_draft_decode_metadata` for steps ``0 .. S-2`` (parity is tested),
+    but the work shared between steps is done once: the request rows and
+    prefix are gathered once, and every step's table is a slice of one
+    stacked tensor (one fused kernel for all steps instead of several per
+    step). Use it inside a compiled, captured draft iteration.
+
+    Returns a tuple with one entry per step: `FA3Metadata` (topk = 1) or
+    `CascadeMetadata` (topk > 1) sharing one ``prefix``. Step ``i``'s page
+    table is a view ``tables[i, :, :width]`` of the stacked tensor, so its
+    row stride may exceed its width (FA3 needs only a unit column stride);
+    call ``.contiguous()`` on it if your consumer needs more.
+    """
+    bs = _validate.batch(cfg, req_to_token, req_pool_indices, seq_lens)
+    view = BatchView(cfg, req_to_token, req_pool_indices, seq_lens)
+    steps = cfg.num_steps - 1
+    if cfg.topk == 1:
+        return _chain_iteration(view, steps)
+    if out_cache_loc is None:
+        raise ValueError("out_cache_loc is required when topk > 1")
+    loc = _draft_slots(cfg, out_cache_loc, bs)
+    _validate.same_device(out_cache_loc=loc, seq_lens=seq_lens)
+    k, p = cfg.topk, cfg.page_size
+    prefix = _prefix(view)
+    cache_seqlens, tables = draft_expand_tables(
+        loc, view.last_page_lens, num_draft_steps=steps, topk=k, page_size=p
+    )
+    live = repeat_rows(view.live, k)
+    cache_seqlens = torch.where(live, cache_seqlens, 0)
+    tables = torch.where(live.view(1, -1, 1), tables, 0)
+    cu_k = _stacked_cu_seqlens(cache_seqlens)
+    cu_q = uniform_cu_seqlens(bs * k, 1, loc.device)
+    out = []
+    for i in range(steps):
+        d = i + 1
+        expand = FA3Metadata(
+            page_table=tables[i, :, : d + 1],
+            cache_seqlens=cache_seqlens[i],
+            cu_seqlens_q=cu_q,
+            cu_seqlens_k=cu_k[i],
+            max_seqlen_q=1,
+            max_seqlen_k=d + p - 1,
+            page_size=p,
+            causal=False,
+        )
+        out.append(CascadeMetadata(prefix=prefix, expand=expand))
+    return tuple(out)
+
+
+def _chain_iteration(view: BatchView, steps: int) -> Tuple[FA3Metadata, ...]:
+    """topk = 1: step ``i`` is one causal call over ``seq_len + i + 1`` tokens.
+
+    The page table is gathered once over the longest step's length and
+    masked per step (one kernel for all steps' tables).
+    """
+    cfg = view.cfg
+    d = torch.arange(1, steps + 1, device=view.seq_lens.device).view(steps, 1)
+    lengths = torch.where(view.live, view.seq_lens + d, 0)  # [steps, B]
+    pages = view.page_table(lengths[-1], cfg.max_pages)  # sentinel past the longest
+    used = torch.arange(cfg.max_pages, device=d.device) < cdiv_tensor(lengths, cfg.page_size).unsqueeze(2)
+    tables = torch.where(used, pages.unsqueeze(0), PAGE_SENTINEL)
+    cache_seqlens = lengths.to(torch.int32)
+    cu_k = _stacked_cu_seqlens(cache_seqlens)
+    cu_q = uniform_cu_seqlens(view.batch_size, 1, d.device)
+    return tuple(
+        FA3Metadata(
+            page_table=tables[i],
+            cache_seqlens=cache_seqlens[i],
+            cu_seqlens_q=cu_q,
+            cu_seqlens_k=cu_k[i],
+            max_seqlen_q=1,
+            max_seqlen_k=cfg.max_context_len + i + 1,
+            page_size=cfg.page_size,
+            causal=True,
+        )
+        for i in range(steps)
+    )
+
+
+def _stacked_cu_seqlens(cache_seqlens: torch.Tensor) -> torch.Tensor:
+    """int32 ``[steps, n + 1]`` exclusive prefix sums of each row of ``[steps, n]``."""
+    return F.pad(torch.cumsum(cache_seqlens, 1, dtype=torch.int32), (1, 0))
 
 
 def draft_tail_copy_slots(

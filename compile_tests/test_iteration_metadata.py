@@ -1,0 +1,95 @@
+"""All draft steps' metadata built together equals the per-step builders, bit for bit."""
+
+import os
+
+import pytest
+import torch
+from hypothesis import given, settings, strategies as st
+
+import fa3_spec
+from fa3_spec import draft_expand_page_table, draft_expand_tables
+from fa3_spec.audit import RecordingBackend
+from fa3_spec.testing import make_world
+from helpers import NARROW, WIDE, configs, worlds
+
+EXAMPLES = int(os.environ.get("FA3_SPEC_FUZZ_EXAMPLES", "1000"))
+
+
+def _assert_same_as_per_step(cfg, kwargs):
+    together = fa3_spec.build_draft_iteration_metadata(cfg, **kwargs)
+    assert len(together) == cfg.num_steps - 1
+    for step, got in enumerate(together):
+        want = fa3_spec.build_draft_decode_metadata(cfg, step, **kwargs)
+        a, spec_a = torch.utils._pytree.tree_flatten(got)
+        b, spec_b = torch.utils._pytree.tree_flatten(want)
+        assert spec_a == spec_b  # same static ints (max_seqlen_k, page size, causal)
+        for x, y in zip(a, b):
+            assert x.shape == y.shape and x.dtype == y.dtype and torch.equal(x, y)
+            assert x.numel() == 0 or x.stride(-1) == 1  # what FA3 needs of index tensors
+    return together
+
+
+@settings(max_examples=max(EXAMPLES // 4, 50), deadline=None)
+@given(worlds(**WIDE))
+def test_equals_per_step_builders(world):
+    _assert_same_as_per_step(world.cfg, world.mode_kwargs("draft_decode"))
+
+
+@settings(max_examples=max(EXAMPLES // 4, 50), deadline=None)
+@given(configs(**NARROW), st.integers(0, 12), st.integers(0, 2**20))
+def test_equals_per_step_builders_on_garbage(cfg, bs, seed):
+    g = torch.Generator().manual_seed(seed)
+
+    def garbage(shape, dtype=torch.int64):
+        info = torch.iinfo(dtype)
+        return torch.randint(info.min, info.max, shape, dtype=dtype, generator=g)
+
+    kwargs = dict(req_to_token=garbage((3, cfg.min_row_len), torch.int32),
+                  req_pool_indices=garbage((bs,)), seq_lens=garbage((bs,)),
+                  out_cache_loc=garbage((bs * cfg.topk * cfg.num_steps,)))
+    _assert_same_as_per_step(cfg, kwargs)
+
+
+def test_seed_example_of_the_docstring():
+    loc = torch.tensor([[5, 6, 7, 8]])
+    csl, tables = draft_expand_tables(loc, torch.tensor([1]), num_draft_steps=3, topk=1,
+                                      page_size=2)
+    assert tables.tolist() == [[[2, 0, 0, 0]], [[2, 3, 0, 0]], [[2, 3, 0, 0]]]
+    assert csl.tolist() == [[2], [3], [4]]
+    for i in range(3):
+        one = draft_expand_page_table(loc, torch.tensor([1]), decode_length=i + 1, topk=1,
+                                      page_size=2)
+        assert torch.equal(one[0], csl[i]) and torch.equal(one[1], tables[i, :, : i + 2])
+
+
+def test_validation_names_arguments():
+    loc, last = torch.zeros(4, 3, dtype=torch.int64), torch.zeros(2, dtype=torch.int64)
+    with pytest.raises(ValueError, match="num_draft_steps=4"):
+        draft_expand_tables(loc, last, num_draft_steps=4, topk=2, page_size=2)
+    with pytest.raises(ValueError, match="num_draft_steps"):
+        draft_expand_tables(loc, last, num_draft_steps=0, topk=2, page_size=2)
+    with pytest.raises(TypeError, match="page_size"):
+        draft_expand_tables(loc, last, num_draft_steps=2, topk=2, page_size=2.0)
+    with pytest.raises(ValueError, match="out_cache_loc is required"):
+        cfg = fa3_spec.SpecConfig(page_size=2, topk=2, num_steps=3, num_draft_tokens=2,
+                                  max_bs=2, max_context_len=8)
+        w = make_world(cfg, 2)
+        fa3_spec.build_draft_iteration_metadata(cfg, **w.batch())
+
+
+@pytest.mark.parametrize("p, k", [(1, 1), (16, 1), (1, 4), (2, 8), (64, 4)])
+def test_compiles_fullgraph_without_data_dependent_ops(p, k):
+    cfg = fa3_spec.SpecConfig(page_size=p, topk=k, num_steps=5, num_draft_tokens=8, max_bs=8,
+                              max_context_len=256)
+    world = make_world(cfg, 6, num_padding=2, seed=p + k)
+    kwargs = world.mode_kwargs("draft_decode")
+    counter = RecordingBackend("aot_eager")
+    fn = torch.compile(lambda **kw: fa3_spec.build_draft_iteration_metadata(cfg, **kw),
+                       fullgraph=True, backend=counter)
+    got = fn(**kwargs)
+    other = make_world(cfg, 6, seed=p + k + 1).mode_kwargs("draft_decode")
+    fn(**other)  # new values, same shapes: no recompile
+    assert counter.frame_count == 1 and counter.data_dependent == []
+    for a, b in zip(got, fa3_spec.build_draft_iteration_metadata(cfg, **kwargs)):
+        assert all(torch.equal(x, y) for x, y in zip(torch.utils._pytree.tree_leaves(a),
+                                                     torch.utils._pytree.tree_leaves(b)))
