@@ -38,6 +38,7 @@ interquartile range; report ratios within a run, not absolute numbers.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import statistics
@@ -409,6 +410,7 @@ def main():
         g = torch.Generator().manual_seed(bs)
         seqs = torch.randint(lo, cfg.max_context_len + 1, (bs,), generator=g).tolist()
         world = make_world(cfg, bs, seq_lens=seqs, seed=1, device=args.device)
+        cfg = dataclasses.replace(cfg, num_pages=world.num_pages)  # page ids clamped into the pool
         for kind in kinds:
             torch._dynamo.reset()
             start = time.perf_counter()

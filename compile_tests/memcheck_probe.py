@@ -10,8 +10,9 @@ Variants (seed configuration: P = 2, topk = 8, 5 steps):
     The whole draft iteration (fa3_spec metadata, tail copies, KV writes,
     FA3, merge), compiled with inductor and captured in a CUDA graph, replayed
     with valid batches and with garbage in every index tensor (request rows,
-    lengths, draft slots over the full int64 range). memcheck must report 0
-    errors: whatever the inputs hold, nothing reads or writes out of range.
+    lengths, draft slots over the full int64 range), with ``cfg.num_pages``
+    set to the KV pool size. memcheck must report 0 errors: whatever the
+    inputs hold, nothing reads or writes out of range.
 ``prefix-eager``
     `UpstreamStyleBuilder(revert_pr_27360=True)` on CUDA, eager: PyTorch's
     ``scatter_`` checks its indices and trips a device-side assert.
@@ -27,6 +28,7 @@ Variants (seed configuration: P = 2, topk = 8, 5 steps):
 Prints one line ``PROBE <variant> done`` when it finishes.
 """
 
+import dataclasses
 import sys
 
 import torch
@@ -43,13 +45,17 @@ CFG = fa3_spec.SpecConfig(page_size=2, topk=8, num_steps=5, num_draft_tokens=16,
 
 def fixed():
     world = make_world(CFG, 4, num_padding=1, seed=0, device="cuda")
+    # The KV pool size lets the builders clamp page ids into the pool. Without
+    # it, garbage draft slots became garbage page ids and FA3 read wild
+    # addresses (258 memcheck errors on the H200, 2026-11-30).
+    cfg = dataclasses.replace(CFG, num_pages=world.num_pages)
     model = ToyModel.create(layers=1, num_pages=world.num_pages, page_size=2, num_heads=8,
                             num_kv_heads=2, head_dim=128, device="cuda")
     static = dict(req_pool_indices=world.req_pool_indices.clone(), seq_lens=world.seq_lens.clone(),
                   out_cache_loc=world.out_cache_loc.view(4, CFG.topk, CFG.num_steps).clone(),
                   hidden=torch.randn(4, CFG.topk, model.hidden, device="cuda").bfloat16())
     step = torch.compile(
-        lambda **b: draft_iteration(CFG, model, req_to_token=world.req_to_token, backend="fa3", **b),
+        lambda **b: draft_iteration(cfg, model, req_to_token=world.req_to_token, backend="fa3", **b),
         fullgraph=True, backend="inductor")
     graph, out = capture(step, **static)
     for seed in range(4):
@@ -59,6 +65,10 @@ def fixed():
                 info = torch.iinfo(torch.int64)
                 static[name].copy_(torch.randint(info.min, info.max, static[name].shape,
                                                  device="cuda", generator=g))
+            if seed == 3:  # and in the engine's own pool
+                info = torch.iinfo(torch.int32)
+                world.req_to_token.copy_(torch.randint(info.min, info.max, world.req_to_token.shape,
+                                                       device="cuda", generator=g))
         graph.replay()
         torch.cuda.synchronize()
         print(f"replay {seed}: finite={bool(torch.isfinite(out).all())}", flush=True)

@@ -5,6 +5,7 @@ the builders). Example counts: FA3_SPEC_FUZZ_EXAMPLES (default 1000 per
 property in CI; the "dev" hypothesis profile and a larger value for long runs).
 """
 
+import dataclasses
 import os
 
 import torch
@@ -78,3 +79,43 @@ def test_padding_rows_never_change_live_rows(world, mode, data):
         assert torch.equal(x.page_table[live_rows], y.page_table[live_rows])
         assert torch.equal(x.cache_seqlens[live_rows], y.cache_seqlens[live_rows])
         assert (y.cache_seqlens[~live_rows] == 0).all() and (y.page_table[~live_rows] == 0).all()
+
+
+@fuzz
+@given(configs(**WIDE), st.integers(0, 24), st.sampled_from(MODES), st.integers(1, 10**6),
+       st.integers(0, 2**20), st.data())
+def test_pool_size_keeps_every_page_id_in_the_pool_whatever_the_inputs(cfg, bs, mode, num_pages,
+                                                                        seed, data):
+    """With ``cfg.num_pages`` set, garbage slots in req_to_token and out_cache_loc
+    still give page ids inside the pool: FA3 cannot be pointed outside it (the
+    memcheck run on the H200 found FA3 reading wild addresses without it)."""
+    cfg = dataclasses.replace(cfg, num_pages=num_pages)
+    g = torch.Generator().manual_seed(seed)
+
+    def garbage(shape, dtype=torch.int64):
+        info = torch.iinfo(dtype)
+        return torch.randint(info.min, info.max, shape, dtype=dtype, generator=g)
+
+    kwargs = dict(req_to_token=garbage((3, cfg.min_row_len), torch.int32),
+                  req_pool_indices=garbage((bs,)), seq_lens=garbage((bs,)))
+    n = cfg.num_draft_tokens
+    if mode == "draft_decode":
+        kwargs["out_cache_loc"] = garbage((bs * cfg.topk * cfg.num_steps,))
+    elif mode == "target_verify":
+        kwargs["tree_mask"] = torch.randint(0, 2, (bs, n, n), generator=g).bool()
+    elif mode == "draft_extend":
+        kwargs["extend_seq_lens"] = garbage((bs,))
+    step = data.draw(st.integers(0, cfg.num_steps - 2))
+    for call in build(mode, cfg, step=step, **kwargs).calls:
+        pool = num_pages * cfg.page_size // call.page_size
+        ids = call.page_table.to(torch.int64)
+        assert ((ids >= 0) & (ids < pool)).all()
+    if mode == "draft_decode" and bs:
+        src, dst = fa3_spec.draft_tail_copy_slots(cfg, seq_lens=kwargs["seq_lens"],
+                                                  out_cache_loc=kwargs["out_cache_loc"])
+        for slots in (src, dst):
+            assert ((slots >= 0) & (slots < num_pages * cfg.page_size)).all()
+    if mode == "draft_decode" and cfg.topk > 1:
+        for call in fa3_spec.build_draft_iteration_metadata(cfg, **kwargs):
+            ids = call.expand.page_table.to(torch.int64)
+            assert ((ids >= 0) & (ids < num_pages)).all()

@@ -43,9 +43,13 @@ class BatchView:
         return self.rows.shape[0]
 
     def slots(self, positions: torch.Tensor) -> torch.Tensor:
-        """Slots of token ``positions`` (int64 ``[B, n]``) of each request."""
+        """Slots of token ``positions`` (int64 ``[B, n]``) of each request.
+
+        Clamped into the KV pool when ``cfg.num_pages`` is set.
+        """
         cols = positions.clamp(0, self.req_to_token.shape[1] - 1)
-        return self.req_to_token[self.rows.unsqueeze(1), cols].to(torch.int64)
+        slots = self.req_to_token[self.rows.unsqueeze(1), cols].to(torch.int64)
+        return self.cfg.clamp_slots(slots)
 
     def page_table(self, lengths: torch.Tensor, width: int) -> torch.Tensor:
         """Page table over ``lengths`` tokens (int64 ``[B]``), ``width`` columns.

@@ -17,6 +17,7 @@ turn it into words with `describe_errors`.
 
 from __future__ import annotations
 
+import dataclasses
 import enum
 from typing import Optional
 
@@ -74,7 +75,8 @@ def error_flags(
 
     Takes the arguments of the builder of ``mode`` (one of ``decode``,
     ``draft_decode``, ``target_verify``, ``draft_extend``) plus, optionally, the
-    KV pool size ``num_pages``, to check every page id FA3 will read. Rows
+    KV pool size ``num_pages`` (default ``cfg.num_pages``), to check every
+    page id FA3 would read before any clamping. Rows
     with ``seq_len == 0`` are padding and are exempt from the layout, tree and
     page checks. No host sync, static shapes: capture it with the step.
     """
@@ -103,8 +105,13 @@ def error_flags(
     elif mode != "decode":
         raise ValueError(f"unknown mode {mode!r}")
 
+    if num_pages is None:
+        num_pages = cfg.num_pages
     if num_pages is not None:
-        for call in build_metadata(mode, cfg, step=step, **kwargs).calls:
+        # Raw page ids: the check must see what the values hold, not the
+        # clamped ids builders write when cfg.num_pages is set.
+        raw = dataclasses.replace(cfg, num_pages=None)
+        for call in build_metadata(mode, raw, step=step, **kwargs).calls:
             pool = num_pages * cfg.page_size // call.page_size  # pages of the call's own size
             page = call.page_table.to(torch.int64)
             bad = call.read_columns() & ((page < 0) | (page >= pool))

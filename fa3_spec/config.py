@@ -17,6 +17,7 @@ Notation used throughout the package (SPEC §1):
 from __future__ import annotations
 
 import dataclasses
+from typing import Optional
 
 
 def cdiv(a: int, b: int) -> int:
@@ -44,6 +45,14 @@ class SpecConfig:
         num_draft_tokens: tokens ``N`` verified by the target model (>= 1).
         max_bs: largest batch a builder accepts (>= 1).
         max_context_len: largest ``seq_len`` ``C`` of a request (>= 1).
+        num_pages: KV pool size in pages of ``page_size`` (optional, >= 1).
+            When given, every page id a builder writes is clamped into
+            ``[0, num_pages)`` (slot ids of the tree-verify expand call into
+            ``[0, num_pages * P)``), so FA3 never reads outside the pool,
+            whatever ``req_to_token`` or ``out_cache_loc`` hold. Valid inputs
+            are unchanged. Without it, builders trust the slot values they
+            are given (their own indexing stays in range either way); see
+            `fa3_spec.error_flags` to detect bad values instead.
 
     Example:
         >>> cfg = SpecConfig(page_size=2, topk=8, num_steps=5,
@@ -60,6 +69,7 @@ class SpecConfig:
     num_draft_tokens: int
     max_bs: int
     max_context_len: int
+    num_pages: Optional[int] = None
 
     def __post_init__(self) -> None:
         _require_int("page_size", self.page_size, 1)
@@ -68,6 +78,8 @@ class SpecConfig:
         _require_int("num_draft_tokens", self.num_draft_tokens, 1)
         _require_int("max_bs", self.max_bs, 1)
         _require_int("max_context_len", self.max_context_len, 1)
+        if self.num_pages is not None:
+            _require_int("num_pages", self.num_pages, 1)
 
     # ------------------------------------------------------------------ bounds
     @property
@@ -144,3 +156,9 @@ class SpecConfig:
         span ``ceil((last + d) / P) <= ceil((P - 1 + d) / P) <= d`` pages.
         """
         return cdiv(self.page_size - 1 + decode_length, self.page_size)
+
+    def clamp_slots(self, slots):
+        """``slots`` clamped into the KV pool, ``[0, num_pages * P)`` (as is when unset)."""
+        if self.num_pages is None:
+            return slots
+        return slots.clamp(0, self.num_pages * self.page_size - 1)

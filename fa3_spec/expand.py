@@ -30,6 +30,8 @@ run-index equals ``c``, and run-indices are ``< d`` by construction.
 
 from __future__ import annotations
 
+from typing import Optional
+
 import torch
 import torch.nn.functional as F
 
@@ -45,6 +47,7 @@ def draft_expand_page_table(
     decode_length: int,
     topk: int,
     page_size: int,
+    num_pages: Optional[int] = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Expand-call ``cache_seqlens`` and ``page_table`` of one draft step.
 
@@ -57,6 +60,8 @@ def draft_expand_page_table(
         decode_length: live draft tokens per branch, ``d = step + 1``.
         topk: branches per request.
         page_size: KV page size ``P``.
+        num_pages: KV pool size in pages; when given, page ids are clamped
+            into ``[0, num_pages)`` (valid slots are unchanged).
 
     Returns:
         ``(cache_seqlens, page_table)``: int32 ``[B * topk]`` and int32
@@ -77,7 +82,7 @@ def draft_expand_page_table(
     _check_ints(decode_length=decode_length, topk=topk, page_size=page_size)
     _check_shapes(cache_loc, last_page_lens, "decode_length", decode_length, topk)
     d = decode_length
-    live = cache_loc[:, :d].to(torch.int64)  # the slice #27360 was missing
+    live = _in_pool(cache_loc[:, :d], page_size, num_pages)  # the slice #27360 was missing
     if page_size == 1:
         sentinel = torch.full_like(live[:, :1], PAGE_SENTINEL)
         table = torch.cat([live, sentinel], dim=1)
@@ -98,6 +103,7 @@ def draft_expand_tables(
     num_draft_steps: int,
     topk: int,
     page_size: int,
+    num_pages: Optional[int] = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """`draft_expand_page_table` for every draft step of an iteration at once.
 
@@ -123,7 +129,7 @@ def draft_expand_tables(
     _check_ints(num_draft_steps=num_draft_steps, topk=topk, page_size=page_size)
     _check_shapes(cache_loc, last_page_lens, "num_draft_steps", num_draft_steps, topk)
     steps = num_draft_steps
-    live = cache_loc[:, :steps].to(torch.int64)
+    live = _in_pool(cache_loc[:, :steps], page_size, num_pages)
     rows = live.shape[0]
     device = live.device
     d = torch.arange(1, steps + 1, device=device).view(steps, 1)
@@ -162,6 +168,15 @@ def _distinct_pages(live: torch.Tensor, page_size: int) -> tuple[torch.Tensor, t
     fills = opens.unsqueeze(2) & ((runs - 1).unsqueeze(2) == columns)  # [n, j, c]
     table = torch.where(fills, pages.unsqueeze(2), 0).sum(dim=1)  # <= 1 term each
     return table, runs
+
+
+def _in_pool(slots: torch.Tensor, page_size: int, num_pages: Optional[int]) -> torch.Tensor:
+    """int64 ``slots``, clamped into ``[0, num_pages * page_size)`` when the pool size is given."""
+    slots = slots.to(torch.int64)
+    if num_pages is None:
+        return slots
+    _check_ints(num_pages=num_pages)
+    return slots.clamp(0, num_pages * page_size - 1)
 
 
 def _check_ints(**values: int) -> None:

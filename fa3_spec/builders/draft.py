@@ -133,7 +133,7 @@ def build_draft_decode_metadata(
 
     k, p = cfg.topk, cfg.page_size
     cache_seqlens, page_table = draft_expand_page_table(
-        loc, view.last_page_lens, decode_length=d, topk=k, page_size=p
+        loc, view.last_page_lens, decode_length=d, topk=k, page_size=p, num_pages=cfg.num_pages
     )
     cache_seqlens = view.mask_padding(cache_seqlens, k)
     expand = FA3Metadata(
@@ -184,7 +184,8 @@ def build_draft_iteration_metadata(
     k, p = cfg.topk, cfg.page_size
     prefix = _prefix(view)
     cache_seqlens, tables = draft_expand_tables(
-        loc, view.last_page_lens, num_draft_steps=steps, topk=k, page_size=p
+        loc, view.last_page_lens, num_draft_steps=steps, topk=k, page_size=p,
+        num_pages=cfg.num_pages,
     )
     live = repeat_rows(view.live, k)
     cache_seqlens = torch.where(live, cache_seqlens, 0)
@@ -271,4 +272,5 @@ def draft_tail_copy_slots(
     src = (first[:, :1] + offset).expand(bs, k, p - 1)
     dst = first + offset
     dst = torch.where((offset < last) & (sl.view(bs, 1, 1) > 0), dst, src)
-    return src.clamp(min=0).reshape(-1), dst.clamp(min=0).reshape(-1)
+    src, dst = src.clamp(min=0).reshape(-1), dst.clamp(min=0).reshape(-1)
+    return cfg.clamp_slots(src), cfg.clamp_slots(dst)
