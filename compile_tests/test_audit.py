@@ -2,14 +2,13 @@ import json
 
 
 from fa3_spec import cli
-from fa3_spec.audit import AuditCase, audit_case, default_grid
-from fa3_spec.testing import MODES
+from fa3_spec.audit import AUDIT_MODES, AuditCase, audit_case, default_grid
 
 
 def test_default_grid_covers_modes_page_sizes_and_topk():
     cases = default_grid()
     seen = {(c.mode, c.cfg.page_size > 1, c.cfg.topk > 1) for c in cases}
-    assert seen == {(m, p, k) for m in MODES for p in (False, True) for k in (False, True)}
+    assert seen == {(m, p, k) for m in AUDIT_MODES for p in (False, True) for k in (False, True)}
     assert any(c.cfg.page_size == 2 and c.cfg.topk == 8 for c in cases)  # the seed
 
 
@@ -19,7 +18,7 @@ def test_audit_cli_writes_json_rows(tmp_path, capsys):
                      "--device", "cpu"])
     assert code == 0
     rows = json.loads(out.read_text())
-    assert {r["mode"] for r in rows} == set(MODES)
+    assert {r["mode"] for r in rows} == set(AUDIT_MODES)
     for r in rows:
         assert {"mode", "config", "graph_breaks", "recompiles", "host_syncs",
                 "cuda_graph", "parity"} <= set(r)
@@ -63,3 +62,24 @@ def test_audit_flags_a_parity_bug(monkeypatch):
     case = AuditCase("decode", default_grid(page_sizes=(16,), topks=(1,))[0].cfg)
     row = audit_case(case, device="cpu")
     assert not row.parity and not row.clean
+
+
+def test_audit_checks_the_iteration_builder_against_the_per_step_reference(monkeypatch):
+    import dataclasses
+
+    import fa3_spec.audit as audit
+
+    real = audit.build_draft_iteration_metadata
+
+    def last_step_off(cfg, **kwargs):
+        steps = list(real(cfg, **kwargs))
+        casc = steps[-1]
+        expand = dataclasses.replace(casc.expand, cache_seqlens=casc.expand.cache_seqlens + 1)
+        steps[-1] = dataclasses.replace(casc, expand=expand)
+        return tuple(steps)
+
+    case = [c for c in default_grid(page_sizes=(2,), topks=(8,)) if c.mode == "draft_iteration"][0]
+    assert audit_case(case, device="cpu").clean
+    monkeypatch.setattr(audit, "build_draft_iteration_metadata", last_step_off)
+    row = audit_case(case, device="cpu")
+    assert not row.parity and any("step 3" in p for p in row.problems)

@@ -32,8 +32,13 @@ from typing import Callable, Iterable, Optional
 
 import torch
 
+from .builders import build_draft_iteration_metadata
 from .config import SpecConfig
 from .testing import MODES, build, make_world, metadata_mismatches
+
+#: Builder rows: the four modes, plus every draft step built together
+#: (`build_draft_iteration_metadata`, checked against the per-step reference).
+AUDIT_MODES = MODES + ("draft_iteration",)
 from .upstream import UpstreamStyleBuilder
 
 
@@ -91,7 +96,8 @@ def default_grid(
     num_steps: int = 5,
     max_context_len: int = 256,
 ) -> list:
-    """All modes x page sizes x topk; draft decode at its first and last step."""
+    """All modes x page sizes x topk; draft decode at its first and last step,
+    and the whole iteration's draft steps built together."""
     cases = []
     for p in page_sizes:
         for k in topks:
@@ -103,7 +109,7 @@ def default_grid(
                 max_bs=8,
                 max_context_len=max_context_len,
             )
-            for mode in MODES:
+            for mode in AUDIT_MODES:
                 steps = (0, num_steps - 2) if mode == "draft_decode" else (0,)
                 cases.extend(AuditCase(mode, cfg, step) for step in steps)
     return cases
@@ -130,10 +136,24 @@ def step_grid(page_sizes: Iterable[int] = (1, 2, 16, 64), topks: Iterable[int] =
 
 
 def _builder(case: AuditCase, names: list) -> Callable:
+    if case.mode == "draft_iteration":
+        def iteration_fn(*tensors):
+            return build_draft_iteration_metadata(case.cfg, **dict(zip(names, tensors)))
+
+        return iteration_fn
+
     def step_fn(*tensors):
         return build(case.mode, case.cfg, step=case.step, **dict(zip(names, tensors)))
 
     return step_fn
+
+
+def _steps_mismatches(got, want) -> list:
+    """`metadata_mismatches` over the per-step metadata of a draft iteration."""
+    if len(got) != len(want):
+        return [f"{len(got)} steps, expected {len(want)}"]
+    return [f"step {i}: {m}" for i, (g, w) in enumerate(zip(got, want))
+            for m in metadata_mismatches(g, w)]
 
 
 def graph_breaks(fn: Callable, *args) -> tuple:
@@ -230,16 +250,20 @@ class _Subject:
 def _builder_subject(case: AuditCase, device: str) -> _Subject:
     worlds = [make_world(case.cfg, case.batch_size, num_padding=case.num_padding,
                          seed=seed, device=device) for seed in (1, 2)]
-    kwargs = [w.mode_kwargs(case.mode, tree=case.tree) for w in worlds]
+    iteration = case.mode == "draft_iteration"
+    mode = "draft_decode" if iteration else case.mode
+    kwargs = [w.mode_kwargs(mode, tree=case.tree) for w in worlds]
     names = [k for k, v in kwargs[0].items() if v is not None]
     reference = UpstreamStyleBuilder(case.cfg, device)
+    steps = range(case.cfg.num_steps - 1) if iteration else [case.step]
+    same = _steps_mismatches if iteration else metadata_mismatches
 
     def reference_problems(i, eager):
-        want = reference.build(case.mode, step=case.step, **kwargs[i])
-        return [f"vs reference: {m}" for m in metadata_mismatches(eager, want)]
+        want = [reference.build(mode, step=s, **kwargs[i]) for s in steps]
+        return [f"vs reference: {m}" for m in same(eager, want if iteration else want[0])]
 
     return _Subject(_builder(case, names), [[kw[n] for n in names] for kw in kwargs],
-                    metadata_mismatches, reference_problems)
+                    same, reference_problems)
 
 
 def _step_subject(case: AuditCase, device: str) -> _Subject:
@@ -360,14 +384,14 @@ def audit_case(case: AuditCase, *, backend: str = "aot_eager", device: str = "cp
 
 def format_table(rows: list) -> str:
     """A fixed-width table of audit rows, one line each, plus a summary."""
-    head = f"{'mode':<14}{'scope':<8}{'P':>4}{'K':>3}{'S':>3}{'step':>5}  {'breaks':>6}{'recomp':>7}{'dd':>4}{'syncs':>6}  {'graph':<8}{'parity':<7}{'sec':>6}"
+    head = f"{'mode':<16}{'scope':<8}{'P':>4}{'K':>3}{'S':>3}{'step':>5}  {'breaks':>6}{'recomp':>7}{'dd':>4}{'syncs':>6}  {'graph':<8}{'parity':<7}{'sec':>6}"
     lines = [head, "-" * len(head)]
     for r in rows:
         c = r.config
         syncs = "-" if r.host_syncs is None else str(r.host_syncs)
         step = "-" if r.step is None else str(r.step)
         lines.append(
-            f"{r.mode:<14}{r.scope:<8}{c['page_size']:>4}{c['topk']:>3}{c['num_steps']:>3}{step:>5}  "
+            f"{r.mode:<16}{r.scope:<8}{c['page_size']:>4}{c['topk']:>3}{c['num_steps']:>3}{step:>5}  "
             f"{r.graph_breaks:>6}{r.recompiles:>7}{r.data_dependent:>4}{syncs:>6}  {r.cuda_graph:<8}"
             f"{'yes' if r.parity else 'NO':<7}{r.seconds:>6.1f}"
         )

@@ -57,7 +57,7 @@ def main(argv=None) -> int:
     audit.add_argument("--page-sizes", type=int, nargs="+", default=[1, 2, 16, 64])
     audit.add_argument("--topks", type=int, nargs="+", default=[1, 8])
     audit.add_argument("--num-steps", type=int, default=5)
-    audit.add_argument("--modes", nargs="+", choices=["decode", "draft_decode",
+    audit.add_argument("--modes", nargs="+", choices=["decode", "draft_decode", "draft_iteration",
                                                       "target_verify", "draft_extend"])
     audit.add_argument("--no-steps", action="store_true",
                        help="skip the whole-step rows (metadata + attention + merge)")
