@@ -143,6 +143,17 @@ def _print_profile(label, fn, top=12):
     print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=top, max_name_column_width=60))
 
 
+def _three_way(row, upstream, ours_graph, floor_graph, iters, device):
+    """Time upstream-style vs fa3_spec's graph vs the floor's graph into ``row``."""
+    row["upstream_us"], row["upstream_iqr_us"] = _wall(upstream, iters, device)
+    row["fa3_spec_us"], row["fa3_spec_iqr_us"] = _wall(ours_graph.replay, iters, device)
+    row["floor_us"], row["floor_iqr_us"] = _wall(floor_graph.replay, iters, device)
+    _, (row["fa3_spec_device_us"], _) = _graph_times(ours_graph, iters)
+    _, (row["floor_device_us"], _) = _graph_times(floor_graph, iters)
+    row["upstream_over_fa3_spec"] = round(row["upstream_us"] / row["fa3_spec_us"], 2)
+    row["fa3_spec_over_floor_minus_1"] = round(row["fa3_spec_device_us"] / row["floor_device_us"] - 1, 4)
+
+
 def metadata_row(cfg, world, bs, args):
     device, iters = args.device, args.iters
     tree = cfg.topk > 1
@@ -254,17 +265,10 @@ def draft_loop_row(cfg, world, bs, args):
                     x_static[s + 1].copy_(out)
 
         floor_graph, _ = capture(floor_c)
-        ours_graph = runner.graph(bs)
-        row["upstream_us"], row["upstream_iqr_us"] = _wall(upstream_loop, iters, device)
-        row["fa3_spec_us"], row["fa3_spec_iqr_us"] = _wall(ours_graph.replay, iters, device)
-        row["floor_us"], row["floor_iqr_us"] = _wall(floor_graph.replay, iters, device)
-        _, (row["fa3_spec_device_us"], _) = _graph_times(ours_graph, iters)
-        _, (row["floor_device_us"], _) = _graph_times(floor_graph, iters)
-        row["upstream_over_fa3_spec"] = round(row["upstream_us"] / row["fa3_spec_us"], 2)
+        _three_way(row, upstream_loop, runner.graph(bs), floor_graph, iters, device)
         if args.profile:
             _print_profile("upstream-style loop", upstream_loop)
             _print_profile("floor graph", floor_graph.replay)
-        row["fa3_spec_over_floor_minus_1"] = round(row["fa3_spec_device_us"] / row["floor_device_us"] - 1, 4)
         static = runner.static_inputs(bs)
         row["fa3_spec_kernels"] = _kernels(lambda: runner._fn(**static))
         row["floor_kernels"] = _kernels(floor_c)
@@ -341,14 +345,7 @@ def verify_row(cfg, world, bs, args):
         up_graph.replay()
 
     floor_graph, _ = capture(floor_c)
-    ours_graph = runner.graph(bs)
-    row["upstream_us"], row["upstream_iqr_us"] = _wall(upstream, iters, device)
-    row["fa3_spec_us"], row["fa3_spec_iqr_us"] = _wall(ours_graph.replay, iters, device)
-    row["floor_us"], row["floor_iqr_us"] = _wall(floor_graph.replay, iters, device)
-    _, (row["fa3_spec_device_us"], _) = _graph_times(ours_graph, iters)
-    _, (row["floor_device_us"], _) = _graph_times(floor_graph, iters)
-    row["upstream_over_fa3_spec"] = round(row["upstream_us"] / row["fa3_spec_us"], 2)
-    row["fa3_spec_over_floor_minus_1"] = round(row["fa3_spec_device_us"] / row["floor_device_us"] - 1, 4)
+    _three_way(row, upstream, runner.graph(bs), floor_graph, iters, device)
     return row
 
 

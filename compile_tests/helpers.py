@@ -1,5 +1,6 @@
 """Hypothesis strategies and assertions shared by the property and parity tests."""
 
+import torch
 from hypothesis import strategies as st
 
 import fa3_spec
@@ -51,3 +52,24 @@ def assert_builder_matches(world, mode, step, tree=True, *, spec_slots=True):
         expected = expected_key_slots(world, mode, step=step, tree=tree)
         assert read == expected + [[]] * (len(read) - len(expected))
     return got
+
+
+def garbage_inputs(cfg, bs, mode, seed, *, pool_rows=3, r2t_dtype=torch.int32):
+    """Builder keywords of ``mode`` whose index tensors hold garbage over their
+    dtype's whole range (``tree_mask``: random bits)."""
+    g = torch.Generator().manual_seed(seed)
+
+    def garbage(shape, dtype=torch.int64):
+        info = torch.iinfo(dtype)
+        return torch.randint(info.min, info.max, shape, dtype=dtype, generator=g)
+
+    kwargs = dict(req_to_token=garbage((pool_rows, cfg.min_row_len), r2t_dtype),
+                  req_pool_indices=garbage((bs,)), seq_lens=garbage((bs,)))
+    n = cfg.num_draft_tokens
+    if mode == "draft_decode":
+        kwargs["out_cache_loc"] = garbage((bs * cfg.topk * cfg.num_steps,))
+    elif mode == "target_verify":
+        kwargs["tree_mask"] = torch.randint(0, 2, (bs, n, n), generator=g).bool()
+    elif mode == "draft_extend":
+        kwargs["extend_seq_lens"] = garbage((bs,))
+    return kwargs

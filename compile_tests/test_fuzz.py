@@ -13,7 +13,7 @@ from hypothesis import given, settings, strategies as st
 
 import fa3_spec
 from fa3_spec.testing import MODES, build
-from helpers import WIDE, assert_builder_matches, configs, worlds
+from helpers import WIDE, assert_builder_matches, configs, garbage_inputs, worlds
 
 EXAMPLES = int(os.environ.get("FA3_SPEC_FUZZ_EXAMPLES", "1000"))
 fuzz = settings(max_examples=EXAMPLES, deadline=None)
@@ -35,25 +35,9 @@ def test_parity_and_page_ids_in_pool(world, mode, tree, data):
 @fuzz
 @given(configs(**WIDE), st.integers(0, 24), st.sampled_from(MODES), st.integers(0, 2**20), st.data())
 def test_garbage_values_never_index_out_of_range(cfg, bs, mode, seed, data):
-    g = torch.Generator().manual_seed(seed)
-    dtype_r2t = data.draw(st.sampled_from([torch.int32, torch.int64]))
-
-    def garbage(shape, dtype):
-        info = torch.iinfo(dtype)
-        return torch.randint(info.min, info.max, shape, dtype=dtype, generator=g)
-
-    kwargs = dict(
-        req_to_token=garbage((data.draw(st.integers(1, 4)), cfg.min_row_len), dtype_r2t),
-        req_pool_indices=garbage((bs,), torch.int64),
-        seq_lens=garbage((bs,), torch.int64),
-    )
+    kwargs = garbage_inputs(cfg, bs, mode, seed, pool_rows=data.draw(st.integers(1, 4)),
+                            r2t_dtype=data.draw(st.sampled_from([torch.int32, torch.int64])))
     n = cfg.num_draft_tokens
-    if mode == "draft_decode":
-        kwargs["out_cache_loc"] = garbage((bs * cfg.topk * cfg.num_steps,), torch.int64)
-    elif mode == "target_verify":
-        kwargs["tree_mask"] = torch.randint(0, 2, (bs, n, n), generator=g).bool()
-    elif mode == "draft_extend":
-        kwargs["extend_seq_lens"] = garbage((bs,), torch.int64)
     step = data.draw(st.integers(0, cfg.num_steps - 2))
     for call in build(mode, cfg, step=step, **kwargs).calls:
         csl = call.cache_seqlens.to(torch.int64)
@@ -90,21 +74,7 @@ def test_pool_size_keeps_every_page_id_in_the_pool_whatever_the_inputs(cfg, bs, 
     still give page ids inside the pool: FA3 cannot be pointed outside it (the
     memcheck run on the H200 found FA3 reading wild addresses without it)."""
     cfg = dataclasses.replace(cfg, num_pages=num_pages)
-    g = torch.Generator().manual_seed(seed)
-
-    def garbage(shape, dtype=torch.int64):
-        info = torch.iinfo(dtype)
-        return torch.randint(info.min, info.max, shape, dtype=dtype, generator=g)
-
-    kwargs = dict(req_to_token=garbage((3, cfg.min_row_len), torch.int32),
-                  req_pool_indices=garbage((bs,)), seq_lens=garbage((bs,)))
-    n = cfg.num_draft_tokens
-    if mode == "draft_decode":
-        kwargs["out_cache_loc"] = garbage((bs * cfg.topk * cfg.num_steps,))
-    elif mode == "target_verify":
-        kwargs["tree_mask"] = torch.randint(0, 2, (bs, n, n), generator=g).bool()
-    elif mode == "draft_extend":
-        kwargs["extend_seq_lens"] = garbage((bs,))
+    kwargs = garbage_inputs(cfg, bs, mode, seed)
     step = data.draw(st.integers(0, cfg.num_steps - 2))
     for call in build(mode, cfg, step=step, **kwargs).calls:
         pool = num_pages * cfg.page_size // call.page_size

@@ -10,7 +10,7 @@ import fa3_spec
 from fa3_spec import draft_expand_page_table, draft_expand_tables
 from fa3_spec.audit import RecordingBackend
 from fa3_spec.testing import make_world
-from helpers import NARROW, WIDE, configs, worlds
+from helpers import NARROW, WIDE, configs, garbage_inputs, worlds
 
 EXAMPLES = int(os.environ.get("FA3_SPEC_FUZZ_EXAMPLES", "1000"))
 
@@ -38,16 +38,7 @@ def test_equals_per_step_builders(world):
 @settings(max_examples=max(EXAMPLES // 4, 50), deadline=None)
 @given(configs(**NARROW), st.integers(0, 12), st.integers(0, 2**20))
 def test_equals_per_step_builders_on_garbage(cfg, bs, seed):
-    g = torch.Generator().manual_seed(seed)
-
-    def garbage(shape, dtype=torch.int64):
-        info = torch.iinfo(dtype)
-        return torch.randint(info.min, info.max, shape, dtype=dtype, generator=g)
-
-    kwargs = dict(req_to_token=garbage((3, cfg.min_row_len), torch.int32),
-                  req_pool_indices=garbage((bs,)), seq_lens=garbage((bs,)),
-                  out_cache_loc=garbage((bs * cfg.topk * cfg.num_steps,)))
-    _assert_same_as_per_step(cfg, kwargs)
+    _assert_same_as_per_step(cfg, garbage_inputs(cfg, bs, "draft_decode", seed))
 
 
 def test_seed_example_of_the_docstring():
