@@ -143,6 +143,12 @@ def _print_profile(label, fn, top=12):
     print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=top, max_name_column_width=60))
 
 
+def _copy_leaves(static, fresh):
+    """Copy metadata ``fresh`` into the captured buffers ``static`` (same pytree)."""
+    for dst, src in zip(torch.utils._pytree.tree_leaves(static), torch.utils._pytree.tree_leaves(fresh)):
+        dst.copy_(src)
+
+
 def _three_way(row, upstream, ours_graph, floor_graph, iters, device):
     """Time upstream-style vs fa3_spec's graph vs the floor's graph into ``row``."""
     row["upstream_us"], row["upstream_iqr_us"] = _wall(upstream, iters, device)
@@ -256,10 +262,7 @@ def draft_loop_row(cfg, world, bs, args):
 
         def upstream_loop():
             for s, (graph, out) in enumerate(graphs):
-                md = ref.draft_decode(s, **kw, out_cache_loc=loc)
-                for dst, src in zip(torch.utils._pytree.tree_leaves(static_mds[s]),
-                                    torch.utils._pytree.tree_leaves(md)):
-                    dst.copy_(src)
+                _copy_leaves(static_mds[s], ref.draft_decode(s, **kw, out_cache_loc=loc))
                 graph.replay()
                 if s + 1 < len(graphs):
                     x_static[s + 1].copy_(out)
@@ -338,10 +341,7 @@ def verify_row(cfg, world, bs, args):
     up_graph, _ = capture(upstream_c)
 
     def upstream():
-        fresh = ref.target_verify(**kw, custom_mask=flat)
-        for dst, src in zip(torch.utils._pytree.tree_leaves(static_md),
-                            torch.utils._pytree.tree_leaves(fresh)):
-            dst.copy_(src)
+        _copy_leaves(static_md, ref.target_verify(**kw, custom_mask=flat))
         up_graph.replay()
 
     floor_graph, _ = capture(floor_c)

@@ -49,7 +49,7 @@ class BatchView:
         """
         cols = positions.clamp(0, self.req_to_token.shape[1] - 1)
         slots = self.req_to_token[self.rows.unsqueeze(1), cols].to(torch.int64)
-        return self.cfg.clamp_slots(slots)
+        return in_pool(slots, self.cfg.page_size, self.cfg.num_pages)
 
     def page_table(self, lengths: torch.Tensor, width: int) -> torch.Tensor:
         """Page table over ``lengths`` tokens (int64 ``[B]``), ``width`` columns.
@@ -69,6 +69,14 @@ class BatchView:
         live = repeat_rows(self.live, repeats)
         shape = (-1,) + (1,) * (values.dim() - 1)
         return torch.where(live.view(shape), values, torch.zeros_like(values))
+
+
+def in_pool(slots: torch.Tensor, page_size: int, num_pages) -> torch.Tensor:
+    """int64 ``slots`` clamped into a pool of ``num_pages`` pages (as they are when None)."""
+    slots = slots.to(torch.int64)
+    if num_pages is None:
+        return slots
+    return slots.clamp(0, num_pages * page_size - 1)
 
 
 def repeat_rows(x: torch.Tensor, repeats: int) -> torch.Tensor:

@@ -156,9 +156,3 @@ class SpecConfig:
         span ``ceil((last + d) / P) <= ceil((P - 1 + d) / P) <= d`` pages.
         """
         return cdiv(self.page_size - 1 + decode_length, self.page_size)
-
-    def clamp_slots(self, slots):
-        """``slots`` clamped into the KV pool, ``[0, num_pages * P)`` (as is when unset)."""
-        if self.num_pages is None:
-            return slots
-        return slots.clamp(0, self.num_pages * self.page_size - 1)

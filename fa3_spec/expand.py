@@ -36,7 +36,7 @@ import torch
 import torch.nn.functional as F
 
 from . import _validate
-from ._paged import repeat_rows
+from ._paged import in_pool, repeat_rows
 from .metadata import PAGE_SENTINEL
 
 
@@ -81,19 +81,11 @@ def draft_expand_page_table(
     """
     _check_ints(decode_length=decode_length, topk=topk, page_size=page_size)
     _check_shapes(cache_loc, last_page_lens, "decode_length", decode_length, topk)
-    d = decode_length
-    live = _in_pool(cache_loc[:, :d], page_size, num_pages)  # the slice #27360 was missing
-    if page_size == 1:
-        sentinel = torch.full_like(live[:, :1], PAGE_SENTINEL)
-        table = torch.cat([live, sentinel], dim=1)
-        cache_seqlens = torch.full_like(live[:, 0], d)
-        return cache_seqlens.to(torch.int32), table.to(torch.int32)
-    table, runs = _distinct_pages(live, page_size)
-    live_cols = torch.arange(d + 1, device=live.device) < runs[:, -1:]
-    table = torch.where(live_cols, table, PAGE_SENTINEL)
-    last = last_page_lens.to(torch.int64).clamp(0, page_size - 1)
-    cache_seqlens = (repeat_rows(last, topk) + d).to(torch.int32)
-    return cache_seqlens, table.to(torch.int32)
+    # Step d of an iteration of d steps: the run structure is the same.
+    cache_seqlens, tables = draft_expand_tables(
+        cache_loc[:, :decode_length], last_page_lens, num_draft_steps=decode_length,
+        topk=topk, page_size=page_size, num_pages=num_pages)  # the slice #27360 was missing
+    return cache_seqlens[-1], tables[-1]
 
 
 def draft_expand_tables(
@@ -129,7 +121,9 @@ def draft_expand_tables(
     _check_ints(num_draft_steps=num_draft_steps, topk=topk, page_size=page_size)
     _check_shapes(cache_loc, last_page_lens, "num_draft_steps", num_draft_steps, topk)
     steps = num_draft_steps
-    live = _in_pool(cache_loc[:, :steps], page_size, num_pages)
+    if num_pages is not None:
+        _check_ints(num_pages=num_pages)
+    live = in_pool(cache_loc[:, :steps], page_size, num_pages)
     rows = live.shape[0]
     device = live.device
     d = torch.arange(1, steps + 1, device=device).view(steps, 1)
@@ -168,15 +162,6 @@ def _distinct_pages(live: torch.Tensor, page_size: int) -> tuple[torch.Tensor, t
     fills = opens.unsqueeze(2) & ((runs - 1).unsqueeze(2) == columns)  # [n, j, c]
     table = torch.where(fills, pages.unsqueeze(2), 0).sum(dim=1)  # <= 1 term each
     return table, runs
-
-
-def _in_pool(slots: torch.Tensor, page_size: int, num_pages: Optional[int]) -> torch.Tensor:
-    """int64 ``slots``, clamped into ``[0, num_pages * page_size)`` when the pool size is given."""
-    slots = slots.to(torch.int64)
-    if num_pages is None:
-        return slots
-    _check_ints(num_pages=num_pages)
-    return slots.clamp(0, num_pages * page_size - 1)
 
 
 def _check_ints(**values: int) -> None:

@@ -24,7 +24,7 @@ import torch
 import torch.nn.functional as F
 
 from .. import _validate
-from .._paged import BatchView, cdiv_tensor, cu_seqlens, repeat_rows, uniform_cu_seqlens
+from .._paged import BatchView, cdiv_tensor, cu_seqlens, in_pool, repeat_rows, uniform_cu_seqlens
 from ..config import SpecConfig
 from ..expand import draft_expand_page_table, draft_expand_tables
 from ..metadata import PAGE_SENTINEL, CascadeMetadata, FA3Metadata
@@ -136,17 +136,24 @@ def build_draft_decode_metadata(
         loc, view.last_page_lens, decode_length=d, topk=k, page_size=p, num_pages=cfg.num_pages
     )
     cache_seqlens = view.mask_padding(cache_seqlens, k)
-    expand = FA3Metadata(
-        page_table=view.mask_padding(page_table, k),
+    expand = _expand_call(cfg, d, view.mask_padding(page_table, k), cache_seqlens,
+                          uniform_cu_seqlens(bs * k, 1, loc.device), cu_seqlens(cache_seqlens))
+    return CascadeMetadata(prefix=prefix, expand=expand)
+
+
+def _expand_call(cfg: SpecConfig, d: int, page_table, cache_seqlens, cu_seqlens_q,
+                 cu_seqlens_k) -> FA3Metadata:
+    """The expand call of draft step ``d - 1``: one query per branch, not causal."""
+    return FA3Metadata(
+        page_table=page_table,
         cache_seqlens=cache_seqlens,
-        cu_seqlens_q=uniform_cu_seqlens(bs * k, 1, loc.device),
-        cu_seqlens_k=cu_seqlens(cache_seqlens),
+        cu_seqlens_q=cu_seqlens_q,
+        cu_seqlens_k=cu_seqlens_k,
         max_seqlen_q=1,
-        max_seqlen_k=d + p - 1,
-        page_size=p,
+        max_seqlen_k=d + cfg.page_size - 1,
+        page_size=cfg.page_size,
         causal=False,
     )
-    return CascadeMetadata(prefix=prefix, expand=expand)
 
 
 def build_draft_iteration_metadata(
@@ -192,21 +199,11 @@ def build_draft_iteration_metadata(
     tables = torch.where(live.view(1, -1, 1), tables, 0)
     cu_k = _stacked_cu_seqlens(cache_seqlens)
     cu_q = uniform_cu_seqlens(bs * k, 1, loc.device)
-    out = []
-    for i in range(steps):
-        d = i + 1
-        expand = FA3Metadata(
-            page_table=tables[i, :, : d + 1],
-            cache_seqlens=cache_seqlens[i],
-            cu_seqlens_q=cu_q,
-            cu_seqlens_k=cu_k[i],
-            max_seqlen_q=1,
-            max_seqlen_k=d + p - 1,
-            page_size=p,
-            causal=False,
-        )
-        out.append(CascadeMetadata(prefix=prefix, expand=expand))
-    return tuple(out)
+    return tuple(
+        CascadeMetadata(prefix=prefix, expand=_expand_call(
+            cfg, i + 1, tables[i, :, : i + 2], cache_seqlens[i], cu_q, cu_k[i]))
+        for i in range(steps)
+    )
 
 
 def _chain_iteration(view: BatchView, steps: int) -> Tuple[FA3Metadata, ...]:
@@ -273,4 +270,4 @@ def draft_tail_copy_slots(
     dst = first + offset
     dst = torch.where((offset < last) & (sl.view(bs, 1, 1) > 0), dst, src)
     src, dst = src.clamp(min=0).reshape(-1), dst.clamp(min=0).reshape(-1)
-    return cfg.clamp_slots(src), cfg.clamp_slots(dst)
+    return in_pool(src, p, cfg.num_pages), in_pool(dst, p, cfg.num_pages)
