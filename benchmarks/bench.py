@@ -50,13 +50,13 @@ import torch
 
 import fa3_spec
 from fa3_spec import builders
-from fa3_spec._paged import BatchView
 from fa3_spec.attention import provider_version
-from fa3_spec.graphs import CUDAGraphRunner, capture
-from fa3_spec.iteration import ToyModel, example_batch, make_step, world_batch
-from fa3_spec.testing import make_world
+from fa3_spec.graphs import CUDAGraphRunner
+from fa3_spec.probes import capture
+from fa3_spec.harness.toy import ToyModel, example_batch, make_step, verify_slots, world_batch
+from fa3_spec.harness.worlds import make_world
 from fa3_spec.tree import flat_from_tree_mask
-from fa3_spec.upstream import UpstreamStyleBuilder
+from fa3_spec.harness.upstream import UpstreamStyleBuilder
 
 # name: (batches, contexts, [(num_steps, topk, num_draft_tokens)], page sizes)
 SCENARIOS = {
@@ -273,7 +273,7 @@ def draft_loop_row(cfg, world, bs, args):
             _print_profile("upstream-style loop", upstream_loop)
             _print_profile("floor graph", floor_graph.replay)
         static = runner.static_inputs(bs)
-        row["fa3_spec_kernels"] = _kernels(lambda: runner._fn(**static))
+        row["fa3_spec_kernels"] = _kernels(lambda: runner.compiled_step(**static))
         row["floor_kernels"] = _kernels(floor_c)
         row["metadata_kernels_per_step"] = round(
             (row["fa3_spec_kernels"] - row["floor_kernels"]) / (cfg.num_steps - 1), 2)
@@ -300,25 +300,24 @@ def verify_row(cfg, world, bs, args):
                             dtype=torch.bfloat16, device=device)
     backend_attn = "fa3" if device == "cuda" else "torch"
     tree = cfg.topk > 1
-    mode = "target_verify" if tree else "target_verify_chain"
+    mode = "target_verify"
     n = cfg.num_draft_tokens
     g = torch.Generator(device=device).manual_seed(0)
     hidden = torch.randn(bs, n, model.hidden, device=device, generator=g).bfloat16()
-    batch = world_batch(mode, world, hidden)
+    batch = world_batch(mode, world, hidden, tree=tree)
     kw = world.batch()
     mask = world.tree_mask if tree else None
 
-    step = make_step(mode, cfg, model, world.req_to_token, backend=backend_attn)
+    step = make_step(mode, cfg, model, world.req_to_token, backend=backend_attn, tree=tree)
     runner = CUDAGraphRunner(step, buckets=[bs], backend=args.backend,
                              strategy="manual" if device == "cuda" else "eager",
-                             example=lambda b: example_batch(mode, cfg, model, b, device=device))
+                             example=lambda b: example_batch(mode, cfg, model, b, device=device,
+                                                             tree=tree))
     runner.capture()
     for name, buf in runner.static_inputs(bs).items():
         buf.copy_(batch[name])
 
-    view = BatchView(cfg, **kw)
-    positions = view.seq_lens.unsqueeze(1) + torch.arange(n, device=device)
-    slots = view.mask_padding(view.slots(positions), 1).reshape(bs * n)
+    slots = verify_slots(cfg, **kw)
     x_flat = hidden.reshape(bs * n, model.hidden)
 
     def forward_with(md):

@@ -25,13 +25,13 @@ import torch  # noqa: E402
 
 import fa3_spec  # noqa: E402
 from fa3_spec.graphs import CUDAGraphRunner  # noqa: E402
-from fa3_spec.iteration import STEP_MODES, ToyModel, example_batch, make_step, world_batch  # noqa: E402
-from fa3_spec.testing import make_world, rebase_world  # noqa: E402
+from fa3_spec.harness.toy import STEP_VARIANTS, ToyModel, example_batch, make_step, world_batch  # noqa: E402
+from fa3_spec.harness.worlds import make_world, rebase_world  # noqa: E402
 
 BUCKETS = [1, 2, 3, 4, 5, 6, 7, 8, 12, 16, 20, 24, 32, 40, 48, 64]
 
 
-def measure(mode, smoke):
+def measure(mode, tree, smoke):
     device = "cpu" if smoke else "cuda"
     buckets = BUCKETS[:3] if smoke else BUCKETS
     cfg = fa3_spec.SpecConfig(page_size=2, topk=8, num_steps=5, num_draft_tokens=16,
@@ -41,14 +41,16 @@ def measure(mode, smoke):
                             num_heads=4 if smoke else 32, num_kv_heads=2 if smoke else 8,
                             head_dim=64 if smoke else 128,
                             dtype=torch.float32 if smoke else torch.bfloat16, device=device)
-    step = make_step(mode, cfg, model, base.req_to_token, backend="torch" if smoke else "fa3")
-    row = dict(kind="compile", mode=mode, buckets=len(buckets), page_size=2, topk=8,
+    step = make_step(mode, cfg, model, base.req_to_token, backend="torch" if smoke else "fa3",
+                     tree=tree)
+    row = dict(kind="compile", mode=mode, tree=tree if mode == "target_verify" else None, buckets=len(buckets), page_size=2, topk=8,
                num_steps=5, num_draft_tokens=16)
     for phase in ("cold", "warm"):
         torch._dynamo.reset()
         runner = CUDAGraphRunner(step, buckets=buckets, strategy="eager" if smoke else "manual",
                                  backend="inductor",
-                                 example=lambda bs: example_batch(mode, cfg, model, bs, device=device))
+                                 example=lambda bs: example_batch(mode, cfg, model, bs, device=device,
+                                                                  tree=tree))
         start = time.perf_counter()
         runner.capture()
         row[f"{phase}_capture_s"] = round(time.perf_counter() - start, 2)
@@ -59,7 +61,7 @@ def measure(mode, smoke):
     world = rebase_world(make_world(cfg, bs, seed=3, num_padding=1, device=device), base.req_to_token)
     rows = cfg.topk if mode == "draft_decode" else cfg.num_draft_tokens
     hidden = torch.randn(bs, rows, model.hidden, device=device).to(model.wq.dtype)
-    batch = world_batch(mode, world, hidden)
+    batch = world_batch(mode, world, hidden, tree=tree)
     got = runner(**batch).clone()
     model.k_cache.copy_(initial[0]); model.v_cache.copy_(initial[1])
     want = step(**batch)
@@ -71,11 +73,13 @@ def main():
     parser = argparse.ArgumentParser()
     parser.add_argument("--json")
     parser.add_argument("--smoke", action="store_true")
-    parser.add_argument("--modes", nargs="+", default=list(STEP_MODES))
+    parser.add_argument("--modes", nargs="+", default=sorted({m for m, _ in STEP_VARIANTS}))
     args = parser.parse_args()
     rows = []
-    for mode in args.modes:
-        rows.append(measure(mode, args.smoke))
+    for mode, tree in STEP_VARIANTS:
+        if mode not in args.modes:
+            continue
+        rows.append(measure(mode, tree, args.smoke))
         print(json.dumps(rows[-1]), flush=True)
     if args.json == "-":  # one JSON line on stdout, for benchmarks/bench.py --kinds compile
         print(json.dumps(dict(torch=torch.__version__, rows=rows)), flush=True)

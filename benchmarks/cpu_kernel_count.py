@@ -15,7 +15,7 @@ from torch._inductor import metrics
 
 import fa3_spec
 from fa3_spec import builders
-from fa3_spec.testing import make_world
+from fa3_spec.harness.worlds import make_world
 
 CFG = fa3_spec.SpecConfig(page_size=2, topk=8, num_steps=5, num_draft_tokens=16, max_bs=8,
                           max_context_len=4096)

@@ -4,11 +4,16 @@ import torch
 from hypothesis import strategies as st
 
 import fa3_spec
-from fa3_spec.testing import (
-    build, dead_columns_clean, expected_key_slots, key_slots_read, make_world, metadata_mismatches,
+from fa3_spec import build_metadata as build
+from fa3_spec.harness.oracle import (
+    dead_columns_clean,
+    expected_key_slots,
+    key_slots_read,
+    metadata_mismatches,
     num_queries,
 )
-from fa3_spec.upstream import UpstreamStyleBuilder
+from fa3_spec.harness.worlds import make_world
+from fa3_spec.harness.upstream import UpstreamStyleBuilder
 
 NARROW = dict(page_sizes=st.sampled_from([1, 2, 3, 4, 7, 16, 64, 128]), max_topk=10, max_steps=8,
               max_n=12, max_bs=32, max_ctx=160)
@@ -40,7 +45,7 @@ def worlds(draw, **ranges):
 def assert_builder_matches(world, mode, step, tree=True, *, spec_slots=True):
     """The builder of ``mode`` equals the upstream-style reference in every value
     FA3 reads, keeps dead columns at the sentinel, and (``spec_slots``) makes
-    each query read exactly SPEC §3's key slots. Returns the metadata."""
+    each query read exactly the key slots of docs/semantics.md. Returns the metadata."""
     cfg = world.cfg
     kwargs = world.mode_kwargs(mode, tree=tree)
     got = build(mode, cfg, step=step, **kwargs)

@@ -34,10 +34,10 @@ import sys
 import torch
 
 import fa3_spec
-from fa3_spec.graphs import capture
-from fa3_spec.iteration import ToyModel, draft_iteration
-from fa3_spec.testing import make_world
-from fa3_spec.upstream import UpstreamStyleBuilder
+from fa3_spec.probes import capture
+from fa3_spec.harness.toy import ToyModel, draft_iteration
+from fa3_spec.harness.worlds import make_world
+from fa3_spec.harness.upstream import UpstreamStyleBuilder
 
 CFG = fa3_spec.SpecConfig(page_size=2, topk=8, num_steps=5, num_draft_tokens=16, max_bs=4,
                           max_context_len=512)

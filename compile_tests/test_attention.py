@@ -6,9 +6,9 @@ from torch.fx.experimental.proxy_tensor import make_fx
 
 import fa3_spec
 from fa3_spec.attention import merge_attention_states
-from fa3_spec.testing import (
-    MODES, build, dense_attention, expected_key_slots, fill_kv_cache, make_world, num_queries,
-)
+from fa3_spec import MODES, build_metadata as build
+from fa3_spec.harness.oracle import dense_attention, expected_key_slots, num_queries
+from fa3_spec.harness.worlds import fill_kv_cache, make_world
 
 CONFIGS = [(1, 1), (2, 8), (3, 3), (16, 4)]
 

@@ -1,14 +1,16 @@
 import json
 
-
-from fa3_spec import cli
-from fa3_spec.audit import AUDIT_MODES, AuditCase, audit_case, default_grid
+import fa3_spec.harness.selfaudit as selfaudit
+from fa3_spec import MODES
+from fa3_spec.harness import cli
+from fa3_spec.harness.selfaudit import ALL_STEPS, AuditCase, audit_case, default_grid
 
 
 def test_default_grid_covers_modes_page_sizes_and_topk():
     cases = default_grid()
     seen = {(c.mode, c.cfg.page_size > 1, c.cfg.topk > 1) for c in cases}
-    assert seen == {(m, p, k) for m in AUDIT_MODES for p in (False, True) for k in (False, True)}
+    assert seen == {(m, p, k) for m in MODES for p in (False, True) for k in (False, True)}
+    assert {c.step for c in cases if c.mode == "draft_decode"} == {0, 3, ALL_STEPS}
     assert any(c.cfg.page_size == 2 and c.cfg.topk == 8 for c in cases)  # the seed
 
 
@@ -18,7 +20,9 @@ def test_audit_cli_writes_json_rows(tmp_path, capsys):
                      "--device", "cpu"])
     assert code == 0
     rows = json.loads(out.read_text())
-    assert {r["mode"] for r in rows} == set(AUDIT_MODES)
+    assert {r["mode"] for r in rows} == set(MODES)
+    assert {r["step"] for r in rows if r["mode"] == "draft_decode" and r["scope"] == "builder"} == {
+        0, 3, ALL_STEPS}
     for r in rows:
         assert {"mode", "config", "graph_breaks", "recompiles", "host_syncs",
                 "cuda_graph", "parity"} <= set(r)
@@ -30,9 +34,7 @@ def test_audit_cli_writes_json_rows(tmp_path, capsys):
 
 def test_audit_flags_a_leaky_builder(monkeypatch):
     """A builder with a host sync and a value-dependent shape is reported unclean."""
-    import fa3_spec.audit as audit
-
-    real_build = audit.build
+    real_build = selfaudit.build_metadata
 
     def leaky(mode, cfg, *, step=0, **kwargs):
         md = real_build(mode, cfg, step=step, **kwargs)
@@ -40,7 +42,7 @@ def test_audit_flags_a_leaky_builder(monkeypatch):
             return md
         return md
 
-    monkeypatch.setattr(audit, "build", leaky)
+    monkeypatch.setattr(selfaudit, "build_metadata", leaky)
     case = [c for c in default_grid(page_sizes=(2,), topks=(8,)) if c.mode == "decode"][0]
     row = audit_case(case, device="cpu")
     assert not row.clean
@@ -50,15 +52,13 @@ def test_audit_flags_a_leaky_builder(monkeypatch):
 def test_audit_flags_a_parity_bug(monkeypatch):
     import dataclasses
 
-    import fa3_spec.audit as audit
-
-    real_build = audit.build
+    real_build = selfaudit.build_metadata
 
     def off_by_one(mode, cfg, *, step=0, **kwargs):
         md = real_build(mode, cfg, step=step, **kwargs)
         return dataclasses.replace(md, cache_seqlens=md.cache_seqlens + 1)
 
-    monkeypatch.setattr(audit, "build", off_by_one)
+    monkeypatch.setattr(selfaudit, "build_metadata", off_by_one)
     case = AuditCase("decode", default_grid(page_sizes=(16,), topks=(1,))[0].cfg)
     row = audit_case(case, device="cpu")
     assert not row.parity and not row.clean
@@ -67,9 +67,7 @@ def test_audit_flags_a_parity_bug(monkeypatch):
 def test_audit_checks_the_iteration_builder_against_the_per_step_reference(monkeypatch):
     import dataclasses
 
-    import fa3_spec.audit as audit
-
-    real = audit.build_draft_iteration_metadata
+    real = selfaudit.build_draft_iteration_metadata
 
     def last_step_off(cfg, **kwargs):
         steps = list(real(cfg, **kwargs))
@@ -78,8 +76,8 @@ def test_audit_checks_the_iteration_builder_against_the_per_step_reference(monke
         steps[-1] = dataclasses.replace(casc, expand=expand)
         return tuple(steps)
 
-    case = [c for c in default_grid(page_sizes=(2,), topks=(8,)) if c.mode == "draft_iteration"][0]
+    case = [c for c in default_grid(page_sizes=(2,), topks=(8,)) if c.step == ALL_STEPS][0]
     assert audit_case(case, device="cpu").clean
-    monkeypatch.setattr(audit, "build_draft_iteration_metadata", last_step_off)
+    monkeypatch.setattr(selfaudit, "build_draft_iteration_metadata", last_step_off)
     row = audit_case(case, device="cpu")
     assert not row.parity and any("step 3" in p for p in row.problems)

@@ -6,8 +6,9 @@ from hypothesis import given, strategies as st
 
 import fa3_spec
 from fa3_spec import ErrorFlag, describe_errors, error_flags
-from fa3_spec.audit import RecordingBackend
-from fa3_spec.testing import MODES, make_world
+from fa3_spec.probes import RecordingBackend
+from fa3_spec import MODES
+from fa3_spec.harness.worlds import make_world
 
 CFG = fa3_spec.SpecConfig(page_size=4, topk=3, num_steps=4, num_draft_tokens=5, max_bs=8,
                           max_context_len=40)
@@ -108,7 +109,7 @@ def test_extend_length_out_of_range():
 def test_describe_errors_names_each_bit():
     flags = torch.tensor(int(ErrorFlag.SEQ_LEN_OUT_OF_RANGE | ErrorFlag.DRAFT_LAYOUT))
     messages = describe_errors(flags)
-    assert len(messages) == 2 and "seq_len" in messages[0] and "SPEC" in messages[1]
+    assert len(messages) == 2 and "seq_len" in messages[0] and "docs/semantics.md" in messages[1]
     assert describe_errors(torch.tensor(0)) == []
 
 
@@ -129,7 +130,7 @@ def test_flags_compile_in_one_graph_without_data_dependent_ops():
 
 
 @given(st.integers(1, 8), st.integers(1, 6), st.integers(2, 6), st.integers(1, 8),
-       st.integers(0, 9), st.integers(0, 2**16), st.sampled_from(MODES))
+       st.integers(0, 9), st.integers(0, 2**16), st.sampled_from(list(MODES)))
 def test_random_valid_worlds_never_flag(p, k, s, n, bs, seed, mode):
     cfg = fa3_spec.SpecConfig(page_size=p, topk=k, num_steps=s, num_draft_tokens=n, max_bs=16,
                               max_context_len=60)
@@ -139,8 +140,10 @@ def test_random_valid_worlds_never_flag(p, k, s, n, bs, seed, mode):
 
 def test_missing_extend_lengths_is_a_named_error():
     w = _world()
-    with pytest.raises(TypeError, match="extend_seq_lens"):
+    with pytest.raises(ValueError, match="extend_seq_lens"):
         _flags(w, "draft_extend", extend_seq_lens=None)
+    with pytest.raises(ValueError, match="extend_seq_lens"):  # as the builder says it
+        fa3_spec.build_draft_extend_metadata(CFG, **w.batch(), extend_seq_lens=None)
 
 
 def test_custom_ops_register_on_import():

@@ -4,8 +4,10 @@ import pytest
 import torch
 
 from fa3_spec import SpecConfig
-from fa3_spec.audit import RecordingBackend, graph_breaks
-from fa3_spec.testing import MODES, build, make_world, metadata_mismatches
+from fa3_spec.probes import RecordingBackend, graph_breaks
+from fa3_spec import MODES, build_metadata as build
+from fa3_spec.harness.worlds import make_world
+from fa3_spec.harness.oracle import metadata_mismatches
 
 CONFIGS = [
     SpecConfig(page_size=2, topk=8, num_steps=5, num_draft_tokens=6, max_bs=8, max_context_len=128),

@@ -34,7 +34,7 @@ def test_expand_bound_is_tight_and_never_exceeds_decode_length(p):
     [
         ("page_size", 0, ValueError),
         ("topk", 0, ValueError),
-        ("num_steps", 1, ValueError),
+        ("num_steps", 0, ValueError),
         ("num_draft_tokens", 0, ValueError),
         ("max_bs", 0, ValueError),
         ("max_context_len", 0, ValueError),

@@ -4,7 +4,8 @@ import pytest
 import torch
 
 from fa3_spec import SpecConfig
-from fa3_spec.testing import MODES, build, make_world
+from fa3_spec import MODES, build_metadata as build
+from fa3_spec.harness.worlds import make_world
 
 CFG = SpecConfig(page_size=4, topk=4, num_steps=4, num_draft_tokens=5, max_bs=8, max_context_len=40)
 

@@ -1,11 +1,11 @@
-"""The expand page table and the #27360 bug (SPEC §6)."""
+"""The expand page table and the #27360 bug (docs/semantics.md, "The #27360 bug")."""
 
 import pytest
 import torch
 
 from fa3_spec import SpecConfig, draft_expand_page_table
-from fa3_spec.testing import make_world
-from fa3_spec.upstream import UpstreamStyleBuilder
+from fa3_spec.harness.worlds import make_world
+from fa3_spec.harness.upstream import UpstreamStyleBuilder
 
 SEED_CFG = SpecConfig(page_size=2, topk=8, num_steps=5, num_draft_tokens=6, max_bs=8,
                       max_context_len=64)

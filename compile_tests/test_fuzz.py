@@ -12,7 +12,7 @@ import torch
 from hypothesis import given, settings, strategies as st
 
 import fa3_spec
-from fa3_spec.testing import MODES, build
+from fa3_spec import MODES, build_metadata as build
 from helpers import WIDE, assert_builder_matches, configs, garbage_inputs, worlds
 
 EXAMPLES = int(os.environ.get("FA3_SPEC_FUZZ_EXAMPLES", "1000"))
@@ -20,7 +20,7 @@ fuzz = settings(max_examples=EXAMPLES, deadline=None)
 
 
 @fuzz
-@given(worlds(**WIDE), st.sampled_from(MODES), st.booleans(), st.data())
+@given(worlds(**WIDE), st.sampled_from(list(MODES)), st.booleans(), st.data())
 def test_parity_and_page_ids_in_pool(world, mode, tree, data):
     cfg = world.cfg
     step = data.draw(st.integers(0, cfg.num_steps - 2))
@@ -33,7 +33,7 @@ def test_parity_and_page_ids_in_pool(world, mode, tree, data):
 
 
 @fuzz
-@given(configs(**WIDE), st.integers(0, 24), st.sampled_from(MODES), st.integers(0, 2**20), st.data())
+@given(configs(**WIDE), st.integers(0, 24), st.sampled_from(list(MODES)), st.integers(0, 2**20), st.data())
 def test_garbage_values_never_index_out_of_range(cfg, bs, mode, seed, data):
     kwargs = garbage_inputs(cfg, bs, mode, seed, pool_rows=data.draw(st.integers(1, 4)),
                             r2t_dtype=data.draw(st.sampled_from([torch.int32, torch.int64])))
@@ -47,7 +47,7 @@ def test_garbage_values_never_index_out_of_range(cfg, bs, mode, seed, data):
 
 
 @fuzz
-@given(worlds(**WIDE), st.sampled_from(MODES), st.data())
+@given(worlds(**WIDE), st.sampled_from(list(MODES)), st.data())
 def test_padding_rows_never_change_live_rows(world, mode, data):
     bs = world.batch_size
     pad = torch.tensor(data.draw(st.lists(st.booleans(), min_size=bs, max_size=bs)), dtype=torch.bool)
@@ -66,7 +66,7 @@ def test_padding_rows_never_change_live_rows(world, mode, data):
 
 
 @fuzz
-@given(configs(**WIDE), st.integers(0, 24), st.sampled_from(MODES), st.integers(1, 10**6),
+@given(configs(**WIDE), st.integers(0, 24), st.sampled_from(list(MODES)), st.integers(1, 10**6),
        st.integers(0, 2**20), st.data())
 def test_pool_size_keeps_every_page_id_in_the_pool_whatever_the_inputs(cfg, bs, mode, num_pages,
                                                                         seed, data):

@@ -12,9 +12,9 @@ import torch
 
 import fa3_spec
 from fa3_spec.attention import fa3_available, provider_version
-from fa3_spec.testing import (
-    MODES, build, dense_attention, expected_key_slots, fill_kv_cache, make_world, num_queries,
-)
+from fa3_spec import MODES, build_metadata as build
+from fa3_spec.harness.oracle import dense_attention, expected_key_slots, num_queries
+from fa3_spec.harness.worlds import fill_kv_cache, make_world
 
 pytestmark = [
     pytest.mark.gpu,

@@ -12,9 +12,10 @@ import torch
 import fa3_spec
 from fa3_spec.attention import fa3_available
 from fa3_spec.config import cdiv
-from fa3_spec.graphs import CUDAGraphRunner, capture
-from fa3_spec.iteration import ToyModel, draft_iteration, example_batch
-from fa3_spec.testing import draft_positions
+from fa3_spec.graphs import CUDAGraphRunner
+from fa3_spec.probes import capture
+from fa3_spec.harness.toy import ToyModel, draft_iteration, example_batch
+from fa3_spec.harness.worlds import draft_positions
 
 pytestmark = [
     pytest.mark.gpu,

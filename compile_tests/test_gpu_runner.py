@@ -10,8 +10,8 @@ import torch
 import fa3_spec
 from fa3_spec.attention import fa3_available
 from fa3_spec.graphs import CUDAGraphRunner
-from fa3_spec.iteration import STEP_MODES, ToyModel, example_batch, make_step, world_batch
-from fa3_spec.testing import make_world, rebase_world
+from fa3_spec.harness.toy import STEP_VARIANTS, ToyModel, example_batch, make_step, world_batch
+from fa3_spec.harness.worlds import make_world, rebase_world
 
 pytestmark = [
     pytest.mark.gpu,
@@ -19,25 +19,27 @@ pytestmark = [
 ]
 
 
-def _setup(mode, p, k, strategy="manual", backend="aot_eager", buckets=(1, 2, 4, 8)):
+def _setup(mode, p, k, strategy="manual", backend="aot_eager", buckets=(1, 2, 4, 8), tree=True):
     cfg = fa3_spec.SpecConfig(page_size=p, topk=k, num_steps=5,
                               num_draft_tokens=8 if k > 1 else 4, max_bs=8, max_context_len=700)
     base = make_world(cfg, 8, seed=0, device="cuda")
     model = ToyModel.create(layers=2, num_pages=base.num_pages, page_size=p, num_heads=8,
                             num_kv_heads=2, head_dim=128, dtype=torch.bfloat16, device="cuda")
-    step = make_step(mode, cfg, model, base.req_to_token, backend="fa3")
+    tree = tree and k > 1
+    step = make_step(mode, cfg, model, base.req_to_token, backend="fa3", tree=tree)
     runner = CUDAGraphRunner(step, buckets=list(buckets), strategy=strategy, backend=backend,
-                             example=lambda bs: example_batch(mode, cfg, model, bs, device="cuda"))
+                             example=lambda bs: example_batch(mode, cfg, model, bs, device="cuda",
+                                                              tree=tree))
     return cfg, base, model, step, runner
 
 
-def _batch(mode, cfg, base, model, bs, seed):
+def _batch(mode, cfg, base, model, bs, seed, tree=True):
     world = rebase_world(make_world(cfg, bs, seed=seed, num_padding=1 if bs > 2 else 0,
                                     device="cuda"), base.req_to_token)
     rows = cfg.topk if mode == "draft_decode" else cfg.num_draft_tokens
     g = torch.Generator(device="cuda").manual_seed(seed)
     hidden = torch.randn(bs, rows, model.hidden, device="cuda", generator=g).bfloat16()
-    return world_batch(mode, world, hidden)
+    return world_batch(mode, world, hidden, tree=tree and cfg.topk > 1)
 
 
 def _rel(a, b):
@@ -45,9 +47,9 @@ def _rel(a, b):
 
 
 @pytest.mark.parametrize("p, k", [(2, 8), (16, 1), (1, 4)])
-@pytest.mark.parametrize("mode", list(STEP_MODES))
-def test_runner_replays_fresh_batches(mode, p, k):
-    cfg, base, model, step, runner = _setup(mode, p, k)
+@pytest.mark.parametrize("mode, tree", STEP_VARIANTS)
+def test_runner_replays_fresh_batches(mode, tree, p, k):
+    cfg, base, model, step, runner = _setup(mode, p, k, tree=tree)
     runner.capture()
     addresses = {b: [t.data_ptr() for t in runner.static_inputs(b).values()] for b in runner.buckets}
     out_address = {b: runner.output_buffers(b).data_ptr() for b in runner.buckets}
@@ -59,7 +61,7 @@ def test_runner_replays_fresh_batches(mode, p, k):
 
     # A full bucket, then a smaller batch in the same bucket, then others.
     for bs, seed in [(8, 1), (5, 2), (1, 3), (3, 4), (8, 5)]:
-        batch = _batch(mode, cfg, base, model, bs, seed)
+        batch = _batch(mode, cfg, base, model, bs, seed, tree=tree)
         restore()
         got = runner(**batch).clone()
         k_after = model.k_cache.clone()
@@ -110,7 +112,7 @@ def test_inductor_draft_iteration_capture():
 
 def test_sync_counter_sees_a_real_host_sync():
     """The audit's host-sync count is live: .item() is counted on every call."""
-    from fa3_spec.audit import count_host_syncs
+    from fa3_spec.probes import count_host_syncs
 
     x = torch.ones(4, device="cuda")
     count, messages = count_host_syncs(lambda t: t.sum().item(), x, calls=2)

@@ -4,12 +4,18 @@ import pytest
 import torch
 
 import fa3_spec
-from fa3_spec.audit import RecordingBackend
+from fa3_spec.probes import RecordingBackend
 from fa3_spec.graphs import CUDAGraphRunner
-from fa3_spec.iteration import (
-    STEP_MODES, ToyModel, draft_iteration, example_batch, make_step, world_batch,
+from fa3_spec.harness.toy import (
+    STEP_VARIANTS,
+    ToyModel,
+    draft_iteration,
+    example_batch,
+    make_step,
+    world_batch,
 )
-from fa3_spec.testing import dense_attention, expected_key_slots, make_world
+from fa3_spec.harness.oracle import dense_attention, expected_key_slots
+from fa3_spec.harness.worlds import make_world
 
 CFGS = [(2, 4), (1, 1), (3, 3), (16, 1)]
 
@@ -35,7 +41,7 @@ def test_draft_iteration_matches_dense_oracle(p, k):
     loc = world.out_cache_loc.view(4, k, cfg.num_steps)
     got = draft_iteration(cfg, model, **world.batch(), out_cache_loc=loc, hidden=hidden,
                           backend="torch")
-    # Oracle: the same layers, attention over SPEC §3's key slots per query.
+    # Oracle: the same layers, attention over docs/semantics.md's key slots per query.
     oracle.copy_slots(*fa3_spec.draft_tail_copy_slots(cfg, seq_lens=world.seq_lens, out_cache_loc=loc))
     x, outs = hidden.reshape(4 * k, -1), []
     for step in range(cfg.num_steps - 1):
@@ -47,18 +53,18 @@ def test_draft_iteration_matches_dense_oracle(p, k):
     torch.testing.assert_close(model.k_cache, oracle.k_cache)
 
 
-@pytest.mark.parametrize("mode", ["target_verify", "target_verify_chain", "draft_extend"])
-def test_verify_and_extend_match_dense_oracle(mode):
+@pytest.mark.parametrize("mode, tree", [("target_verify", True), ("target_verify", False),
+                                        ("draft_extend", False)])
+def test_verify_and_extend_match_dense_oracle(mode, tree):
     cfg = fa3_spec.SpecConfig(page_size=2, topk=4, num_steps=4, num_draft_tokens=5, max_bs=8,
                               max_context_len=40)
     world = make_world(cfg, 4, num_padding=1, seed=3)
     model = _model(world, 2)
     oracle = _clone(model)
     hidden = torch.randn(4, 5, model.hidden, generator=torch.Generator().manual_seed(2))
-    got = make_step(mode, cfg, model, world.req_to_token, backend="torch")(**world_batch(mode, world, hidden))
-    spec_mode = "draft_extend" if mode == "draft_extend" else "target_verify"
-    tree = mode == "target_verify"
-    slots = expected_key_slots(world, spec_mode, tree=tree)
+    step = make_step(mode, cfg, model, world.req_to_token, backend="torch", tree=tree)
+    got = step(**world_batch(mode, world, hidden, tree=tree))
+    slots = expected_key_slots(world, mode, tree=tree)
     r2t, x = world.req_to_token, hidden.reshape(20, -1)
     if mode == "draft_extend":  # packed tokens: request b's last e_b accepted tokens
         write = [int(r2t[row, s - e + i]) for row, s, e in zip(world.req_pool_indices.tolist(),
@@ -72,18 +78,19 @@ def test_verify_and_extend_match_dense_oracle(mode):
     torch.testing.assert_close(got.reshape(20, -1)[:rows], want[:rows], atol=1e-4, rtol=1e-4)
 
 
-@pytest.mark.parametrize("mode", list(STEP_MODES))
-def test_runner_padding_leaves_real_rows_unchanged(mode):
+@pytest.mark.parametrize("mode, tree", STEP_VARIANTS)
+def test_runner_padding_leaves_real_rows_unchanged(mode, tree):
     cfg = fa3_spec.SpecConfig(page_size=2, topk=4, num_steps=4, num_draft_tokens=5, max_bs=8,
                               max_context_len=40)
     world = make_world(cfg, 8, seed=1)
     model = _model(world, 2)
-    step = make_step(mode, cfg, model, world.req_to_token, backend="torch")
+    step = make_step(mode, cfg, model, world.req_to_token, backend="torch", tree=tree)
     runner = CUDAGraphRunner(step, buckets=[2, 4, 8], strategy="eager",
-                             example=lambda bs: example_batch(mode, cfg, model, bs, device="cpu"))
+                             example=lambda bs: example_batch(mode, cfg, model, bs, device="cpu",
+                                                              tree=tree))
     runner.capture()
     rows = 4 if mode == "draft_decode" else 5
-    full = world_batch(mode, world, torch.randn(8, rows, model.hidden))
+    full = world_batch(mode, world, torch.randn(8, rows, model.hidden), tree=tree)
     initial = (model.k_cache.clone(), model.v_cache.clone())
     for bs in (8, 3, 5, 0):  # a full bucket, then smaller batches in it, then none
         batch = {k: v[:bs] for k, v in full.items()}

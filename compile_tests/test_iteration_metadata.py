@@ -8,8 +8,8 @@ from hypothesis import given, settings, strategies as st
 
 import fa3_spec
 from fa3_spec import draft_expand_page_table, draft_expand_tables
-from fa3_spec.audit import RecordingBackend
-from fa3_spec.testing import make_world
+from fa3_spec.probes import RecordingBackend
+from fa3_spec.harness.worlds import make_world
 from helpers import NARROW, WIDE, configs, garbage_inputs, worlds
 
 EXAMPLES = int(os.environ.get("FA3_SPEC_FUZZ_EXAMPLES", "1000"))

@@ -4,9 +4,14 @@ import pytest
 import torch
 
 import fa3_spec
-from fa3_spec.testing import (
-    MODES, build, expected_key_slots, key_slots_read, make_world, metadata_mismatches, num_queries,
+from fa3_spec import MODES, build_metadata as build
+from fa3_spec.harness.oracle import (
+    expected_key_slots,
+    key_slots_read,
+    metadata_mismatches,
+    num_queries,
 )
+from fa3_spec.harness.worlds import make_world
 
 
 @pytest.mark.parametrize("p, k", [(1, 1), (2, 8), (7, 3), (64, 4)])

@@ -1,9 +1,11 @@
-"""Builders vs the upstream-style reference and vs SPEC §3's key sets."""
+"""Builders vs the upstream-style reference and vs the key sets of docs/semantics.md."""
 
 import pytest
 
 from fa3_spec import SpecConfig
-from fa3_spec.testing import MODES, build, make_world, metadata_mismatches
+from fa3_spec import MODES, build_metadata as build
+from fa3_spec.harness.worlds import make_world
+from fa3_spec.harness.oracle import metadata_mismatches
 from helpers import assert_builder_matches
 
 # Named workloads: the seed's case first.
@@ -41,7 +43,7 @@ def test_builder_matches_reference_and_spec(name, mode, step, tree):
 
 
 def test_seed_example_expand_rows():
-    """SPEC §6: P=2, S=4, seq_len=5: branch 0's slots span 3 pages by step 3."""
+    """docs/semantics.md, the #27360 example: P=2, S=4, seq_len=5: branch 0's slots span 3 pages by step 3."""
     cfg = SpecConfig(page_size=2, topk=2, num_steps=4, num_draft_tokens=4, max_bs=1,
                      max_context_len=16)
     world = make_world(cfg, 1, seq_lens=[5])

@@ -11,9 +11,8 @@ with no host syncs, so that metadata and attention compile with
 """
 
 from .attention import cascade_attention, merge_attention_states
+from .batch import SpecBatch
 from .builders import (
-    MODES,
-    build_metadata,
     build_decode_metadata,
     build_draft_decode_metadata,
     build_draft_extend_metadata,
@@ -26,6 +25,7 @@ from .checks import ErrorFlag, describe_errors, error_flags
 from .config import SpecConfig
 from .expand import draft_expand_page_table, draft_expand_tables
 from .metadata import PAGE_SENTINEL, CascadeMetadata, FA3Metadata
+from .modes import MODES, Mode, build_metadata
 from .tree import tree_mask_from_flat, tree_mask_from_parents
 
 __version__ = "0.1.0"
@@ -39,7 +39,9 @@ __all__ = [
     "PAGE_SENTINEL",
     "CascadeMetadata",
     "FA3Metadata",
+    "SpecBatch",
     "SpecConfig",
+    "Mode",
     "build_decode_metadata",
     "cascade_attention",
     "merge_attention_states",

@@ -88,19 +88,6 @@ def repeat_rows(x: torch.Tensor, repeats: int) -> torch.Tensor:
     )
 
 
-def query_rows(cu_seqlens_q: torch.Tensor, num_queries: int) -> torch.Tensor:
-    """Row owning each of ``num_queries`` packed queries (int64 ``[num_queries]``).
-
-    ``searchsorted(cu[1:], j, right=True)`` written as a comparison-sum,
-    ``#{b : cu[b+1] <= j}``: inductor (torch 2.11) cannot lower
-    ``searchsorted`` over a sliced boundary tensor. Queries past the last
-    row get ``rows`` (one past the end); callers clamp or mask.
-    """
-    j = torch.arange(num_queries, device=cu_seqlens_q.device)
-    ends = cu_seqlens_q[1:].to(torch.int64)
-    return (ends.unsqueeze(0) <= j.unsqueeze(1)).sum(dim=1)
-
-
 def cdiv_tensor(x: torch.Tensor, d: int) -> torch.Tensor:
     return torch.div(x + (d - 1), d, rounding_mode="floor")
 

@@ -1,9 +1,15 @@
-"""Boundary checks: shapes, dtypes and devices, never tensor values.
+"""Boundary checks, all in one place: Python ints, shapes, dtypes, devices.
 
-Every check here reads only Python-visible facts (``ndim``, ``shape``,
-``dtype``, ``device``), so under ``torch.compile`` it runs at trace time and
-leaves nothing in the graph. Problems raise `TypeError` (wrong kind or dtype)
-or `ValueError` (wrong shape), with the argument's name in the message.
+Every check reads only Python-visible facts (``ndim``, ``shape``, ``dtype``,
+``device``, Python ints), so under ``torch.compile`` it runs at trace time
+and leaves nothing in the graph. Problems raise `TypeError` (wrong kind or
+dtype) or `ValueError` (wrong value or shape), naming the argument.
+
+Under ``torch.compile(fullgraph=True)`` an exception raised while tracing
+reaches the caller as ``torch._dynamo.exc.Unsupported`` (a `RuntimeError`)
+whose message contains the original one. To get the typed error, validate
+outside the compiled region: build a `fa3_spec.SpecBatch` there (as an
+engine does once per batch) and pass it in.
 """
 
 from __future__ import annotations
@@ -12,11 +18,33 @@ from typing import Optional, Sequence
 
 import torch
 
-from .config import SpecConfig
-
 INDEX_DTYPES = (torch.int32, torch.int64)
 
 
+# ------------------------------------------------------------------ Python ints
+def int_at_least(name: str, value: object, minimum: int) -> int:
+    """``value`` must be a Python int (not bool) ``>= minimum``."""
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise TypeError(f"{name} must be an int, got {type(value).__name__}")
+    if value < minimum:
+        raise ValueError(f"{name} must be >= {minimum}, got {value}")
+    return value
+
+
+def positive_int(name: str, value: object) -> int:
+    return int_at_least(name, value, 1)
+
+
+def int_in_range(name: str, value: object, low: int, high: int, why: str = "") -> int:
+    """``low <= value <= high`` (a Python int)."""
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise TypeError(f"{name} must be an int, got {type(value).__name__}")
+    if not low <= value <= high:
+        raise ValueError(f"{name} must be in [{low}, {high}]{why}, got {value}")
+    return value
+
+
+# --------------------------------------------------------------------- tensors
 def tensor(
     name: str,
     value: object,
@@ -31,9 +59,7 @@ def tensor(
         allowed = ", ".join(str(d) for d in dtypes)
         raise TypeError(f"{name} must have dtype in ({allowed}), got {value.dtype}")
     if ndim is not None and value.dim() != ndim:
-        raise ValueError(
-            f"{name} must be {ndim}-D, got shape {tuple(value.shape)}"
-        )
+        raise ValueError(f"{name} must be {ndim}-D, got shape {tuple(value.shape)}")
     return value
 
 
@@ -48,23 +74,22 @@ def same_device(**tensors: torch.Tensor) -> None:
             )
 
 
-def batch(
-    cfg: SpecConfig,
-    req_to_token: object,
-    req_pool_indices: object,
-    seq_lens: object,
-) -> int:
-    """Validate the per-batch inputs every builder takes; return ``B``."""
-    if not isinstance(cfg, SpecConfig):
-        raise TypeError(f"cfg must be a SpecConfig, got {type(cfg).__name__}")
+def per_request(name: str, value: object, bs: int) -> torch.Tensor:
+    """An int tensor ``[B]`` (one entry per request)."""
+    t = tensor(name, value, ndim=1)
+    if t.shape[0] != bs:
+        raise ValueError(f"{name} has {t.shape[0]} entries but the batch has {bs}")
+    return t
+
+
+# ------------------------------------------------------------ the batch inputs
+def request_triple(cfg, req_to_token: object, req_pool_indices: object,
+                   seq_lens: object) -> int:
+    """Validate the three inputs every builder takes; return ``B``."""
     r2t = tensor("req_to_token", req_to_token, ndim=2)
     rpi = tensor("req_pool_indices", req_pool_indices, ndim=1)
-    sl = tensor("seq_lens", seq_lens, ndim=1)
     bs = rpi.shape[0]
-    if sl.shape[0] != bs:
-        raise ValueError(
-            f"seq_lens has {sl.shape[0]} entries but req_pool_indices has {bs}"
-        )
+    per_request("seq_lens", seq_lens, bs)
     if bs > cfg.max_bs:
         raise ValueError(f"batch size {bs} exceeds max_bs={cfg.max_bs}")
     if r2t.shape[0] < 1:
@@ -75,5 +100,37 @@ def batch(
             f"needs at least max_context_len + max(num_steps - 1, "
             f"num_draft_tokens) = {cfg.min_row_len}"
         )
-    same_device(req_to_token=r2t, req_pool_indices=rpi, seq_lens=sl)
+    same_device(req_to_token=r2t, req_pool_indices=rpi, seq_lens=seq_lens)
     return bs
+
+
+def draft_slots(cfg, out_cache_loc: object, bs: int) -> torch.Tensor:
+    """``out_cache_loc`` (flat, ``[B, K, S]`` or ``[B*K, S]``) as ``[B*K, S]``."""
+    loc = tensor("out_cache_loc", out_cache_loc)
+    rows, steps = bs * cfg.topk, cfg.num_steps
+    if loc.numel() != rows * steps or loc.dim() not in (1, 2, 3):
+        raise ValueError(
+            f"out_cache_loc must hold B*topk*num_steps = {bs}*{cfg.topk}*"
+            f"{steps} = {rows * steps} slots (flat, [B, K, S] or [B*K, S]), "
+            f"got shape {tuple(loc.shape)}"
+        )
+    if loc.dim() > 1 and loc.shape[-1] != steps:
+        raise ValueError(
+            f"out_cache_loc's last dimension must be num_steps={steps}, "
+            f"got shape {tuple(loc.shape)}"
+        )
+    if loc.dim() == 3 and loc.shape[1] != cfg.topk:
+        raise ValueError(
+            f"out_cache_loc of shape [B, K, S] must have K = topk = {cfg.topk}, "
+            f"got shape {tuple(loc.shape)}"
+        )
+    return loc.reshape(rows, steps)
+
+
+def tree_mask(value: object, bs: int, n: int) -> torch.Tensor:
+    mask = tensor("tree_mask", value, ndim=3, dtypes=(torch.bool,))
+    if tuple(mask.shape) != (bs, n, n):
+        raise ValueError(
+            f"tree_mask must have shape [B, N, N] = [{bs}, {n}, {n}], got {tuple(mask.shape)}"
+        )
+    return mask

@@ -13,11 +13,15 @@ turn it into words with `describe_errors`.
     ...  # the captured step runs
     if int(flags):                         # the one sync, outside the step
         raise RuntimeError(describe_errors(flags))
+
+Every check reads the *raw* inputs (int64, before any clamp or int32 cast),
+over exactly the token positions the mode's FA3 calls read (see
+``docs/semantics.md``). Padding rows (``seq_len == 0``) are exempt from every
+check: they read nothing.
 """
 
 from __future__ import annotations
 
-import dataclasses
 import enum
 from typing import Optional
 
@@ -25,8 +29,11 @@ import torch
 
 from . import _validate
 from ._paged import BatchView, repeat_rows
-from .builders import build_metadata
 from .config import SpecConfig
+from .modes import get_mode
+
+#: Largest page id an int32 page table can hold.
+INT32_MAX = 2**31 - 1
 
 
 class ErrorFlag(enum.IntFlag):
@@ -34,23 +41,30 @@ class ErrorFlag(enum.IntFlag):
 
     REQUEST_INDEX_OUT_OF_RANGE = 1 << 0  # req_pool_indices outside req_to_token's rows
     SEQ_LEN_OUT_OF_RANGE = 1 << 1  # seq_len < 0 or > max_context_len (window past the row)
-    DRAFT_LAYOUT = 1 << 2  # distinct expand pages != ceil((last + d) / P)
-    TREE_MASK_NOT_A_TREE = 1 << 3  # a row without itself or the root; ancestors not closed
-    PAGE_ID_OUT_OF_RANGE = 1 << 4  # a page id FA3 will read outside [0, num_pages)
+    DRAFT_LAYOUT = 1 << 2  # draft slots not in the documented topk > 1 layout
+    TREE_MASK_NOT_A_TREE = 1 << 3  # not the ancestor-or-self relation of a parent array
+    PAGE_ID_OUT_OF_RANGE = 1 << 4  # a page id FA3 will read outside the pool or int32
     EXTEND_LEN_OUT_OF_RANGE = 1 << 5  # extend_seq_len < 0, > N or > seq_len
+    MISALIGNED_ROW = 1 << 6  # req_to_token row not page aligned where FA3 reads it
 
 
 _MESSAGES = {
     ErrorFlag.REQUEST_INDEX_OUT_OF_RANGE: "a req_pool_indices entry is outside req_to_token's rows",
     ErrorFlag.SEQ_LEN_OUT_OF_RANGE: "a seq_len is negative or above max_context_len "
     "(its window would run past the req_to_token row)",
-    ErrorFlag.DRAFT_LAYOUT: "draft slots are not laid out as SPEC §3 requires: a branch's "
-    "first d slots span a number of pages other than ceil((seq_len % P + d) / P)",
-    ErrorFlag.TREE_MASK_NOT_A_TREE: "tree_mask is not an ancestor mask: a row misses itself "
-    "or the root, or is not closed under ancestors",
-    ErrorFlag.PAGE_ID_OUT_OF_RANGE: "a page id FA3 will read is outside the KV pool",
+    ErrorFlag.DRAFT_LAYOUT: "draft slots are not in the topk > 1 layout of docs/semantics.md: "
+    "draft token s of a branch must sit at in-page offset (seq_len % P + s) % P, on consecutive "
+    "slots within a page, on a new page exactly at each page boundary, with no slot shared "
+    "between branches, and branch 0 starting on the prefix's partial last page",
+    ErrorFlag.TREE_MASK_NOT_A_TREE: "tree_mask is not the ancestor-or-self relation of a tree: "
+    "row 0 must be {0}, and every other row must be its parent's row plus itself, its parent "
+    "being its largest earlier attended token (no later token attended)",
+    ErrorFlag.PAGE_ID_OUT_OF_RANGE: "a page id FA3 will read is outside the KV pool "
+    "(or does not fit in int32)",
     ErrorFlag.EXTEND_LEN_OUT_OF_RANGE: "an extend_seq_len is negative, above num_draft_tokens "
     "or above its seq_len",
+    ErrorFlag.MISALIGNED_ROW: "a req_to_token row is not page aligned where FA3 reads it: "
+    "positions jP .. jP+P-1 must be the consecutive slots of one page",
 }
 
 
@@ -73,76 +87,172 @@ def error_flags(
 ) -> torch.Tensor:
     """int32 scalar tensor: the OR of every `ErrorFlag` the inputs violate.
 
-    Takes the arguments of the builder of ``mode`` (one of ``decode``,
-    ``draft_decode``, ``target_verify``, ``draft_extend``) plus, optionally, the
-    KV pool size ``num_pages`` (default ``cfg.num_pages``), to check every
-    page id FA3 would read before any clamping. Rows
-    with ``seq_len == 0`` are padding and are exempt from the layout, tree and
-    page checks. No host sync, static shapes: capture it with the step.
+    Takes the arguments of the builder of ``mode`` (a key of
+    `fa3_spec.MODES`), validated exactly as that builder validates them
+    (same `ValueError`/`TypeError`), plus, optionally, the KV pool size
+    ``num_pages`` (default ``cfg.num_pages``). Page ids are checked against
+    int32 always, and against the pool when its size is known.
+
+    Rows with ``seq_len == 0`` are padding: every check exempts them. No host
+    sync, static shapes: capture it with the step.
     """
-    _validate.batch(cfg, req_to_token, req_pool_indices, seq_lens)
-    view = BatchView(cfg, req_to_token, req_pool_indices, seq_lens)
-    raw_seq = seq_lens.to(torch.int64)
-    rpi = req_pool_indices.to(torch.int64)
-    flags = _flag((rpi < 0) | (rpi >= req_to_token.shape[0]), ErrorFlag.REQUEST_INDEX_OUT_OF_RANGE)
-    flags = flags | _flag((raw_seq < 0) | (raw_seq > cfg.max_context_len), ErrorFlag.SEQ_LEN_OUT_OF_RANGE)
-    live = view.live
-
-    kwargs = dict(req_to_token=req_to_token, req_pool_indices=req_pool_indices, seq_lens=seq_lens)
-    if mode == "draft_decode":
-        kwargs["out_cache_loc"] = out_cache_loc
-        if cfg.topk > 1 and cfg.page_size > 1 and out_cache_loc is not None:
-            flags = flags | _draft_layout(cfg, step, view, out_cache_loc)
-    elif mode == "target_verify":
-        kwargs["tree_mask"] = tree_mask
-        if tree_mask is not None:
-            flags = flags | _tree_flags(tree_mask, live)
-    elif mode == "draft_extend":
-        ext = _validate.tensor("extend_seq_lens", extend_seq_lens, ndim=1).to(torch.int64)
-        kwargs["extend_seq_lens"] = extend_seq_lens
-        bad = (ext < 0) | (ext > cfg.num_draft_tokens) | (ext > raw_seq)
-        flags = flags | _flag(bad & live, ErrorFlag.EXTEND_LEN_OUT_OF_RANGE)
-    elif mode != "decode":
-        raise ValueError(f"unknown mode {mode!r}")
-
+    spec = get_mode(mode)
+    batch = spec.batch(cfg, step=step, req_to_token=req_to_token,
+                       req_pool_indices=req_pool_indices, seq_lens=seq_lens,
+                       out_cache_loc=out_cache_loc, tree_mask=tree_mask,
+                       extend_seq_lens=extend_seq_lens)
     if num_pages is None:
         num_pages = cfg.num_pages
-    if num_pages is not None:
-        # Raw page ids: the check must see what the values hold, not the
-        # clamped ids builders write when cfg.num_pages is set.
-        raw = dataclasses.replace(cfg, num_pages=None)
-        for call in build_metadata(mode, raw, step=step, **kwargs).calls:
-            pool = num_pages * cfg.page_size // call.page_size  # pages of the call's own size
-            page = call.page_table.to(torch.int64)
-            bad = call.read_columns() & ((page < 0) | (page >= pool))
-            flags = flags | _flag(bad, ErrorFlag.PAGE_ID_OUT_OF_RANGE)
+    else:
+        _validate.positive_int("num_pages", num_pages)
+
+    view = batch.view()
+    raw_seq = seq_lens.to(torch.int64)
+    rpi = req_pool_indices.to(torch.int64)
+    live = raw_seq > 0
+    flags = _flag(live & ((rpi < 0) | (rpi >= req_to_token.shape[0])),
+                  ErrorFlag.REQUEST_INDEX_OUT_OF_RANGE)
+    flags = flags | _flag((raw_seq < 0) | (raw_seq > cfg.max_context_len),
+                          ErrorFlag.SEQ_LEN_OUT_OF_RANGE)
+
+    # The request-level call: positions t < length of the request's own row.
+    length = spec.read_length(view, step, tree_mask is not None)
+    flags = flags | _row_flags(cfg, view, length, num_pages)
+    if mode == "draft_decode" and cfg.topk > 1:
+        d = cfg.decode_length(step)
+        loc = batch.out_cache_loc[:, :d].to(torch.int64)
+        flags = flags | _draft_layout(cfg, view, loc)
+        flags = flags | _page_flags(loc, cfg.page_size, num_pages, repeat_rows(view.live, cfg.topk))
+    elif mode == "target_verify" and tree_mask is not None:
+        flags = flags | _tree_flags(tree_mask, view.live)
+        n = cfg.num_draft_tokens
+        positions = view.seq_lens.unsqueeze(1) + torch.arange(n, device=raw_seq.device)
+        slots = _raw_slots(view, positions)  # the expand call reads them as page-size-1 ids
+        flags = flags | _page_flags(slots, 1, None if num_pages is None else num_pages * cfg.page_size,
+                                    view.live)
+    elif mode == "draft_extend":
+        ext = extend_seq_lens.to(torch.int64)
+        bad = (ext < 0) | (ext > cfg.num_draft_tokens) | (ext > raw_seq)
+        flags = flags | _flag(bad & live, ErrorFlag.EXTEND_LEN_OUT_OF_RANGE)
     return flags
 
 
-def _draft_layout(cfg: SpecConfig, step: int, view: BatchView, out_cache_loc) -> torch.Tensor:
-    d, p, k = cfg.decode_length(step), cfg.page_size, cfg.topk
-    loc = out_cache_loc.reshape(view.batch_size * k, cfg.num_steps)[:, :d].to(torch.int64)
+def _raw_slots(view: BatchView, positions: torch.Tensor) -> torch.Tensor:
+    """int64 slots at ``positions`` (``[B, n]``) of each request's row, unclamped values."""
+    r2t = view.req_to_token
+    cols = positions.clamp(0, r2t.shape[1] - 1)
+    return r2t[view.rows.unsqueeze(1), cols].to(torch.int64)
+
+
+def _page_flags(slots: torch.Tensor, page_size: int, num_pages: Optional[int],
+                live_rows: torch.Tensor, read: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """PAGE_ID bit: a read slot whose page is negative, past int32, or past the pool."""
+    pages = torch.div(slots, page_size, rounding_mode="floor")
+    bad = (pages < 0) | (pages > INT32_MAX)
+    if num_pages is not None:
+        bad = bad | (pages >= num_pages)
+    mask = live_rows.view(-1, *([1] * (slots.dim() - 1)))
+    if read is not None:
+        mask = mask & read
+    return _flag(bad & mask, ErrorFlag.PAGE_ID_OUT_OF_RANGE)
+
+
+def _row_flags(cfg: SpecConfig, view: BatchView, length: torch.Tensor,
+               num_pages: Optional[int]) -> torch.Tensor:
+    """Page ids and page alignment of positions ``t < length[b]`` of each row.
+
+    FA3 reads key ``t`` at page ``slot(P * (t // P)) // P``, offset ``t % P``;
+    that is slot ``slot(t)`` only when the row is page aligned there.
+    """
+    p = cfg.page_size
+    width = view.req_to_token.shape[1]
+    t = torch.arange(min(width, cfg.min_row_len), device=length.device)
+    read = t.unsqueeze(0) < length.unsqueeze(1)  # [B, T]
+    positions = t.unsqueeze(0).expand(view.batch_size, -1)
+    slots = _raw_slots(view, positions)
+    flags = _page_flags(slots, p, num_pages, view.live, read)
+    if p > 1:
+        page_start = _raw_slots(view, positions - positions % p)
+        aligned = slots == page_start + positions % p
+        aligned = aligned & (torch.remainder(page_start, p) == 0)
+        flags = flags | _flag(read & ~aligned & view.live.unsqueeze(1), ErrorFlag.MISALIGNED_ROW)
+    return flags
+
+
+def _draft_layout(cfg: SpecConfig, view: BatchView, loc: torch.Tensor) -> torch.Tensor:
+    """DRAFT_LAYOUT bit for live draft slots ``loc`` (int64 ``[B*K, d]``).
+
+    Draft token ``s`` of a branch sits at in-page offset ``(last + s) % P``;
+    within a page the slots are consecutive; at each page boundary a new page
+    starts that no earlier token of the branch used; no slot is shared by two
+    branches of a request; and (``last > 0``) branch 0's first page is the
+    prefix's partial last page while the other branches' are not.
+    """
+    p, k = cfg.page_size, cfg.topk
+    rows, d = loc.shape
+    bs = view.batch_size
+    s = torch.arange(d, device=loc.device)
+    last = repeat_rows(view.last_page_lens, k).unsqueeze(1)  # [B*K, 1]
+    offset = last + s  # position of token s counted from the branch's first page start
     pages = torch.div(loc, p, rounding_mode="floor")
-    distinct = 1 + (pages[:, 1:] != pages[:, :-1]).sum(dim=1)
-    last = repeat_rows(view.last_page_lens, k)
-    # Consecutive positions: their offsets also follow on from `last`.
-    offsets_ok = (torch.remainder(loc[:, 0], p) == last)
-    bad = (distinct != (last + d + p - 1) // p) | ~offsets_ok
+    bad = torch.remainder(loc, p) != torch.remainder(offset, p)
+    if d > 1:
+        same_page = torch.div(offset[:, 1:], p, rounding_mode="floor") == torch.div(
+            offset[:, :-1], p, rounding_mode="floor")
+        step_ok = torch.where(same_page, loc[:, 1:] == loc[:, :-1] + 1, True)
+        bad = bad | _pad_left(~step_ok)
+    # Tokens on different pages of the layout must not share a physical page.
+    page_index = torch.div(offset, p, rounding_mode="floor")  # [B*K, d]
+    other_page = page_index.unsqueeze(2) != page_index.unsqueeze(1)
+    clash = (pages.unsqueeze(2) == pages.unsqueeze(1)) & other_page
+    bad = bad | clash.any(dim=2)
+    # No slot shared between the branches of one request.
+    per_request = loc.reshape(bs, k * d)
+    branch = torch.arange(k * d, device=loc.device) // d
+    dup = (per_request.unsqueeze(2) == per_request.unsqueeze(1)) & (
+        branch.unsqueeze(1) != branch.unsqueeze(0))
+    bad = bad | dup.any(dim=2).reshape(rows, d)
+    # Branch 0 begins on the prefix's partial last page; the others do not.
+    tail_pos = (view.seq_lens - 1).clamp(min=0).unsqueeze(1)
+    tail_page = torch.div(_raw_slots(view, tail_pos), p, rounding_mode="floor")  # [B, 1]
+    first = pages[:, :1].reshape(bs, k) == tail_page
+    is_branch0 = torch.arange(k, device=loc.device) == 0
+    has_tail = (view.last_page_lens > 0).unsqueeze(1)
+    first_bad = has_tail & (first != is_branch0)
+    bad = bad.any(dim=1) | first_bad.reshape(rows)
     return _flag(bad & repeat_rows(view.live, k), ErrorFlag.DRAFT_LAYOUT)
 
 
+def _pad_left(x: torch.Tensor) -> torch.Tensor:
+    """``[n, d-1]`` bool -> ``[n, d]`` with a False column prepended."""
+    return torch.cat([torch.zeros_like(x[:, :1]), x], dim=1)
+
+
 def _tree_flags(tree_mask: torch.Tensor, live: torch.Tensor) -> torch.Tensor:
+    """TREE_MASK bit: ``tree_mask[b]`` must be the ancestor-or-self relation of a tree.
+
+    Exactly: row 0 is ``{0}``; no row attends a later token; every row
+    ``j > 0`` attends some earlier token, and equals ``row[parent] | {j}``
+    where ``parent`` is its largest earlier attended token. By induction this
+    holds iff the mask is ``tree_mask_from_parents`` of a parent array with
+    ``parent[j] < j``.
+    """
     mask = tree_mask.to(torch.bool)
-    n = mask.shape[-1]
-    eye = torch.eye(n, dtype=torch.bool, device=mask.device)
-    missing_self = (~mask & eye).flatten(1).any(dim=1)
-    missing_root = (~mask[:, :, 0]).any(dim=1) if n else torch.zeros_like(live)
-    m = mask.to(torch.float32)
-    # Closed under ancestors: if j sees c and c sees a, j must see a.
-    reach = torch.bmm(m, m) > 0
-    not_closed = (reach & ~mask).flatten(1).any(dim=1)
-    bad = (missing_self | missing_root | not_closed) & live
-    return _flag(bad, ErrorFlag.TREE_MASK_NOT_A_TREE)
+    bs, n = mask.shape[0], mask.shape[-1]
+    if n == 0:
+        return torch.zeros((), dtype=torch.int32, device=mask.device)
+    c = torch.arange(n, device=mask.device)
+    eye = c.unsqueeze(1) == c.unsqueeze(0)
+    later = c.unsqueeze(0) > c.unsqueeze(1)  # [j, c]: c > j
+    earlier = c.unsqueeze(0) < c.unsqueeze(1)
+    bad = (mask & later).flatten(1).any(dim=1) | (~mask & eye).flatten(1).any(dim=1)
+    attended_earlier = mask & earlier
+    parent = torch.where(attended_earlier, c, -1).amax(dim=2)  # [B, N]; -1 if none
+    orphan = (parent[:, 1:] < 0).any(dim=1)
+    parent_rows = torch.gather(mask, 1, parent.clamp(min=0).unsqueeze(2).expand(bs, n, n))
+    expected = (parent_rows & (parent >= 0).unsqueeze(2)) | eye
+    wrong = (mask != expected).flatten(1).any(dim=1)
+    return _flag((bad | orphan | wrong) & live, ErrorFlag.TREE_MASK_NOT_A_TREE)
 
 
 def describe_errors(flags) -> list:

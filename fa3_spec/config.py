@@ -5,11 +5,12 @@ shape a builder produces is a function of these numbers and of input shapes,
 never of tensor values, so a builder traces to a single graph per
 configuration and can be captured in a CUDA graph.
 
-Notation used throughout the package (SPEC §1):
+Notation used throughout the package (docs/semantics.md):
 
     P  page_size           tokens per KV page
     K  topk                draft branches per request
-    S  num_steps           draft steps per iteration (S - 1 draft-decode calls)
+    S  num_steps           draft steps per iteration (S - 1 draft-decode calls;
+                           S = 1: the root's top-K children only, no draft decode)
     N  num_draft_tokens    tokens checked by target verify
     C  max_context_len     largest ``seq_len`` a request may have
 """
@@ -19,17 +20,12 @@ from __future__ import annotations
 import dataclasses
 from typing import Optional
 
+from ._validate import int_at_least as _require_int, int_in_range
+
 
 def cdiv(a: int, b: int) -> int:
     """Ceiling division of non-negative Python ints."""
     return -(-a // b)
-
-
-def _require_int(name: str, value: object, minimum: int) -> None:
-    if isinstance(value, bool) or not isinstance(value, int):
-        raise TypeError(f"{name} must be an int, got {type(value).__name__}")
-    if value < minimum:
-        raise ValueError(f"{name} must be >= {minimum}, got {value}")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -40,8 +36,9 @@ class SpecConfig:
         page_size: KV page size ``P`` (>= 1; any value, not only powers of two).
         topk: draft branching ``K`` (>= 1). ``topk > 1`` drafts a tree and
             uses cascade (prefix + expand) attention.
-        num_steps: draft steps ``S`` per iteration (>= 2, so at least one
-            draft-decode call exists).
+        num_steps: draft steps ``S`` per iteration (>= 1). Step 0 is the draft
+            extend that proposes the root's children; steps ``1 .. S-1`` are
+            the ``S - 1`` draft-decode calls (none when ``S == 1``).
         num_draft_tokens: tokens ``N`` verified by the target model (>= 1).
         max_bs: largest batch a builder accepts (>= 1).
         max_context_len: largest ``seq_len`` ``C`` of a request (>= 1).
@@ -74,7 +71,7 @@ class SpecConfig:
     def __post_init__(self) -> None:
         _require_int("page_size", self.page_size, 1)
         _require_int("topk", self.topk, 1)
-        _require_int("num_steps", self.num_steps, 2)
+        _require_int("num_steps", self.num_steps, 1)
         _require_int("num_draft_tokens", self.num_draft_tokens, 1)
         _require_int("max_bs", self.max_bs, 1)
         _require_int("max_context_len", self.max_context_len, 1)
@@ -106,7 +103,7 @@ class SpecConfig:
     def pages_per_branch(self) -> int:
         """Static upper bound on pages one draft branch occupies.
 
-        SPEC §3: a branch's region is ``ceil((last + S) / P)`` pages with
+        docs/semantics.md: a branch's region is ``ceil((last + S) / P)`` pages with
         ``last = seq_len % P <= P - 1``; this is its maximum over ``last``.
         """
         return cdiv(self.page_size - 1 + self.num_steps, self.page_size)
@@ -128,14 +125,11 @@ class SpecConfig:
 
     def check_step(self, step: object) -> int:
         """Validate a draft-decode step index (``0 <= step <= S - 2``)."""
-        if isinstance(step, bool) or not isinstance(step, int):
-            raise TypeError(f"step must be an int, got {type(step).__name__}")
-        if not 0 <= step <= self.num_steps - 2:
-            raise ValueError(
-                f"step must be in [0, {self.num_steps - 2}] for num_steps="
-                f"{self.num_steps}, got {step}"
-            )
-        return step
+        if self.num_draft_decode_steps == 0:
+            int_in_range("step", step, 0, 0)  # type check first
+            raise ValueError("num_steps=1 has no draft-decode step")
+        return int_in_range("step", step, 0, self.num_steps - 2,
+                            f" for num_steps={self.num_steps}")
 
     def decode_length(self, step: int) -> int:
         """Live draft tokens per branch at draft-decode ``step``: ``step + 1``."""
@@ -148,6 +142,11 @@ class SpecConfig:
         upstream allocates, kept so tables can be copied into its buffers.
         """
         return self.decode_length(step) + 1
+
+    def expand_max_seqlen_k(self, step: int) -> int:
+        """Static bound on the draft expand call's ``cache_seqlens`` at ``step``:
+        ``d + P - 1`` (``d`` drafts after at most ``P - 1`` copied tail tokens)."""
+        return self.decode_length(step) + self.page_size - 1
 
     def expand_pages_bound(self, decode_length: int) -> int:
         """Most distinct pages ``d`` draft slots of one branch can touch.

@@ -166,10 +166,7 @@ def _distinct_pages(live: torch.Tensor, page_size: int) -> tuple[torch.Tensor, t
 
 def _check_ints(**values: int) -> None:
     for name, value in values.items():
-        if isinstance(value, bool) or not isinstance(value, int):
-            raise TypeError(f"{name} must be an int, got {type(value).__name__}")
-        if value < 1:
-            raise ValueError(f"{name} must be >= 1, got {value}")
+        _validate.positive_int(name, value)
 
 
 def _check_shapes(cache_loc, last_page_lens, width_name: str, width: int, topk: int) -> None:

@@ -1,11 +1,20 @@
 """A CUDA-graph runner: one captured step per batch-size bucket.
 
-The runner owns static, batch-major input buffers per bucket. A call copies
-the real batch into the first ``bs`` rows of the smallest bucket that holds
-it, **zero-fills the rest**, replays, and returns views of the outputs' first
-``bs`` rows. Zero rows are padding rows by construction (``seq_len == 0``
-reads nothing; slot 0 is the reserved dummy page), so a large batch followed
-by a small one in the same bucket leaves no stale row that is read.
+The runner owns static, batch-major input buffers per bucket. A call checks
+each batch tensor against its buffer (trailing shape, dtype, device: the
+names the argument otherwise), copies the real batch into the first ``bs``
+rows of the smallest bucket that holds it, **zero-fills the rest**, replays,
+and returns views of the outputs' live rows. Zero rows are padding rows by
+construction (``seq_len == 0`` reads nothing; slot 0 is the reserved dummy
+page), so a large batch followed by a small one in the same bucket leaves no
+stale row that is read.
+
+Outputs need not be batch-major row for row: at capture the runner learns,
+per output tensor, how its leading dimension grows with the batch
+(``rows = a * B + c``: ``B`` for per-request rows, ``B * K`` for per-branch
+expand rows, ``B + 1`` for ``cu_seqlens``, a constant for flags) and returns
+``[: a * bs + c]``. An output whose *other* dimensions grow with the batch
+is refused at capture, as is one whose leading dimension is not affine in it.
 
 Engine-owned tensors (``req_to_token``, KV caches, weights) are not runner
 inputs: the step closes over them and the graph bakes in their addresses.
@@ -28,30 +37,14 @@ Two capture strategies:
 from __future__ import annotations
 
 import time
-from typing import Callable, Dict, Optional, Sequence
+from typing import Callable, Dict, List, Optional, Sequence, Tuple
 
 import torch
 import torch.utils._pytree as pytree
 
+from .probes import RecordingBackend, capture
+
 STRATEGIES = ("manual", "reduce-overhead", "eager")
-
-
-def capture(fn: Callable, *args, warmup: int = 2, pool=None, **kwargs):
-    """Warm ``fn(*args, **kwargs)`` up on a side stream, then capture one call.
-
-    Returns ``(graph, out)``: replaying ``graph`` recomputes ``out`` in place
-    from the same input buffers. ``pool`` shares a memory pool between graphs.
-    """
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        for _ in range(warmup):
-            fn(*args, **kwargs)
-    torch.cuda.current_stream().wait_stream(side)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph, pool=pool):
-        out = fn(*args, **kwargs)
-    return graph, out
 
 
 class CUDAGraphRunner:
@@ -70,8 +63,9 @@ class CUDAGraphRunner:
             compiled graph (``"manual"``).
         warmup: eager-compiled runs before each capture.
 
-    Attributes (after `capture`): ``capture_seconds`` per bucket and
-    ``compile_counter`` (a `fa3_spec.audit.RecordingBackend`: compiled frames
+    Attributes: ``compiled_step`` (the step as the strategy compiles it; what
+    each bucket captures). After `capture`: ``capture_seconds`` per bucket and
+    ``compile_counter`` (a `fa3_spec.probes.RecordingBackend`: compiled frames
     and data-dependent ops seen).
     """
 
@@ -82,8 +76,6 @@ class CUDAGraphRunner:
             raise ValueError(f"strategy must be one of {STRATEGIES}, got {strategy!r}")
         if not buckets or min(buckets) < 1:
             raise ValueError(f"buckets must be positive batch sizes, got {buckets!r}")
-        from .audit import RecordingBackend
-
         self.step = step
         self.example = example
         self.buckets = sorted(set(buckets))
@@ -95,13 +87,14 @@ class CUDAGraphRunner:
         self._static: Dict[int, Dict[str, torch.Tensor]] = {}
         self._outputs: Dict[int, object] = {}
         self._graphs: Dict[int, torch.cuda.CUDAGraph] = {}
+        self._out_rows: Optional[List[Tuple[int, int]]] = None  # per output leaf: (a, c)
         self._pool = None
         if strategy == "eager":
-            self._fn = step
+            self.compiled_step = step
         elif strategy == "reduce-overhead":
-            self._fn = torch.compile(step, fullgraph=True, mode="reduce-overhead")
+            self.compiled_step = torch.compile(step, fullgraph=True, mode="reduce-overhead")
         else:
-            self._fn = torch.compile(step, fullgraph=True, backend=self.compile_counter)
+            self.compiled_step = torch.compile(step, fullgraph=True, backend=self.compile_counter)
 
     # ---------------------------------------------------------------- capture
     def capture(self) -> Dict[int, float]:
@@ -118,17 +111,58 @@ class CUDAGraphRunner:
             elif self.strategy == "reduce-overhead":
                 for _ in range(max(self.warmup, 2)):  # cudagraph trees record on the 2nd+ call
                     torch.compiler.cudagraph_mark_step_begin()
-                    self._fn(**static)
+                    self.compiled_step(**static)
             if torch.cuda.is_available() and self.strategy != "eager":
                 torch.cuda.synchronize()
             self.capture_seconds[bucket] = time.perf_counter() - start
+        self._out_rows = self._learn_output_rows()
         return self.capture_seconds
+
+    def _output_shapes(self, bs: int) -> list:
+        """Shapes of the step's output leaves for a batch of ``bs``, traced
+        with fake tensors (no compute, no writes to engine-owned tensors)."""
+        from torch._subclasses.fake_tensor import FakeTensorMode
+
+        example = self.example(bs)
+        with FakeTensorMode(allow_non_fake_inputs=True) as mode:
+            fake = {k: mode.from_tensor(v) for k, v in example.items()}
+            out = self.step(**fake)
+        return [tuple(t.shape) for t in pytree.tree_leaves(out)]
+
+    def _learn_output_rows(self) -> List[Tuple[int, int]]:
+        """Per output leaf ``(a, c)`` with ``rows = a * B + c``; refuse any other layout."""
+        # Two batch sizes the step accepts: two buckets, or the only one and one less.
+        b0, b1 = self.buckets[:2] if len(self.buckets) > 1 else (self.buckets[0] - 1, self.buckets[0])
+        shapes = [self._output_shapes(b) for b in (b0, b1)]
+        rows = []
+        for i, (s0, s1) in enumerate(zip(*shapes)):
+            if len(s0) != len(s1) or s0[1:] != s1[1:]:
+                raise ValueError(
+                    f"output leaf {i} has shape {s0} at batch {b0} and {s1} at batch "
+                    f"{b1}: only its leading dimension may depend on the batch; "
+                    "return it batch-major")
+            if not s0:
+                rows.append((0, 0))  # a scalar: returned whole
+                continue
+            a, rem = divmod(s1[0] - s0[0], b1 - b0)
+            c = s0[0] - a * b0
+            if a < 0 or rem:
+                raise ValueError(f"output leaf {i} has {s0[0]} rows at batch {b0} and {s1[0]} at "
+                                 f"batch {b1}: not a * B + c rows with a >= 0")
+            rows.append((a, c))
+        for bucket, out in self._outputs.items():  # check the rule on every captured bucket
+            for i, (t, (a, c)) in enumerate(zip(pytree.tree_leaves(out), rows)):
+                if t.dim() and t.shape[0] != a * bucket + c:
+                    raise ValueError(
+                        f"output leaf {i} has {t.shape[0]} rows at bucket {bucket}, not "
+                        f"{a} * B + {c}: its leading dimension is not affine in the batch")
+        return rows
 
     def _capture_manual(self, bucket: int, static: Dict[str, torch.Tensor]) -> None:
         if self._pool is None:
             self._pool = torch.cuda.graph_pool_handle()
         self._graphs[bucket], self._outputs[bucket] = capture(
-            self._fn, warmup=self.warmup, pool=self._pool, **static)
+            self.compiled_step, warmup=self.warmup, pool=self._pool, **static)
 
     # ----------------------------------------------------------------- replay
     def bucket_for(self, bs: int) -> int:
@@ -141,17 +175,40 @@ class CUDAGraphRunner:
         """The bucket's input buffers (fixed addresses across replays)."""
         return self._static[bucket]
 
+    def _check_batch(self, batch: Dict[str, torch.Tensor], static: Dict[str, torch.Tensor]) -> int:
+        """Validate ``batch`` against the bucket's buffers; return ``bs``."""
+        if set(batch) != set(static):
+            raise ValueError(f"batch must have keys {sorted(static)}, got {sorted(batch)}")
+        bs = None
+        for name, buf in static.items():
+            x = batch[name]
+            if not isinstance(x, torch.Tensor):
+                raise TypeError(f"{name} must be a torch.Tensor, got {type(x).__name__}")
+            if x.dtype != buf.dtype:
+                raise TypeError(f"{name} must have dtype {buf.dtype} (the captured buffer's), "
+                                f"got {x.dtype}")
+            if x.dim() != buf.dim() or tuple(x.shape[1:]) != tuple(buf.shape[1:]):
+                raise ValueError(f"{name} must have shape [B, {', '.join(map(str, buf.shape[1:]))}]"
+                                 f" (the captured buffer's trailing shape), got {tuple(x.shape)}")
+            if x.device != buf.device:
+                raise ValueError(f"{name} is on {x.device}, the captured buffer on {buf.device}")
+            if bs is None:
+                bs = x.shape[0]
+            elif x.shape[0] != bs:
+                raise ValueError(f"batch tensors disagree on the batch size: {name} has "
+                                 f"{x.shape[0]} rows, others {bs}")
+        return bs
+
     def __call__(self, **batch: torch.Tensor):
         if not self._static:
             self.capture()
-        sizes = {t.shape[0] for t in batch.values()}
-        if len(sizes) != 1:
-            raise ValueError(f"batch tensors disagree on the batch size: {sorted(sizes)}")
-        bs = sizes.pop()
+        if not batch:
+            raise ValueError("the batch is empty: pass the step's batch tensors")
+        first = next(iter(batch.values()))
+        bs = first.shape[0] if isinstance(first, torch.Tensor) and first.dim() else 0
         bucket = self.bucket_for(bs)
         static = self._static[bucket]
-        if set(batch) != set(static):
-            raise ValueError(f"batch must have keys {sorted(static)}, got {sorted(batch)}")
+        bs = self._check_batch(batch, static)
         for name, buf in static.items():
             buf[:bs].copy_(batch[name])
             buf[bs:].zero_()  # padding rows: seq_len 0, slot 0
@@ -160,10 +217,12 @@ class CUDAGraphRunner:
             out = self._outputs[bucket]
         elif self.strategy == "reduce-overhead":
             torch.compiler.cudagraph_mark_step_begin()
-            out = pytree.tree_map(torch.clone, self._fn(**static))
+            out = pytree.tree_map(torch.clone, self.compiled_step(**static))
         else:
-            out = self._fn(**static)
-        return pytree.tree_map(lambda t: t[:bs], out)
+            out = self.compiled_step(**static)
+        leaves, spec = pytree.tree_flatten(out)
+        live = [t[: a * bs + c] if t.dim() else t for t, (a, c) in zip(leaves, self._out_rows)]
+        return pytree.tree_unflatten(live, spec)
 
     def graph(self, bucket: int) -> torch.cuda.CUDAGraph:
         """The captured graph of ``bucket`` (manual strategy)."""

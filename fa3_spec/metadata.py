@@ -64,6 +64,18 @@ class FA3Metadata:
         """The FA3 calls this metadata describes: just this one."""
         return (self,)
 
+    def query_rows(self, num_queries: int) -> torch.Tensor:
+        """int64 ``[num_queries]``: the row owning each packed query.
+
+        ``#{b : cu_seqlens_q[b+1] <= j}`` (a comparison-sum: inductor, torch
+        2.11, cannot lower ``searchsorted`` over a sliced boundary tensor).
+        Queries past ``cu_seqlens_q[-1]`` get ``rows`` (one past the end):
+        callers clamp or mask.
+        """
+        j = torch.arange(num_queries, device=self.cu_seqlens_q.device)
+        ends = self.cu_seqlens_q[1:].to(torch.int64)
+        return (ends.unsqueeze(0) <= j.unsqueeze(1)).sum(dim=1)
+
     def read_columns(self) -> torch.Tensor:
         """bool ``[rows, W]``: the page-table columns FA3 reads,
         ``j < ceil(cache_seqlens[b] / page_size)``; all others are dead."""

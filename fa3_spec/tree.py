@@ -13,7 +13,6 @@ from __future__ import annotations
 import torch
 
 from . import _validate
-from ._paged import cu_seqlens
 
 
 def tree_mask_from_flat(
@@ -27,9 +26,9 @@ def tree_mask_from_flat(
     """
     flat = _validate.tensor("custom_mask", custom_mask, ndim=1, dtypes=(torch.bool,))
     sl = _validate.tensor("seq_lens", seq_lens, ndim=1).to(torch.int64)
-    n = num_draft_tokens
+    n = _validate.int_at_least("num_draft_tokens", num_draft_tokens, 1)
     row_len = sl + n  # columns per mask row
-    block_start = cu_seqlens(n * row_len).to(torch.int64)[:-1]  # [B]
+    block_start = mask_block_starts(sl, n)  # [B]
     j = torch.arange(n, device=sl.device).view(1, n, 1)
     c = torch.arange(n, device=sl.device).view(1, 1, n)
     index = block_start.view(-1, 1, 1) + j * row_len.view(-1, 1, 1) + sl.view(-1, 1, 1) + c
@@ -37,6 +36,18 @@ def tree_mask_from_flat(
     if flat.numel() == 0:
         return torch.zeros(index.shape, dtype=torch.bool, device=flat.device)
     return flat[index]
+
+
+def mask_block_starts(seq_lens: torch.Tensor, num_draft_tokens: int) -> torch.Tensor:
+    """int64 ``[B]`` offset of each request's block in the flat custom mask.
+
+    Request ``b``'s block is ``N`` rows of ``seq_len + N`` columns, so its
+    start is ``sum_{b' < b} N * (seq_len[b'] + N)``. Computed in int64: at
+    production sizes (N = 64, 256 requests, 128K context) the flat mask holds
+    more than 2^31 elements and an int32 offset would wrap.
+    """
+    sizes = num_draft_tokens * (seq_lens.to(torch.int64) + num_draft_tokens)
+    return torch.cumsum(sizes, 0) - sizes
 
 
 def flat_from_tree_mask(tree_mask: torch.Tensor, seq_lens: torch.Tensor) -> torch.Tensor:

@@ -69,7 +69,7 @@ def default_num_splits(num_rows: int, num_kv_heads: int, max_seqlen_k: int,
 
     Split the keys only when the call has too few (row, KV head) work items to
     fill the GPU and enough keys to split: ``min(16, sms / items, keys / 512)``,
-    at least 1. SPEC §7: on the H200 a topk > 1 prefix call at batch 1 ran in
+    at least 1. Measured on the H200 (docs/semantics.md, "FA3 on the H200"): a topk > 1 prefix call at batch 1 ran in
     110 µs unsplit and 83 µs at 16 splits; at batch 64 splitting moved little.
     """
     items = max(1, num_rows * num_kv_heads)

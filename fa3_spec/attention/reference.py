@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import torch
 
-from .._paged import query_rows
 from ..metadata import FA3Metadata
 
 
@@ -74,7 +73,7 @@ def paged_attention_reference(
 
     # Back to packed query order: query j belongs to row r(j), slot j - cu[r].
     j = torch.arange(total_q, device=device)
-    row = query_rows(cu, total_q).clamp(max=max(rows - 1, 0))
+    row = md.query_rows(total_q).clamp(max=max(rows - 1, 0))
     slot = (j - cu[row]).clamp(0, max(mq - 1, 0))
     owned = j < cu[-1]
     out_q = torch.where(owned[:, None, None], out[row, slot], 0).to(q.dtype)

@@ -1,4 +1,10 @@
-"""Pure metadata builders, one module per forward mode."""
+"""Pure metadata builders, one module per forward mode.
+
+Each module has a public entry point with the builders' keyword signature
+(``build_*_metadata(cfg, *, req_to_token, ...)``) that validates its inputs
+into a `fa3_spec.SpecBatch`, and the builder proper on a `SpecBatch`. The
+mode table (`fa3_spec.modes.MODES`) dispatches between them.
+"""
 
 from .decode import build_decode_metadata
 from .draft import (
@@ -10,26 +16,7 @@ from .draft import (
 from .extend import build_draft_extend_metadata
 from .verify import build_target_verify_metadata
 
-MODES = ("decode", "draft_decode", "target_verify", "draft_extend")
-
-
-def build_metadata(mode: str, cfg, *, step: int = 0, **kwargs):
-    """Call the builder of ``mode`` (one of `MODES`) with the builder's keywords."""
-    if mode == "draft_decode":
-        return build_draft_decode_metadata(cfg, step, **kwargs)
-    builders = {
-        "decode": build_decode_metadata,
-        "target_verify": build_target_verify_metadata,
-        "draft_extend": build_draft_extend_metadata,
-    }
-    if mode not in builders:
-        raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
-    return builders[mode](cfg, **kwargs)
-
-
 __all__ = [
-    "MODES",
-    "build_metadata",
     "build_decode_metadata",
     "build_draft_decode_metadata",
     "build_draft_extend_metadata",

@@ -1,11 +1,11 @@
-"""Mode 1: plain decode, one query per request (SPEC §3.1)."""
+"""Plain decode, one query per request (docs/semantics.md, "Decode")."""
 
 from __future__ import annotations
 
 import torch
 
-from .. import _validate
 from .._paged import BatchView
+from ..batch import SpecBatch
 from ..config import SpecConfig
 from ..metadata import FA3Metadata
 from ._common import request_call
@@ -31,6 +31,9 @@ def build_decode_metadata(
         arange(B + 1)``, causal, page table ``[B, cfg.max_pages]`` over
         ``seq_lens``; ``max_seqlen_k = max_context_len``.
 
+    Compiles to one graph with no host sync (shapes depend on ``B`` and
+    ``cfg`` only) and replays inside a CUDA graph.
+
     Example:
         >>> cfg = SpecConfig(page_size=2, topk=1, num_steps=2,
         ...                  num_draft_tokens=1, max_bs=4, max_context_len=6)
@@ -40,12 +43,18 @@ def build_decode_metadata(
         >>> md.page_table.tolist(), md.cache_seqlens.tolist()  # ok-host: doctest
         ([[4, 5, 0, 0], [0, 0, 0, 0]], [3, 0])
     """
-    _validate.batch(cfg, req_to_token, req_pool_indices, seq_lens)
-    view = BatchView(cfg, req_to_token, req_pool_indices, seq_lens)
-    return request_call(
-        view,
-        view.seq_lens,
-        queries_per_row=1,
-        max_seqlen_k=cfg.max_context_len,
-        causal=True,
-    )
+    batch = SpecBatch.create(cfg, req_to_token=req_to_token,
+                             req_pool_indices=req_pool_indices, seq_lens=seq_lens)
+    return decode_metadata(batch)
+
+
+def read_length(view: BatchView, step: int = 0, tree: bool = False) -> torch.Tensor:
+    """Tokens of its own row each request's call reads: ``seq_len``."""
+    return view.seq_lens
+
+
+def decode_metadata(batch: SpecBatch, step: int = 0) -> FA3Metadata:
+    """`build_decode_metadata` on a validated `SpecBatch` (``step`` is unused)."""
+    view = batch.view()
+    return request_call(view, read_length(view), queries_per_row=1,
+                        max_seqlen_k=batch.cfg.max_context_len, causal=True)

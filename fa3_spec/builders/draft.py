@@ -1,4 +1,4 @@
-"""Modes 2 and 3: draft decode, chain (topk = 1) or tree (topk > 1).
+"""Draft decode, chain (topk = 1) or tree (topk > 1) (docs/semantics.md, "Draft decode").
 
 topk = 1, step i: the draft tokens follow the prefix in the request's own
 row, so one causal call over ``seq_len + i + 1`` tokens suffices.
@@ -14,6 +14,10 @@ topk > 1, step i (``d = i + 1``): a cascade of two non-causal calls::
 With ``P == 1`` there is no tail (``last = 0``) and the prefix call reads all
 ``seq_len`` tokens. The prefix call is identical in every step of an
 iteration: build it once and reuse it (`build_draft_prefix_metadata`).
+
+One implementation serves both entry points: `build_draft_iteration_metadata`
+builds steps ``0 .. S-2`` together, and `build_draft_decode_metadata` (one
+step) is the last step of the same construction truncated after ``step``.
 """
 
 from __future__ import annotations
@@ -24,11 +28,14 @@ import torch
 import torch.nn.functional as F
 
 from .. import _validate
-from .._paged import BatchView, cdiv_tensor, cu_seqlens, in_pool, repeat_rows, uniform_cu_seqlens
+from .._paged import BatchView, cdiv_tensor, in_pool, repeat_rows, uniform_cu_seqlens
+from ..batch import SpecBatch
 from ..config import SpecConfig
-from ..expand import draft_expand_page_table, draft_expand_tables
+from ..expand import draft_expand_tables
 from ..metadata import PAGE_SENTINEL, CascadeMetadata, FA3Metadata
 from ._common import request_call
+
+DraftStep = Union[FA3Metadata, CascadeMetadata]
 
 
 def build_draft_prefix_metadata(
@@ -45,38 +52,24 @@ def build_draft_prefix_metadata(
     ``P == 1``). Shapes: page table ``[B, cfg.max_pages]``, ``cu_seqlens_q =
     arange(0, B*K + 1, K)``.
     """
-    _validate.batch(cfg, req_to_token, req_pool_indices, seq_lens)
-    view = BatchView(cfg, req_to_token, req_pool_indices, seq_lens)
-    return _prefix(view)
+    batch = SpecBatch.create(cfg, req_to_token=req_to_token, req_pool_indices=req_pool_indices,
+                             seq_lens=seq_lens)
+    return _prefix(batch.view())
+
+
+def read_length(view: BatchView, step: int = 0, tree: bool = False) -> torch.Tensor:
+    """Tokens of its own row each request-level call reads at draft ``step``:
+    ``seq_len + step + 1`` (topk = 1, drafts follow the prefix in the row) or
+    the prefix's whole pages ``seq_len - seq_len % P`` (topk > 1)."""
+    if view.cfg.topk == 1:
+        return view.seq_lens + (step + 1)
+    return view.seq_lens - view.last_page_lens
 
 
 def _prefix(view: BatchView) -> FA3Metadata:
     cfg = view.cfg
-    return request_call(
-        view,
-        view.seq_lens - view.last_page_lens,
-        queries_per_row=cfg.topk,
-        max_seqlen_k=cfg.max_context_len,
-        causal=False,
-    )
-
-
-def _draft_slots(cfg: SpecConfig, out_cache_loc: object, bs: int) -> torch.Tensor:
-    """``out_cache_loc`` (flat, ``[B, K, S]`` or ``[B*K, S]``) as ``[B*K, S]``."""
-    loc = _validate.tensor("out_cache_loc", out_cache_loc)
-    rows, steps = bs * cfg.topk, cfg.num_steps
-    if loc.numel() != rows * steps or loc.dim() not in (1, 2, 3):
-        raise ValueError(
-            f"out_cache_loc must hold B*topk*num_steps = {bs}*{cfg.topk}*"
-            f"{steps} = {rows * steps} slots (flat, [B, K, S] or [B*K, S]), "
-            f"got shape {tuple(loc.shape)}"
-        )
-    if loc.dim() > 1 and loc.shape[-1] != steps:
-        raise ValueError(
-            f"out_cache_loc's last dimension must be num_steps={steps}, "
-            f"got shape {tuple(loc.shape)}"
-        )
-    return loc.reshape(rows, steps)
+    return request_call(view, read_length(view), queries_per_row=cfg.topk,
+                        max_seqlen_k=cfg.max_context_len, causal=False)
 
 
 def build_draft_decode_metadata(
@@ -88,7 +81,7 @@ def build_draft_decode_metadata(
     seq_lens: torch.Tensor,
     out_cache_loc: Optional[torch.Tensor] = None,
     prefix: Optional[FA3Metadata] = None,
-) -> Union[FA3Metadata, CascadeMetadata]:
+) -> DraftStep:
     """Metadata of draft-decode ``step`` (``0 <= step <= num_steps - 2``).
 
     Args:
@@ -109,51 +102,24 @@ def build_draft_decode_metadata(
         query each, page table ``[B*K, step + 2]`` from
         `draft_expand_page_table`, ``max_seqlen_k = d + P - 1``.
 
-    Padding rows (``seq_len == 0``) read nothing in either call.
+    Padding rows (``seq_len == 0``) read nothing in either call. Compiles to
+    one graph with no host sync; capture-safe. Inside a captured draft loop
+    prefer `build_draft_iteration_metadata` (all steps at once).
     """
-    d = cfg.decode_length(step)
-    bs = _validate.batch(cfg, req_to_token, req_pool_indices, seq_lens)
-    view = BatchView(cfg, req_to_token, req_pool_indices, seq_lens)
-    if cfg.topk == 1:
-        return request_call(
-            view,
-            view.seq_lens + d,
-            queries_per_row=1,
-            max_seqlen_k=cfg.max_context_len + d,
-            causal=True,
-        )
-    if out_cache_loc is None:
-        raise ValueError("out_cache_loc is required when topk > 1")
-    loc = _draft_slots(cfg, out_cache_loc, bs)
-    _validate.same_device(out_cache_loc=loc, seq_lens=seq_lens)
-    if prefix is None:
-        prefix = _prefix(view)
-    elif not isinstance(prefix, FA3Metadata) or prefix.num_rows != bs:
+    batch = SpecBatch.create(cfg, req_to_token=req_to_token, req_pool_indices=req_pool_indices,
+                             seq_lens=seq_lens,
+                             out_cache_loc=out_cache_loc if cfg.topk > 1 else None)
+    return draft_decode_metadata(batch, step, prefix=prefix)
+
+
+def draft_decode_metadata(batch: SpecBatch, step: int, *,
+                          prefix: Optional[FA3Metadata] = None) -> DraftStep:
+    """`build_draft_decode_metadata` on a validated `SpecBatch`."""
+    step = batch.cfg.check_step(step)
+    if prefix is not None and (not isinstance(prefix, FA3Metadata)
+                               or prefix.num_rows != batch.batch_size):
         raise ValueError("prefix must be the FA3Metadata of this batch's prefix call")
-
-    k, p = cfg.topk, cfg.page_size
-    cache_seqlens, page_table = draft_expand_page_table(
-        loc, view.last_page_lens, decode_length=d, topk=k, page_size=p, num_pages=cfg.num_pages
-    )
-    cache_seqlens = view.mask_padding(cache_seqlens, k)
-    expand = _expand_call(cfg, d, view.mask_padding(page_table, k), cache_seqlens,
-                          uniform_cu_seqlens(bs * k, 1, loc.device), cu_seqlens(cache_seqlens))
-    return CascadeMetadata(prefix=prefix, expand=expand)
-
-
-def _expand_call(cfg: SpecConfig, d: int, page_table, cache_seqlens, cu_seqlens_q,
-                 cu_seqlens_k) -> FA3Metadata:
-    """The expand call of draft step ``d - 1``: one query per branch, not causal."""
-    return FA3Metadata(
-        page_table=page_table,
-        cache_seqlens=cache_seqlens,
-        cu_seqlens_q=cu_seqlens_q,
-        cu_seqlens_k=cu_seqlens_k,
-        max_seqlen_q=1,
-        max_seqlen_k=d + cfg.page_size - 1,
-        page_size=cfg.page_size,
-        causal=False,
-    )
+    return _draft_steps(batch, step + 1, prefix=prefix)[step]
 
 
 def build_draft_iteration_metadata(
@@ -163,58 +129,88 @@ def build_draft_iteration_metadata(
     req_pool_indices: torch.Tensor,
     seq_lens: torch.Tensor,
     out_cache_loc: Optional[torch.Tensor] = None,
-) -> Tuple[Union[FA3Metadata, CascadeMetadata], ...]:
+) -> Tuple[DraftStep, ...]:
     """Metadata of all ``num_steps - 1`` draft steps of one iteration, built together.
 
-    Same values, in every column FA3 reads, as calling
-    `build_draft_decode_metadata` for steps ``0 .. S-2`` (parity is tested),
-    but the work shared between steps is done once: the request rows and
-    prefix are gathered once, and every step's table is a slice of one
-    stacked tensor (one fused kernel for all steps instead of several per
-    step). Use it inside a compiled, captured draft iteration.
+    Equal, bitwise, to `build_draft_decode_metadata` for steps ``0 .. S-2``
+    (one implementation builds both), but the work shared between steps is
+    done once: the request rows and prefix are gathered once, and every
+    step's table is a slice of one stacked tensor (one fused kernel for all
+    steps instead of several per step). Use it inside a compiled, captured
+    draft iteration.
 
-    Returns a tuple with one entry per step: `FA3Metadata` (topk = 1) or
-    `CascadeMetadata` (topk > 1) sharing one ``prefix``. Step ``i``'s page
-    table is a view ``tables[i, :, :width]`` of the stacked tensor, so its
-    row stride may exceed its width (FA3 needs only a unit column stride);
-    call ``.contiguous()`` on it if your consumer needs more.
+    Returns a tuple with one entry per step (empty when ``num_steps == 1``):
+    `FA3Metadata` (topk = 1) or `CascadeMetadata` (topk > 1) sharing one
+    ``prefix``. Step ``i``'s page table is a view ``tables[i, :, :width]`` of
+    the stacked tensor, so its row stride may exceed its width (FA3 needs
+    only a unit column stride); call ``.contiguous()`` on it if your
+    consumer needs more.
     """
-    bs = _validate.batch(cfg, req_to_token, req_pool_indices, seq_lens)
-    view = BatchView(cfg, req_to_token, req_pool_indices, seq_lens)
-    steps = cfg.num_steps - 1
-    if cfg.topk == 1:
-        return _chain_iteration(view, steps)
-    if out_cache_loc is None:
-        raise ValueError("out_cache_loc is required when topk > 1")
-    loc = _draft_slots(cfg, out_cache_loc, bs)
-    _validate.same_device(out_cache_loc=loc, seq_lens=seq_lens)
-    k, p = cfg.topk, cfg.page_size
-    prefix = _prefix(view)
+    batch = SpecBatch.create(cfg, req_to_token=req_to_token, req_pool_indices=req_pool_indices,
+                             seq_lens=seq_lens,
+                             out_cache_loc=out_cache_loc if cfg.topk > 1 else None)
+    return draft_iteration_metadata(batch)
+
+
+def draft_iteration_metadata(batch: SpecBatch, step: int = 0) -> Tuple[DraftStep, ...]:
+    """`build_draft_iteration_metadata` on a validated `SpecBatch` (``step`` is unused)."""
+    return _draft_steps(batch, batch.cfg.num_draft_decode_steps)
+
+
+def _draft_steps(batch: SpecBatch, count: int,
+                 prefix: Optional[FA3Metadata] = None) -> Tuple[DraftStep, ...]:
+    """Draft steps ``0 .. count-1``: the one implementation of draft decode."""
+    view = batch.view()
+    if batch.cfg.topk == 1:
+        return _chain_steps(view, count)
+    batch.require("out_cache_loc", mode="draft_decode")
+    return _tree_steps(view, batch.out_cache_loc, count, prefix)
+
+
+def _tree_steps(view: BatchView, loc: torch.Tensor, count: int,
+                prefix: Optional[FA3Metadata]) -> Tuple[CascadeMetadata, ...]:
+    """topk > 1: a shared prefix call, and per step an expand call whose
+    table is ``tables[i, :, :expand_width(i)]`` of one stacked tensor."""
+    cfg = view.cfg
+    k, bs = cfg.topk, view.batch_size
+    if prefix is None:
+        prefix = _prefix(view)
+    if count == 0:
+        return ()
     cache_seqlens, tables = draft_expand_tables(
-        loc, view.last_page_lens, num_draft_steps=steps, topk=k, page_size=p,
-        num_pages=cfg.num_pages,
-    )
+        loc[:, :count], view.last_page_lens, num_draft_steps=count, topk=k,
+        page_size=cfg.page_size, num_pages=cfg.num_pages)
     live = repeat_rows(view.live, k)
     cache_seqlens = torch.where(live, cache_seqlens, 0)
-    tables = torch.where(live.view(1, -1, 1), tables, 0)
+    tables = torch.where(live.view(1, -1, 1), tables, PAGE_SENTINEL)
     cu_k = _stacked_cu_seqlens(cache_seqlens)
     cu_q = uniform_cu_seqlens(bs * k, 1, loc.device)
     return tuple(
-        CascadeMetadata(prefix=prefix, expand=_expand_call(
-            cfg, i + 1, tables[i, :, : i + 2], cache_seqlens[i], cu_q, cu_k[i]))
-        for i in range(steps)
+        CascadeMetadata(prefix=prefix, expand=FA3Metadata(
+            page_table=tables[i, :, : cfg.expand_width(i)],
+            cache_seqlens=cache_seqlens[i],
+            cu_seqlens_q=cu_q,
+            cu_seqlens_k=cu_k[i],
+            max_seqlen_q=1,
+            max_seqlen_k=cfg.expand_max_seqlen_k(i),
+            page_size=cfg.page_size,
+            causal=False,
+        ))
+        for i in range(count)
     )
 
 
-def _chain_iteration(view: BatchView, steps: int) -> Tuple[FA3Metadata, ...]:
+def _chain_steps(view: BatchView, count: int) -> Tuple[FA3Metadata, ...]:
     """topk = 1: step ``i`` is one causal call over ``seq_len + i + 1`` tokens.
 
     The page table is gathered once over the longest step's length and
     masked per step (one kernel for all steps' tables).
     """
     cfg = view.cfg
-    d = torch.arange(1, steps + 1, device=view.seq_lens.device).view(steps, 1)
-    lengths = torch.where(view.live, view.seq_lens + d, 0)  # [steps, B]
+    if count == 0:
+        return ()
+    d = torch.arange(1, count + 1, device=view.seq_lens.device).view(count, 1)
+    lengths = torch.where(view.live, read_length(view) - 1 + d, 0)  # [count, B]
     pages = view.page_table(lengths[-1], cfg.max_pages)  # sentinel past the longest
     used = torch.arange(cfg.max_pages, device=d.device) < cdiv_tensor(lengths, cfg.page_size).unsqueeze(2)
     tables = torch.where(used, pages.unsqueeze(0), PAGE_SENTINEL)
@@ -228,11 +224,11 @@ def _chain_iteration(view: BatchView, steps: int) -> Tuple[FA3Metadata, ...]:
             cu_seqlens_q=cu_q,
             cu_seqlens_k=cu_k[i],
             max_seqlen_q=1,
-            max_seqlen_k=cfg.max_context_len + i + 1,
+            max_seqlen_k=cfg.max_context_len + cfg.decode_length(i),
             page_size=cfg.page_size,
             causal=True,
         )
-        for i in range(steps)
+        for i in range(count)
     )
 
 
@@ -259,7 +255,7 @@ def draft_tail_copy_slots(
     p, k = cfg.page_size, cfg.topk
     sl = _validate.tensor("seq_lens", seq_lens, ndim=1)
     bs = sl.shape[0]
-    loc = _draft_slots(cfg, out_cache_loc, bs).view(bs, k, cfg.num_steps).to(torch.int64)
+    loc = _validate.draft_slots(cfg, out_cache_loc, bs).view(bs, k, cfg.num_steps).to(torch.int64)
     if p == 1 or k == 1:
         empty = torch.zeros(0, dtype=torch.int64, device=loc.device)
         return empty, empty

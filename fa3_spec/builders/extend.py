@@ -1,11 +1,11 @@
-"""Mode 6: draft extend, the draft model re-reading accepted tokens."""
+"""Draft extend: the draft model re-reads accepted tokens (docs/semantics.md, "Draft extend")."""
 
 from __future__ import annotations
 
 import torch
 
-from .. import _validate
 from .._paged import BatchView, cu_seqlens
+from ..batch import SpecBatch
 from ..config import SpecConfig
 from ..metadata import FA3Metadata
 from ._common import request_call
@@ -34,23 +34,24 @@ def build_draft_extend_metadata(
         `FA3Metadata`, causal; ``cu_seqlens_q = pad(cumsum(extend_seq_lens))``
         with each length clamped to ``[0, N]`` (so it never exceeds ``B*N``),
         ``max_seqlen_q = N``, ``cache_seqlens = seq_lens``, table over
-        ``seq_lens``.
+        ``seq_lens``. Compiles to one graph with no host sync; capture-safe.
     """
-    bs = _validate.batch(cfg, req_to_token, req_pool_indices, seq_lens)
-    ext = _validate.tensor("extend_seq_lens", extend_seq_lens, ndim=1)
-    if ext.shape[0] != bs:
-        raise ValueError(
-            f"extend_seq_lens has {ext.shape[0]} entries but the batch has {bs}"
-        )
-    _validate.same_device(extend_seq_lens=ext, seq_lens=seq_lens)
-    view = BatchView(cfg, req_to_token, req_pool_indices, seq_lens)
+    batch = SpecBatch.create(cfg, req_to_token=req_to_token, req_pool_indices=req_pool_indices,
+                             seq_lens=seq_lens, extend_seq_lens=extend_seq_lens)
+    return draft_extend_metadata(batch)
+
+
+def read_length(view: BatchView, step: int = 0, tree: bool = False) -> torch.Tensor:
+    """Tokens of its own row each request's call reads: ``seq_len``."""
+    return view.seq_lens
+
+
+def draft_extend_metadata(batch: SpecBatch, step: int = 0) -> FA3Metadata:
+    """`build_draft_extend_metadata` on a validated `SpecBatch` (``step`` is unused)."""
+    batch.require("extend_seq_lens", mode="draft_extend")
+    cfg, view = batch.cfg, batch.view()
     n = cfg.num_draft_tokens
-    queries = torch.where(view.live, ext.to(torch.int64).clamp(0, n), 0)
-    return request_call(
-        view,
-        view.seq_lens,
-        queries_per_row=n,
-        max_seqlen_k=cfg.max_context_len,
-        causal=True,
-        cu_seqlens_q=cu_seqlens(queries),
-    )
+    queries = torch.where(view.live, batch.extend_seq_lens.to(torch.int64).clamp(0, n), 0)
+    return request_call(view, read_length(view), queries_per_row=n,
+                        max_seqlen_k=cfg.max_context_len, causal=True,
+                        cu_seqlens_q=cu_seqlens(queries))

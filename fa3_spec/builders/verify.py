@@ -1,4 +1,4 @@
-"""Modes 4 and 5: target verify of a chain or a tree of N draft tokens.
+"""Target verify of a chain or a tree of N draft tokens (docs/semantics.md, "Target verify").
 
 Draft token ``c`` of request ``b`` sits at row position ``seq_len + c``.
 
@@ -24,23 +24,11 @@ from typing import Optional, Union
 
 import torch
 
-from .. import _validate
 from .._paged import BatchView, cu_seqlens, uniform_cu_seqlens
+from ..batch import SpecBatch
 from ..config import SpecConfig
 from ..metadata import PAGE_SENTINEL, CascadeMetadata, FA3Metadata
 from ._common import request_call
-
-
-def _check_tree_mask(tree_mask: object, bs: int, n: int, device) -> torch.Tensor:
-    mask = _validate.tensor("tree_mask", tree_mask, ndim=3, dtypes=(torch.bool,))
-    if tuple(mask.shape) != (bs, n, n):
-        raise ValueError(
-            f"tree_mask must have shape [B, N, N] = [{bs}, {n}, {n}], "
-            f"got {tuple(mask.shape)}"
-        )
-    if mask.device != device:
-        raise ValueError(f"tree_mask is on {mask.device} but seq_lens is on {device}")
-    return mask
 
 
 def build_target_verify_metadata(
@@ -67,28 +55,34 @@ def build_target_verify_metadata(
         request over ``seq_len``; ``expand`` ``B*N`` rows of one query,
         ``page_size = 1``, page table ``[B*N, N]`` of attended slots in
         ascending token order, ``cache_seqlens`` = tokens attended.
-    """
-    n = cfg.num_draft_tokens
-    bs = _validate.batch(cfg, req_to_token, req_pool_indices, seq_lens)
-    view = BatchView(cfg, req_to_token, req_pool_indices, seq_lens)
-    if tree_mask is None:
-        return request_call(
-            view,
-            view.seq_lens + n,
-            queries_per_row=n,
-            max_seqlen_k=cfg.max_context_len + n,
-            causal=True,
-        )
-    mask = _check_tree_mask(tree_mask, bs, n, seq_lens.device)
-    prefix = request_call(
-        view,
-        view.seq_lens,
-        queries_per_row=n,
-        max_seqlen_k=cfg.max_context_len,
-        causal=False,
-    )
 
-    tokens = torch.arange(n, device=seq_lens.device)
+    Compiles to one graph with no host sync (an ``argsort`` of a static
+    ``[B, N, N]`` key, no data-dependent shape) and replays inside a CUDA graph.
+    """
+    batch = SpecBatch.create(cfg, req_to_token=req_to_token, req_pool_indices=req_pool_indices,
+                             seq_lens=seq_lens, tree_mask=tree_mask)
+    return target_verify_metadata(batch)
+
+
+def read_length(view: BatchView, step: int = 0, tree: bool = False) -> torch.Tensor:
+    """Tokens of its own row each request-level call reads: ``seq_len`` for a
+    tree (the drafts come through the expand call), ``seq_len + N`` for a chain."""
+    return view.seq_lens if tree else view.seq_lens + view.cfg.num_draft_tokens
+
+
+def target_verify_metadata(batch: SpecBatch, step: int = 0) -> Union[FA3Metadata, CascadeMetadata]:
+    """`build_target_verify_metadata` on a validated `SpecBatch` (``step`` is unused)."""
+    cfg, view = batch.cfg, batch.view()
+    n, bs = cfg.num_draft_tokens, batch.batch_size
+    tree = batch.tree_mask is not None
+    if not tree:
+        return request_call(view, read_length(view), queries_per_row=n,
+                            max_seqlen_k=cfg.max_context_len + n, causal=True)
+    mask = batch.tree_mask
+    prefix = request_call(view, read_length(view, tree=True), queries_per_row=n,
+                          max_seqlen_k=cfg.max_context_len, causal=False)
+
+    tokens = torch.arange(n, device=view.seq_lens.device)
     slots = view.slots(view.seq_lens.unsqueeze(1) + tokens)  # [B, N]
     # Attended tokens first, each group in ascending token order.
     order = torch.argsort(torch.where(mask, tokens, tokens + n), dim=-1)
@@ -101,7 +95,7 @@ def build_target_verify_metadata(
     expand = FA3Metadata(
         page_table=table,
         cache_seqlens=cache_seqlens,
-        cu_seqlens_q=uniform_cu_seqlens(bs * n, 1, seq_lens.device),
+        cu_seqlens_q=uniform_cu_seqlens(bs * n, 1, view.seq_lens.device),
         cu_seqlens_k=cu_seqlens(cache_seqlens),
         max_seqlen_q=1,
         max_seqlen_k=n,

@@ -26,16 +26,15 @@ from typing import Callable, Optional
 
 import torch
 
-from ._paged import BatchView, query_rows
-from .attention import cascade_attention
-from .attention.kv_store import store_kv
-from .builders import (
+from ..attention import cascade_attention, store_kv
+from ..batch import SpecBatch
+from ..builders import (
     build_draft_extend_metadata,
     build_draft_iteration_metadata,
     build_target_verify_metadata,
     draft_tail_copy_slots,
 )
-from .config import SpecConfig
+from ..config import SpecConfig
 
 
 @dataclasses.dataclass
@@ -105,7 +104,7 @@ class ToyModel:
         """Run every layer on ``x [T, hidden]`` whose tokens live at ``slots [T]``.
 
         Each layer writes the tokens' K/V at their slots (clamped into the
-        cache, through the `fa3_spec.attention.kv_store.store_kv` op so that a
+        cache, through the `fa3_spec.attention.store_kv` op so that a
         compiled step writes T rows, not a copy of the cache), then attends with ``attend(q, k_cache_l, v_cache_l)``.
         """
         t = x.shape[0]
@@ -147,7 +146,8 @@ def draft_iteration(
     """All draft-decode steps of one iteration.
 
     Args:
-        out_cache_loc: int64 ``[B, K, S]`` draft slots (SPEC §3 layout).
+        out_cache_loc: int64 ``[B, K, S]`` draft slots (the topk > 1 layout
+            of docs/semantics.md).
         hidden: ``[B, K, hidden]`` input of step 0 per branch.
 
     Returns:
@@ -162,7 +162,9 @@ def draft_iteration(
     for step, md in enumerate(build_draft_iteration_metadata(cfg, **batch, out_cache_loc=loc)):
         x = model.forward(x, loc[:, step], _attend_with(md, backend, num_splits))
         outs.append(x)
-    return torch.stack(outs, dim=1).view(bs, k, cfg.num_steps - 1, model.hidden)
+    if not outs:  # num_steps == 1: no draft-decode step
+        return x.new_zeros((bs, k, 0, model.hidden))
+    return torch.stack(outs, dim=1).view(bs, k, cfg.num_draft_decode_steps, model.hidden)
 
 
 def target_verify_step(
@@ -184,11 +186,20 @@ def target_verify_step(
     bs, n = hidden.shape[0], cfg.num_draft_tokens
     batch = _batch(req_to_token, req_pool_indices, seq_lens)
     md = build_target_verify_metadata(cfg, **batch, tree_mask=tree_mask)
-    view = BatchView(cfg, **batch)
-    positions = view.seq_lens.unsqueeze(1) + torch.arange(n, device=seq_lens.device)
-    slots = view.mask_padding(view.slots(positions), 1).reshape(bs * n)
+    slots = verify_slots(cfg, **batch)
     x = model.forward(hidden.reshape(bs * n, model.hidden), slots, _attend_with(md, backend, num_splits))
     return x.view(bs, n, model.hidden)
+
+
+def verify_slots(cfg: SpecConfig, *, req_to_token: torch.Tensor,
+                 req_pool_indices: torch.Tensor, seq_lens: torch.Tensor) -> torch.Tensor:
+    """int64 ``[B * N]`` slots of the verify tokens (row positions ``seq_len + c``);
+    padding rows get slot 0 (the dummy page)."""
+    view = SpecBatch.create(cfg, req_to_token=req_to_token, req_pool_indices=req_pool_indices,
+                            seq_lens=seq_lens).view()
+    n = cfg.num_draft_tokens
+    positions = view.seq_lens.unsqueeze(1) + torch.arange(n, device=seq_lens.device)
+    return view.mask_padding(view.slots(positions), 1).reshape(-1)
 
 
 def draft_extend_step(
@@ -214,10 +225,10 @@ def draft_extend_step(
     bs, n = hidden.shape[0], cfg.num_draft_tokens
     batch = _batch(req_to_token, req_pool_indices, seq_lens)
     md = build_draft_extend_metadata(cfg, **batch, extend_seq_lens=extend_seq_lens)
-    view = BatchView(cfg, **batch)
+    view = SpecBatch.create(cfg, **batch).view()
     cu = md.cu_seqlens_q.to(torch.int64)
     j = torch.arange(bs * n, device=seq_lens.device)
-    row = query_rows(cu, bs * n).clamp(max=max(bs - 1, 0))
+    row = md.query_rows(bs * n).clamp(max=max(bs - 1, 0))
     owned = j < cu[-1]
     if bs == 0:
         slots = torch.zeros(0, dtype=torch.int64, device=seq_lens.device)
@@ -231,33 +242,51 @@ def draft_extend_step(
     return x.view(bs, n, model.hidden)
 
 
-#: Forward modes a runner step exists for, with the batch keys each takes.
-STEP_MODES = {
+#: Batch inputs of each mode's whole step (tree verify adds ``tree_mask``).
+_STEP_INPUTS = {
     "draft_decode": ("req_pool_indices", "seq_lens", "out_cache_loc", "hidden"),
-    "target_verify": ("req_pool_indices", "seq_lens", "tree_mask", "hidden"),
-    "target_verify_chain": ("req_pool_indices", "seq_lens", "hidden"),
+    "target_verify": ("req_pool_indices", "seq_lens", "hidden"),
     "draft_extend": ("req_pool_indices", "seq_lens", "extend_seq_lens", "hidden"),
 }
 
+#: Modes with a whole step here: every mode of `fa3_spec.MODES` but plain decode.
+STEP_MODES = tuple(_STEP_INPUTS)
+
+#: ``(mode, tree)`` of every whole step: verify both as a tree and as a chain.
+STEP_VARIANTS = (("draft_decode", False), ("target_verify", True), ("target_verify", False),
+                 ("draft_extend", False))
+
+
+def step_inputs(mode: str, *, tree: bool = False) -> tuple:
+    """Names of the batch tensors the whole step of ``mode`` takes."""
+    if mode not in _STEP_INPUTS:
+        raise ValueError(f"mode must be one of {STEP_MODES}, got {mode!r}")
+    names = _STEP_INPUTS[mode]
+    if mode == "target_verify" and tree:
+        names = names[:2] + ("tree_mask",) + names[2:]
+    return names
+
 
 def make_step(mode: str, cfg: SpecConfig, model: ToyModel, req_to_token: torch.Tensor, *,
-              backend: str = "auto", num_splits: Optional[int] = None) -> Callable:
-    """``step(**batch)`` of ``mode`` (a key of `STEP_MODES`) over an engine's pool.
+              tree: bool = False, backend: str = "auto",
+              num_splits: Optional[int] = None) -> Callable:
+    """``step(**batch)`` of ``mode`` (one of `STEP_MODES`) over an engine's pool.
 
     ``req_to_token`` and ``model`` (weights, KV caches) are closed over, as an
-    engine's pools are; the batch holds only batch-major tensors.
+    engine's pools are; the batch holds only batch-major tensors
+    (`step_inputs`). ``tree`` selects tree verify (a ``tree_mask`` input).
     """
+    step_inputs(mode, tree=tree)  # validates the mode
     common = dict(req_to_token=req_to_token, backend=backend, num_splits=num_splits)
     if mode == "draft_decode":
         return lambda **b: draft_iteration(cfg, model, **common, **b)
-    if mode in ("target_verify", "target_verify_chain"):
+    if mode == "target_verify":
         return lambda **b: target_verify_step(cfg, model, **common, **b)
-    if mode == "draft_extend":
-        return lambda **b: draft_extend_step(cfg, model, **common, **b)
-    raise ValueError(f"mode must be one of {sorted(STEP_MODES)}, got {mode!r}")
+    return lambda **b: draft_extend_step(cfg, model, **common, **b)
 
 
-def example_batch(mode: str, cfg: SpecConfig, model: ToyModel, bs: int, *, device) -> dict:
+def example_batch(mode: str, cfg: SpecConfig, model: ToyModel, bs: int, *, device,
+                  tree: bool = False) -> dict:
     """An all-padding batch of ``bs`` rows with the shapes ``mode`` takes."""
     k, s, n, h = cfg.topk, cfg.num_steps, cfg.num_draft_tokens, model.hidden
     i64 = dict(dtype=torch.int64, device=device)
@@ -270,11 +299,11 @@ def example_batch(mode: str, cfg: SpecConfig, model: ToyModel, bs: int, *, devic
         "hidden": torch.zeros(bs, k if mode == "draft_decode" else n, h,
                               dtype=model.wq.dtype, device=device),
     }
-    return {name: shapes[name] for name in STEP_MODES[mode]}
+    return {name: shapes[name] for name in step_inputs(mode, tree=tree)}
 
 
-def world_batch(mode: str, world, hidden: torch.Tensor) -> dict:
-    """The batch of ``mode`` for a `fa3_spec.testing.World` and ``hidden``."""
+def world_batch(mode: str, world, hidden: torch.Tensor, *, tree: bool = False) -> dict:
+    """The batch of ``mode`` for a `fa3_spec.harness.worlds.World` and ``hidden``."""
     cfg = world.cfg
     values = dict(
         req_pool_indices=world.req_pool_indices,
@@ -284,4 +313,4 @@ def world_batch(mode: str, world, hidden: torch.Tensor) -> dict:
         tree_mask=world.tree_mask,
         hidden=hidden,
     )
-    return {name: values[name] for name in STEP_MODES[mode]}
+    return {name: values[name] for name in step_inputs(mode, tree=tree)}

@@ -1,4 +1,4 @@
-"""Command line: ``fa3-spec audit``."""
+"""Command line: ``fa3-spec audit`` (the project's self-audit)."""
 
 from __future__ import annotations
 
@@ -8,9 +8,12 @@ import sys
 
 import torch
 
+from ..modes import MODES
+
 
 def _audit(args: argparse.Namespace) -> int:
-    from .audit import audit_case, default_grid, format_table, step_grid
+    from ..audit import format_table
+    from .selfaudit import audit_case, default_grid, step_grid
 
     device = args.device
     if device == "auto":
@@ -57,8 +60,7 @@ def main(argv=None) -> int:
     audit.add_argument("--page-sizes", type=int, nargs="+", default=[1, 2, 16, 64])
     audit.add_argument("--topks", type=int, nargs="+", default=[1, 8])
     audit.add_argument("--num-steps", type=int, default=5)
-    audit.add_argument("--modes", nargs="+", choices=["decode", "draft_decode", "draft_iteration",
-                                                      "target_verify", "draft_extend"])
+    audit.add_argument("--modes", nargs="+", choices=list(MODES))
     audit.add_argument("--no-steps", action="store_true",
                        help="skip the whole-step rows (metadata + attention + merge)")
     audit.add_argument("-v", "--verbose", action="store_true")

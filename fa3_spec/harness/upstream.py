@@ -14,8 +14,8 @@ CPU that surfaces as PyTorch's index-out-of-bounds error; in compiled GPU
 code it is a silent write into the neighbouring row.
 
 Returned metadata are clones of the buffers' live slices, so results stay
-valid after the next call. Semantics are SPEC §3's (padding rows read
-nothing), not any one engine's quirks.
+valid after the next call. Semantics are those of docs/semantics.md (padding
+rows read nothing), not any one engine's quirks.
 """
 
 from __future__ import annotations
@@ -23,9 +23,9 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from .config import SpecConfig, cdiv
-from .metadata import CascadeMetadata, FA3Metadata
-from .tree import flat_from_tree_mask
+from ..config import SpecConfig, cdiv
+from ..metadata import CascadeMetadata, FA3Metadata
+from ..tree import flat_from_tree_mask
 
 
 class UpstreamStyleBuilder:
@@ -180,7 +180,7 @@ class UpstreamStyleBuilder:
                                        cu_seqlens_q=cu_q)
 
     def build(self, mode: str, *, step: int = 0, **kwargs):
-        """Dispatch by mode name (see `fa3_spec.testing.MODES`)."""
+        """Dispatch by mode name (a key of `fa3_spec.MODES`)."""
         if mode == "draft_decode":
             return self.draft_decode(step, **kwargs)
         return getattr(self, mode)(**kwargs)

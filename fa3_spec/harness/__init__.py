@@ -1,0 +1,11 @@
+"""The harness: how fa3_spec proves itself. Not imported by the library.
+
+* `worlds`: synthetic paged serving worlds (``make_world``, ``fill_kv_cache``).
+* `oracle`: the dense key-set oracle and metadata comparators.
+* `upstream`: a host-synced upstream-style builder (+ the #27360 switch).
+* `toy`: a toy attention-only model and the whole steps a runner captures.
+* `selfaudit`: the audit grid over every builder and step (`fa3_spec.audit`).
+* `cli`: the ``fa3-spec`` command.
+
+Arrows run from here to the library only (``compile_tests/test_layers.py``).
+"""

@@ -1,0 +1,204 @@
+"""The project's self-audit: every builder and whole step, through `fa3_spec.audit`.
+
+Two scopes. A "builder" row audits one metadata builder (forward mode x
+configuration x draft step, or every draft step built together, ``step =
+"all"``); its reference is the upstream-style builder. A "step" row audits a
+whole captured step of `fa3_spec.harness.toy` (metadata + attention + LSE
+merge + KV writes: the full draft iteration, verify, or extend), with FA3 on
+CUDA and the torch backend on CPU; its parity is compiled vs eager (relative
+error <= 1e-2 in bf16, 1e-4 in fp32). What each row checks is
+`fa3_spec.audit.audit_function`'s list.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Callable, Iterable, Optional, Union
+
+import torch
+
+from ..audit import AuditRow, audit_function
+from ..builders import build_draft_iteration_metadata
+from ..config import SpecConfig
+from ..modes import MODES, build_metadata
+from .oracle import metadata_mismatches
+from .upstream import UpstreamStyleBuilder
+from .worlds import make_world
+
+#: The draft-decode "step" of a row that builds every step together
+#: (`fa3_spec.build_draft_iteration_metadata`).
+ALL_STEPS = "all"
+
+
+@dataclasses.dataclass(frozen=True)
+class AuditCase:
+    """One audited builder call: ``mode`` under ``cfg`` at draft ``step``."""
+
+    mode: str
+    cfg: SpecConfig
+    step: Union[int, str] = 0  # a draft step, or ALL_STEPS
+    batch_size: int = 4
+    num_padding: int = 1
+    scope: str = "builder"  # "builder": one metadata builder; "step": a whole step
+
+    @property
+    def tree(self) -> bool:
+        """Target verify audits the tree cascade when topk > 1, else the chain."""
+        return self.cfg.topk > 1
+
+
+def default_grid(
+    page_sizes: Iterable[int] = (1, 2, 16, 64),
+    topks: Iterable[int] = (1, 8),
+    num_steps: int = 5,
+    max_context_len: int = 256,
+) -> list:
+    """All modes x page sizes x topk; draft decode at its first and last step,
+    and every draft step built together (``step = ALL_STEPS``)."""
+    cases = []
+    for p in page_sizes:
+        for k in topks:
+            cfg = SpecConfig(
+                page_size=p,
+                topk=k,
+                num_steps=num_steps,
+                num_draft_tokens=6 if k > 1 else 4,
+                max_bs=8,
+                max_context_len=max_context_len,
+            )
+            for mode in MODES.values():
+                steps = (0, num_steps - 2, ALL_STEPS) if mode.per_step else (0,)
+                cases.extend(AuditCase(mode.name, cfg, step) for step in steps)
+    return cases
+
+
+def step_grid(page_sizes: Iterable[int] = (1, 2, 16, 64), topks: Iterable[int] = (1, 8),
+              num_steps: int = 5, max_context_len: int = 64) -> list:
+    """Whole-step cases: draft iteration, verify (tree when topk > 1), extend.
+
+    One configuration per topk (compiling whole steps costs more than
+    builders): page size 2 for topk > 1 when selected (the seed's case),
+    else the first page size.
+    """
+    page_sizes = list(page_sizes)
+    cases = []
+    for k in topks:
+        p = 2 if k > 1 and 2 in page_sizes else page_sizes[0]
+        cfg = SpecConfig(page_size=p, topk=k, num_steps=num_steps,
+                         num_draft_tokens=6 if k > 1 else 4, max_bs=8,
+                         max_context_len=max_context_len)
+        for mode in ("draft_decode", "target_verify", "draft_extend"):
+            cases.append(AuditCase(mode, cfg, scope="step"))
+    return cases
+
+
+def _builder(case: AuditCase, names: list) -> Callable:
+    if case.step == ALL_STEPS:
+        def build_all_steps(*tensors):
+            return build_draft_iteration_metadata(case.cfg, **dict(zip(names, tensors)))
+
+        return build_all_steps
+
+    def build_one(*tensors):
+        return build_metadata(case.mode, case.cfg, step=case.step, **dict(zip(names, tensors)))
+
+    return build_one
+
+
+def _steps_mismatches(got, want) -> list:
+    """`metadata_mismatches` over the per-step metadata of a draft iteration."""
+    if len(got) != len(want):
+        return [f"{len(got)} steps, expected {len(want)}"]
+    return [f"step {i}: {m}" for i, (g, w) in enumerate(zip(got, want))
+            for m in metadata_mismatches(g, w)]
+
+
+class _Subject:
+    """What one audit row exercises: ``fn(*args)`` on two argument sets."""
+
+    def __init__(self, fn, args, same, reference_problems, restore=lambda: None):
+        self.fn = fn
+        self.args = args  # two lists of tensors: equal shapes, other values
+        self.same = same  # same(got, want) -> list of problems
+        self.reference_problems = reference_problems  # (index, eager out) -> problems
+        self.restore = restore  # reset mutable state (KV caches) before a run
+
+
+def _builder_subject(case: AuditCase, device: str) -> _Subject:
+    worlds = [make_world(case.cfg, case.batch_size, num_padding=case.num_padding,
+                         seed=seed, device=device) for seed in (1, 2)]
+    iteration = case.step == ALL_STEPS
+    mode = case.mode
+    kwargs = [w.mode_kwargs(mode, tree=case.tree) for w in worlds]
+    names = [k for k, v in kwargs[0].items() if v is not None]
+    reference = UpstreamStyleBuilder(case.cfg, device)
+    steps = range(case.cfg.num_steps - 1) if iteration else [case.step]
+    same = _steps_mismatches if iteration else metadata_mismatches
+
+    def reference_problems(i, eager):
+        want = [reference.build(mode, step=s, **kwargs[i]) for s in steps]
+        return [f"vs reference: {m}" for m in same(eager, want if iteration else want[0])]
+
+    return _Subject(_builder(case, names), [[kw[n] for n in names] for kw in kwargs],
+                    same, reference_problems)
+
+
+def _step_subject(case: AuditCase, device: str) -> _Subject:
+    from ..attention import fa3_available
+    from .toy import ToyModel, make_step, step_inputs, world_batch
+    from .worlds import rebase_world
+
+    cfg = case.cfg
+    step_mode = case.mode
+    on_gpu = device != "cpu"
+    dtype = torch.bfloat16 if on_gpu else torch.float32
+    base = make_world(cfg, case.batch_size, num_padding=case.num_padding, seed=1, device=device)
+    worlds = [base, rebase_world(make_world(cfg, case.batch_size, num_padding=case.num_padding,
+                                            seed=2, device=device), base.req_to_token)]
+    model = ToyModel.create(layers=1, num_pages=base.num_pages, page_size=cfg.page_size,
+                            num_heads=4, num_kv_heads=2, head_dim=64, dtype=dtype, device=device)
+    initial = (model.k_cache.clone(), model.v_cache.clone())
+    backend = "fa3" if on_gpu and fa3_available() else "torch"
+    step = make_step(step_mode, cfg, model, base.req_to_token, backend=backend, tree=case.tree)
+    names = list(step_inputs(step_mode, tree=case.tree))
+    g = torch.Generator().manual_seed(0)
+    rows = cfg.topk if step_mode == "draft_decode" else cfg.num_draft_tokens
+    args = []
+    for w in worlds:
+        hidden = torch.randn(case.batch_size, rows, model.hidden, generator=g).to(device, dtype)
+        batch = world_batch(step_mode, w, hidden, tree=case.tree)
+        args.append([batch[n] for n in names])
+
+    def restore():
+        model.k_cache.copy_(initial[0])
+        model.v_cache.copy_(initial[1])
+
+    def fn(*tensors):
+        return step(**dict(zip(names, tensors)))
+
+    tol = 1e-2 if dtype == torch.bfloat16 else 1e-4
+
+    def same(got, want):
+        if not torch.isfinite(got).all():
+            return ["non-finite output"]
+        err = float((got.float() - want.float()).norm() / want.float().norm().clamp(min=1e-6))
+        return [] if err <= tol else [f"relative error {err:.2e} > {tol:.0e}"]
+
+    return _Subject(fn, args, same, lambda i, eager: [], restore)
+
+
+def audit_case(case: AuditCase, *, backend: str = "aot_eager", device: str = "cpu") -> AuditRow:
+    """Audit one case with `fa3_spec.audit.audit_function`."""
+    cfg = case.cfg
+    subject = (_step_subject if case.scope == "step" else _builder_subject)(case, device)
+    return audit_function(
+        subject.fn, subject.args, same=subject.same,
+        reference_problems=subject.reference_problems, restore=subject.restore,
+        backend=backend, device=device, mode=case.mode, scope=case.scope,
+        config=dict(page_size=cfg.page_size, topk=cfg.topk, num_steps=cfg.num_steps,
+                    num_draft_tokens=cfg.num_draft_tokens,
+                    tree=case.tree if case.mode == "target_verify" else None),
+        step=case.step if case.mode == "draft_decode" and case.scope == "builder" else None,
+    )
+
+
