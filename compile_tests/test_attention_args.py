@@ -373,6 +373,8 @@ def test_softcap_on_a_provider_without_it_is_a_clear_python_error(monkeypatch):
     assert torch.isfinite(fa3_spec.cascade_attention(q, kc, vc, md, backend="torch", softcap=30.0)).all()
 
 
+@pytest.mark.skipif(torch.cuda.is_available() and providers.find_provider() is not None,
+                    reason="an FA3 provider and a GPU are here")
 def test_fa3_features_without_a_provider_say_so():
     """On this CPU machine there is no provider: asking FA3 for softcap or FP8 says so."""
     assert providers.provider_features() == frozenset()

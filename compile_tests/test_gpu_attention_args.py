@@ -22,7 +22,7 @@ import torch
 
 import fa3_spec
 from fa3_spec.attention import fa3_available, fa3_paged_attention, providers, provider_version
-from fa3_spec.testing import fill_kv_cache, make_world, num_queries
+from fa3_spec.testing import fill_kv_cache, make_world, num_queries, rebase_world
 
 pytestmark = [
     pytest.mark.gpu,
@@ -203,7 +203,7 @@ def test_record_the_lse_fa3_returns_for_empty_rows():
 
 
 def test_step_with_sinks_and_fp8_compiles_captures_and_replays():
-    """Draft cascade (P = 2, topk = 8): metadata + FA3 (FP8) + merge + sink, one CUDA graph."""
+    """Draft cascade (P = 2, topk = 8): metadata + FA3 (FP8) + merge + sink + ``out=``, one CUDA graph."""
     worlds = [_world(2, 8, seq_lens=s, seed=i) for i, s in enumerate([(5, 77, 300, 0), (1, 2, 3, 250),
                                                                         (299, 0, 0, 64)])]
     r2t = worlds[0].req_to_token
@@ -211,15 +211,14 @@ def test_step_with_sinks_and_fp8_compiles_captures_and_replays():
     kc, vc = kc.to(FP8), vc.to(FP8)
     cfg = worlds[0].cfg
 
-    def step(q, sinks, kd, vd, rpi, seq, loc):
+    def step(q, sinks, kd, vd, rpi, seq, loc, buf=None):
         md = fa3_spec.build_draft_decode_metadata(cfg, 3, req_to_token=r2t, req_pool_indices=rpi,
                                                   seq_lens=seq, out_cache_loc=loc)
         return fa3_spec.cascade_attention(q, kc, vc, md, backend="fa3", sinks=sinks, k_descale=kd,
-                                          v_descale=vd)
+                                          v_descale=vd, out=buf)
 
     def args(w, seed):
         g = torch.Generator(device="cuda").manual_seed(seed)
-        from fa3_spec.testing import rebase_world
         w = rebase_world(w, r2t)
         q = torch.randn(num_queries(w, "draft_decode"), HEADS, DIM, device="cuda", generator=g,
                         dtype=torch.bfloat16)
@@ -231,6 +230,8 @@ def test_step_with_sinks_and_fp8_compiles_captures_and_replays():
     with torch._dynamo.config.patch(error_on_recompile=True):
         torch.testing.assert_close(compiled(*batches[0]), step(*batches[0]), atol=2e-2, rtol=2e-2)
     static = [t.clone() for t in batches[0]]
+    buf = torch.full_like(static[0], float("nan"))  # the caller's output buffer
+    static.append(buf)
     s = torch.cuda.Stream()
     s.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(s):
@@ -243,8 +244,10 @@ def test_step_with_sinks_and_fp8_compiles_captures_and_replays():
     for batch in batches[1:]:
         for dst, src in zip(static, batch):
             dst.copy_(src)
+        buf.fill_(float("nan"))
         graph.replay()
         want = step(*batch)
+        assert torch.equal(buf, out)  # written in place by the replay
         ref = fa3_spec.cascade_attention(batch[0], kc, vc, fa3_spec.build_draft_decode_metadata(
             cfg, 3, req_to_token=r2t, req_pool_indices=batch[4], seq_lens=batch[5], out_cache_loc=batch[6]),
             backend="torch", sinks=batch[1], k_descale=batch[2], v_descale=batch[3])

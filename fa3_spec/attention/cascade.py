@@ -348,7 +348,8 @@ def cascade_attention(
     backend = _resolve(backend, q)
     if num_splits is not None and (isinstance(num_splits, bool) or not isinstance(num_splits, int)
                                    or num_splits < 1):
-        raise ValueError(f"num_splits must be a static int >= 1 (FA3 rejects 0 under tracing), got {num_splits!r}")
+        raise ValueError(
+            f"num_splits must be a static int >= 1 (FA3 rejects 0 under tracing), got {num_splits!r}")
     window = _check_window(window_size, metadata)
     softcap = _check_softcap(softcap)
     fp8 = k_cache.dtype == FP8
