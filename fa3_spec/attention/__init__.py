@@ -7,12 +7,16 @@ Importing this package registers both custom ops, with their fakes:
 from .cascade import BACKENDS, attention_call, cascade_attention
 from .fa3_op import default_num_splits, fa3_paged_attention
 from .kv_store import store_kv
-from .merge import merge_attention_states
-from .providers import fa3_available, find_provider, provider_version
-from .reference import paged_attention_reference
+from .merge import add_attention_sink, merge_attention_states
+from .providers import (
+    FEATURES, fa3_available, find_provider, provider_features, provider_supports, provider_version,
+)
+from .reference import paged_attention_reference, visible_keys
 
 __all__ = [
     "BACKENDS",
+    "FEATURES",
+    "add_attention_sink",
     "attention_call",
     "cascade_attention",
     "default_num_splits",
@@ -21,6 +25,9 @@ __all__ = [
     "find_provider",
     "merge_attention_states",
     "paged_attention_reference",
+    "provider_features",
+    "provider_supports",
     "provider_version",
     "store_kv",
+    "visible_keys",
 ]

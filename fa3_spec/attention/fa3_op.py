@@ -9,9 +9,16 @@ call only.
 
 from __future__ import annotations
 
+from typing import Optional
+
 import torch
 
 from .providers import kvcache_forward
+
+
+def attention_out_dtype(q_dtype: torch.dtype) -> torch.dtype:
+    """Output dtype of an FA3 call on ``q``: bf16 for FP8 queries, else ``q``'s."""
+    return torch.bfloat16 if q_dtype == torch.float8_e4m3fn else q_dtype
 
 
 @torch.library.custom_op("fa3_spec::fa3_paged_attention", mutates_args=())
@@ -26,20 +33,30 @@ def fa3_paged_attention(
     softmax_scale: float,
     causal: bool,
     num_splits: int,
+    softcap: float = 0.0,
+    window_left: int = -1,
+    window_right: int = -1,
+    q_descale: Optional[torch.Tensor] = None,
+    k_descale: Optional[torch.Tensor] = None,
+    v_descale: Optional[torch.Tensor] = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """One FA3 varlen call over a paged KV cache.
+    """One FA3 varlen call over a paged KV cache (``flash_attn_with_kvcache``).
 
     Shapes: ``q [total_q, H_q, D]``; caches ``[num_pages, page_size, H_kv, D]``;
     ``page_table`` int32 ``[rows, W]``; ``cache_seqlens`` int32 ``[rows]``;
-    ``cu_seqlens_q`` int32 ``[rows + 1]``. Returns ``out [total_q, H_q, Dv]``
-    (``q.dtype``) and ``lse`` float32 ``[H_q, total_q]``, raw as FA3 gives them
-    (queries past ``cu_seqlens_q[-1]`` are unwritten; see
-    `fa3_spec.attention.cascade` for the normalisation).
+    ``cu_seqlens_q`` int32 ``[rows + 1]``. Per-layer arguments keep FA3's
+    names: ``softcap`` (0 = off), ``window_size = (window_left,
+    window_right)`` (-1 = unbounded, bottom-right aligned), and for FP8 KV
+    (``q`` and caches ``float8_e4m3fn``) the float32 ``[rows, H_kv]``
+    descales. Only arguments that differ from FA3's defaults are passed on,
+    so a provider that predates one still serves calls that do not use it.
+
+    Returns ``out [total_q, H_q, Dv]`` (``q.dtype``; bf16 for FP8) and ``lse``
+    float32 ``[H_q, total_q]``, raw as FA3 gives them (queries past
+    ``cu_seqlens_q[-1]`` are unwritten and empty rows have a non-finite LSE;
+    see `fa3_spec.attention.cascade.attention_call` for the normalisation).
     """
-    out, lse, *_ = kvcache_forward()(
-        q,
-        k_cache,
-        v_cache,
+    kw = dict(
         cache_seqlens=cache_seqlens,
         page_table=page_table,
         cu_seqlens_q=cu_seqlens_q,
@@ -49,6 +66,15 @@ def fa3_paged_attention(
         num_splits=num_splits,
         return_softmax_lse=True,
     )
+    if softcap != 0.0:
+        kw["softcap"] = softcap
+    if (window_left, window_right) != (-1, -1):
+        kw["window_size"] = (window_left, window_right)
+    for name, scale in (("q_descale", q_descale), ("k_descale", k_descale),
+                        ("v_descale", v_descale)):
+        if scale is not None:
+            kw[name] = scale
+    out, lse, *_ = kvcache_forward()(q, k_cache, v_cache, **kw)
     return out, lse
 
 
@@ -56,9 +82,13 @@ def fa3_paged_attention(
 def _fa3_paged_attention_fake(
     q, k_cache, v_cache, page_table, cache_seqlens, cu_seqlens_q,
     max_seqlen_q, softmax_scale, causal, num_splits,
+    softcap=0.0, window_left=-1, window_right=-1,
+    q_descale=None, k_descale=None, v_descale=None,
 ):
+    if num_splits < 1:
+        raise ValueError(f"num_splits must be a static int >= 1, got {num_splits}")
     total_q, heads = q.shape[0], q.shape[1]
-    out = q.new_empty((total_q, heads, v_cache.shape[-1]))
+    out = q.new_empty((total_q, heads, v_cache.shape[-1]), dtype=attention_out_dtype(q.dtype))
     lse = q.new_empty((heads, total_q), dtype=torch.float32)
     return out, lse
 
@@ -69,7 +99,7 @@ def default_num_splits(num_rows: int, num_kv_heads: int, max_seqlen_k: int,
 
     Split the keys only when the call has too few (row, KV head) work items to
     fill the GPU and enough keys to split: ``min(16, sms / items, keys / 512)``,
-    at least 1. Measured on the H200 (docs/semantics.md, "FA3 on the H200"): a topk > 1 prefix call at batch 1 ran in
+    at least 1. Measured on the H200: a topk > 1 prefix call at batch 1 ran in
     110 µs unsplit and 83 µs at 16 splits; at batch 64 splitting moved little.
     """
     items = max(1, num_rows * num_kv_heads)

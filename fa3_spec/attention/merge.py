@@ -1,8 +1,31 @@
-"""Log-sum-exp merge of two partial attention results (plain torch ops)."""
+"""Log-sum-exp algebra of partial attention results (plain torch ops).
+
+Attention over a key set ``S`` is ``o = sum_t e^(s_t - l) v_t`` with
+``l = log sum_t e^(s_t)``. Two disjoint key sets merge exactly from their
+``(o, l)`` pairs; an attention sink (a logit with a zero value vector) is one
+more such set, with output 0 and LSE equal to the sink logit.
+"""
 
 from __future__ import annotations
 
 import torch
+
+
+def merge_float(
+    out_a: torch.Tensor, lse_a: torch.Tensor, out_b: torch.Tensor, lse_b: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """`merge_attention_states` with a float32 output (no rounding to the inputs' dtype)."""
+    m = torch.maximum(lse_a, lse_b)
+    m = torch.where(torch.isfinite(m), m, 0.0)
+    w_a = torch.exp(lse_a - m)  # exp(-inf) = 0
+    w_b = torch.exp(lse_b - m)
+    denom = w_a + w_b
+    safe = torch.where(denom > 0, denom, 1.0)
+    w_a = (w_a / safe).transpose(0, 1).unsqueeze(-1)  # [total_q, H, 1]
+    w_b = (w_b / safe).transpose(0, 1).unsqueeze(-1)
+    out = out_a.float() * w_a + out_b.float() * w_b
+    lse = torch.where(denom > 0, m + torch.log(safe), float("-inf"))
+    return out, lse
 
 
 def merge_attention_states(
@@ -17,18 +40,36 @@ def merge_attention_states(
 
     Returns:
         ``(out, lse)`` with ``out = (o_a e^(l_a - m) + o_b e^(l_b - m)) /
-        (e^(l_a - m) + e^(l_b - m))``, ``m = max(l_a, l_b)``. A query empty on
-        both sides gets output 0 and LSE ``-inf``, never NaN. Traces to
-        elementwise ops that inductor fuses into one kernel.
+        (e^(l_a - m) + e^(l_b - m))``, ``m = max(l_a, l_b)``, in ``out_a``'s
+        dtype. A query empty on both sides gets output 0 and LSE ``-inf``,
+        never NaN. Traces to elementwise ops that inductor fuses into one
+        kernel.
     """
-    m = torch.maximum(lse_a, lse_b)
-    m = torch.where(torch.isfinite(m), m, 0.0)
-    w_a = torch.exp(lse_a - m)  # exp(-inf) = 0
-    w_b = torch.exp(lse_b - m)
-    denom = w_a + w_b
-    safe = torch.where(denom > 0, denom, 1.0)
-    w_a = (w_a / safe).transpose(0, 1).unsqueeze(-1)  # [total_q, H, 1]
-    w_b = (w_b / safe).transpose(0, 1).unsqueeze(-1)
-    out = out_a.float() * w_a + out_b.float() * w_b
-    lse = torch.where(denom > 0, m + torch.log(safe), float("-inf"))
+    out, lse = merge_float(out_a, lse_a, out_b, lse_b)
     return out.to(out_a.dtype), lse
+
+
+def add_attention_sink(
+    out: torch.Tensor, lse: torch.Tensor, sinks: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Add one sink logit per query head to the softmax denominator.
+
+    The sink is a key with logit ``s_h`` (same units as the scaled, capped
+    scores) and a zero value, so it only rescales:
+    ``o' = o * e^l / (e^l + e^s)``, ``l' = log(e^l + e^s)``.
+
+    Args:
+        out: ``[total_q, H, D]`` attention over the real keys.
+        lse: float32 ``[H, total_q]``; ``-inf`` for a query that saw no key.
+        sinks: ``[H]`` sink logits (gpt-oss's learnable per-head sinks).
+
+    Returns:
+        ``(out', lse')``, ``out'`` float32. A query with no key gets output 0
+        and LSE ``s_h``. Apply it once, to the merged result of all calls: a
+        sink merged from two calls would be counted twice.
+    """
+    s = sinks.float()[:, None].expand_as(lse)
+    new_lse = torch.logaddexp(lse, s)
+    # e^l / (e^l + e^s): 0 when l = -inf; 0, not NaN, when l = s = -inf.
+    scale = torch.where(torch.isneginf(new_lse), 0.0, torch.exp(lse - new_lse))
+    return out.float() * scale.transpose(0, 1).unsqueeze(-1), new_lse

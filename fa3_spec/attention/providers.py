@@ -72,3 +72,116 @@ def kvcache_forward() -> Callable:
             "backend='torch'"
         )
     return found[1].flash_attn_with_kvcache
+
+
+# --- What a provider supports --------------------------------------------------
+#
+# FA3 builds differ in the per-layer arguments they compile in: the
+# tokenspeed-fa3 wheel is built without tanh softcapping and refuses it with a
+# host-side error, other builds may lack FP8. fa3_spec asks *before* calling
+# the kernel, in Python, so an unsupported argument is a clear error at trace
+# (or call) time, never a kernel assert, and never a probe inside a graph.
+
+#: Per-layer features fa3_spec may ask a provider about.
+FEATURES = ("softcap", "fp8_kv")
+
+#: Measured support of known builds, by the distribution that ships the module
+#: (tokenspeed-fa3 3.0.0.post20260810 on an H200: softcap refused with "This
+#: flash attention build does not support tanh softcapping"; FP8 KV with
+#: ``[B, H_kv]`` descales accepted). A build not listed here is probed once.
+KNOWN_FEATURES = {
+    "tokenspeed-fa3": frozenset({"fp8_kv"}),
+}
+
+
+@functools.lru_cache(maxsize=None)
+def provider_distribution() -> Optional[str]:
+    """The installed distribution that ships the provider's module (None if unknown)."""
+    found = find_provider()
+    if found is None:
+        return None
+    from importlib import metadata
+
+    top = found[1].__name__.split(".")[0]
+    dists = metadata.packages_distributions().get(top, [])
+    return dists[0] if dists else None
+
+
+def _probe(feature: str) -> bool:
+    """Run a one-query FA3 call that uses ``feature``; True if the build accepts it."""
+    if torch.cuda.is_current_stream_capturing():
+        raise RuntimeError(
+            f"fa3_spec must probe the FA3 provider ({provider_version()}) for {feature!r}, "
+            "which cannot run inside CUDA-graph capture: call "
+            "fa3_spec.attention.provider_features() once before capturing"
+        )
+    dev = torch.device("cuda")
+    dtype = torch.float8_e4m3fn if feature == "fp8_kv" else torch.bfloat16
+    # Head dim 128, single-token pages: the shape of a tree-verify expand call.
+    q = torch.zeros(1, 1, 128, device=dev).to(dtype)
+    kv = torch.zeros(1, 1, 1, 128, device=dev).to(dtype)
+    kw = dict(cache_seqlens=torch.ones(1, dtype=torch.int32, device=dev),
+              page_table=torch.zeros(1, 1, dtype=torch.int32, device=dev))
+    if feature == "softcap":
+        kw["softcap"] = 30.0
+    try:
+        kvcache_forward()(q, kv, kv, **kw)
+        torch.cuda.synchronize()
+    except (RuntimeError, TypeError, ValueError, NotImplementedError):
+        return False
+    return True
+
+
+@functools.lru_cache(maxsize=None)
+def provider_features() -> frozenset:
+    """The `FEATURES` the FA3 provider in use supports (empty if there is none).
+
+    From `KNOWN_FEATURES` for a known build, otherwise probed once with tiny
+    calls on the GPU and cached. A probe cannot run inside CUDA-graph capture:
+    on an unknown build, call this once before capturing (a compiled step
+    traced outside capture has already done so).
+    """
+    if find_provider() is None or not torch.cuda.is_available():
+        return frozenset()
+    known = KNOWN_FEATURES.get(provider_distribution())
+    if known is not None:
+        return known
+    return frozenset(f for f in FEATURES if _probe(f))
+
+
+@torch.compiler.assume_constant_result
+def provider_supports(feature: str) -> bool:
+    """Whether the FA3 provider supports ``feature`` (one of `FEATURES`).
+
+    A constant to ``torch.compile``: evaluated in Python when the step is
+    traced, and never part of the graph.
+    """
+    if feature not in FEATURES:
+        raise ValueError(f"unknown FA3 feature {feature!r}; known: {FEATURES}")
+    return feature in provider_features()
+
+
+@torch.compiler.assume_constant_result
+def _provider_label() -> str:
+    return provider_version()
+
+
+def require(feature: str, what: str) -> None:
+    """Raise NotImplementedError naming the provider when it lacks ``feature``.
+
+    Under ``torch.compile(fullgraph=True)`` the error surfaces wrapped in
+    dynamo's ``Unsupported`` ("Observed exception"), whose text carries this
+    message; without fullgraph it propagates as is.
+    """
+    if provider_supports(feature):
+        return
+    label = _provider_label()
+    if label == "none":
+        raise NotImplementedError(
+            f"{what} needs an FA3 provider with {feature!r} on a CUDA GPU, and none is "
+            "available here; use backend='torch'"
+        )
+    raise NotImplementedError(
+        f"{what} is not supported by the FA3 provider {label} "
+        f"(this build lacks {feature!r}); use backend='torch' for this layer"
+    )
