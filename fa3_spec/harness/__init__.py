@@ -1,0 +1,1 @@
+"""Test and benchmark harness (synthetic worlds, oracles, upstream code runners)."""
