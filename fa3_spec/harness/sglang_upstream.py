@@ -421,7 +421,8 @@ def make_req_to_token(cfg: SglangConfig, pool_size: int, generator: torch.Genera
 
 
 def sglang_batch(cfg: SglangConfig, req_to_token: torch.Tensor, raw_bs: int, bucket: int,
-                 generator: torch.Generator, *, random_slots: bool = False) -> SglangBatch:
+                 generator: torch.Generator, *, random_slots: bool = False,
+                 seq_lens=None) -> SglangBatch:
     """A random batch of ``raw_bs`` requests padded to ``bucket`` rows as sglang pads.
 
     Real requests use distinct rows ``>= 1`` of ``req_to_token`` and
@@ -432,7 +433,7 @@ def sglang_batch(cfg: SglangConfig, req_to_token: torch.Tensor, raw_bs: int, buc
     is the flat mask of random trees (prefix columns True) for the real
     requests, followed by random slack bits; ``extend_seq_lens`` in
     ``[1, min(N, seq_len)]``. Padding rows: row 0, ``seq_len = pad_seq_len``,
-    slots 0, ``extend_seq_len = N``.
+    slots 0, ``extend_seq_len = N``. ``seq_lens`` fixes the real requests' lengths.
     """
     from ..integrations.sglang import pad_batch
 
@@ -440,6 +441,8 @@ def sglang_batch(cfg: SglangConfig, req_to_token: torch.Tensor, raw_bs: int, buc
     device = req_to_token.device
     rows = torch.randperm(req_to_token.shape[0] - 1, generator=g)[:raw_bs] + 1
     seq = torch.randint(1, cfg.context_len + 1, (raw_bs,), generator=g)
+    if seq_lens is not None:  # given lengths of the real requests
+        seq = torch.as_tensor(seq_lens, dtype=torch.int64).reshape(raw_bs)
     if random_slots:
         loc = torch.randint(0, 1 << 20, (raw_bs, k, s), generator=g)
     elif p > 1 and k > 1:

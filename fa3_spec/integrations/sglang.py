@@ -298,20 +298,22 @@ def target_verify(cfg: SglangConfig, buffers: Buffers, *, req_to_token: torch.Te
 def draft_extend(cfg: SglangConfig, buffers: Buffers, *, req_to_token: torch.Tensor,
                  req_pool_indices: torch.Tensor, seq_lens: torch.Tensor,
                  extend_seq_lens: torch.Tensor) -> None:
-    """Fill `DRAFT_EXTEND` as ``_apply_cuda_graph_metadata`` does (draft extend v2).
+    """Fill `DRAFT_EXTEND` as sglang's draft-extend replay does (draft extend v2).
 
-    ``cache_seqlens = seq_len`` (which already counts the accepted tokens),
-    ``cu_seqlens_k[1:]``, ``cu_seqlens_q[1:]`` from ``extend_seq_lens``, and
-    all ``ceil(context_len / P)`` page columns. sglang's in-graph kernel
-    (``draft_extend_set_metadata``) then rewrites a subset with equal values.
+    That replay is ``_apply_cuda_graph_metadata`` (out of the graph:
+    ``cache_seqlens = seq_len``, which already counts the accepted tokens,
+    ``cu_seqlens_k[1:]``, ``cu_seqlens_q[1:]`` from ``extend_seq_lens``, all
+    ``ceil(context_len / P)`` page columns), then the kernel recorded in the
+    graph (``draft_extend_set_metadata``), which rewrites the live part with
+    equal values and also writes ``cu_seqlens_q[0] = cu_seqlens_k[0] = 0``.
     """
     md = build_draft_extend_metadata(
         cfg.spec_config(), req_to_token=req_to_token, req_pool_indices=req_pool_indices,
         seq_lens=seq_lens, extend_seq_lens=extend_seq_lens)
     bs, buf = seq_lens.shape[0], buffers[DRAFT_EXTEND]
     buf["cache_seqlens"][:bs].copy_(md.cache_seqlens)
-    buf["cu_seqlens_k"][1:bs + 1].copy_(md.cu_seqlens_k[1:])
-    buf["cu_seqlens_q"][1:bs + 1].copy_(md.cu_seqlens_q[1:])
+    buf["cu_seqlens_k"][:bs + 1].copy_(md.cu_seqlens_k)
+    buf["cu_seqlens_q"][:bs + 1].copy_(md.cu_seqlens_q)
     buf["page_table"][:bs].copy_(_full_page_table(cfg, req_to_token, req_pool_indices,
                                                   cfg.max_num_pages))
 
