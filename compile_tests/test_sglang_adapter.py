@@ -275,3 +275,20 @@ def fa3_spec_error_flags(cfg, mode, **kw):
     import fa3_spec
 
     return int(fa3_spec.error_flags(cfg.spec_config(), mode, **kw))
+
+
+# ------------------------------------------------------------- benchmark
+def test_bench_smoke(upstream, tmp_path):
+    """benchmarks/sglang_adapter_bench.py --smoke runs end to end with parity
+    (its CPU timings mean nothing)."""
+    import json
+    import pathlib
+    import subprocess
+    import sys
+
+    root = pathlib.Path(__file__).resolve().parents[1]
+    out = tmp_path / "rows.json"
+    subprocess.run([sys.executable, str(root / "benchmarks" / "sglang_adapter_bench.py"), "--smoke",
+                    "--json", str(out)], check=True, cwd=root, capture_output=True, timeout=600)
+    rows = json.loads(out.read_text())["rows"]
+    assert [r["bs"] for r in rows] == [1, 3] and all(r["parity"] for r in rows)
