@@ -47,7 +47,7 @@ def _config(rng: random.Random, *, topk, world: int, **fixed) -> sgl.SglangConfi
         page_size=p, topk=fixed.get("topk", topk(rng)),
         num_steps=fixed.get("num_steps", rng.randint(2, 5)),
         num_draft_tokens=fixed.get("num_draft_tokens", rng.randint(1, 8)),
-        max_bs=8, context_len=rng.randint(1, 3 * max(p, 8)))
+        max_bs=6, context_len=rng.randint(1, 3 * max(p, 8)))
 
 
 def _garbage_like(buffers, g):
@@ -114,7 +114,9 @@ def test_draft_decode_every_step_bitwise(upstream, topk):
     pick = (lambda r: 1) if topk == "chain" else (lambda r: r.randint(2, 8))
     for world in range(WORLDS):
         rng, g = _world_rng(f"draft-{topk}", world)
-        cfg = _config(rng, topk=pick, world=world)
+        # Chain: each step is one interpreted Triton launch on CPU; keep S <= 4 but world 0.
+        fixed = {"num_steps": rng.randint(2, 4)} if topk == "chain" and world else {}
+        cfg = _config(rng, topk=pick, world=world, **fixed)
         steps = range(cfg.num_steps - 1)
         r2t, ups, mine = _setup(upstream, cfg, g, steps)
         fused = [sgl.allocate_buffers(cfg, step=s, device=DEVICE) for s in steps]
