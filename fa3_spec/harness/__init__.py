@@ -5,6 +5,8 @@
 * `upstream`: a host-synced upstream-style builder (+ the #27360 switch).
 * `toy`: a toy attention-only model and the whole steps a runner captures.
 * `selfaudit`: the audit grid over every builder and step (`fa3_spec.audit`).
+* `sglang_upstream`: sglang 0.5.23's own metadata code, fetched from its wheel
+  at run time and run against small stubs (never committed).
 * `cli`: the ``fa3-spec`` command.
 
 Arrows run from here to the library only (``compile_tests/test_layers.py``).

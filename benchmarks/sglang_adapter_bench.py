@@ -1,0 +1,156 @@
+"""The sglang adapter as a drop-in for a draft iteration's replay-time metadata.
+
+sglang 0.5.23 prepares the metadata of a whole topk > 1 draft iteration on
+the host before each replay: ``FlashAttentionMultiStepBackend`` calls
+``_apply_cuda_graph_metadata`` of each of the ``num_steps - 1`` step backends
+(torch ops plus its ``torch.compile``d ``draft_decode_set_expand_metadata``).
+The adapter fills the same buffers, bitwise, with
+`fa3_spec.integrations.sglang.draft_iteration`, compiled once
+(``fullgraph=True``) and captured as one CUDA graph ("metadata graph"); a
+replay is the runner's input copy plus ``graph.replay()``. Both run here, in
+the same process, on the same batch, from sglang's own code
+(``fa3_spec.harness.sglang_upstream``), and the buffers are compared
+bitwise before anything is timed.
+
+    python3 benchmarks/sglang_adapter_bench.py --json results/sglang_adapter_h200.json
+    python3 benchmarks/sglang_adapter_bench.py --smoke   # CPU, tiny: every code path, no timing value
+
+Reported per batch size: host time per iteration (the Python call, no sync)
+and wall time per iteration (call + ``synchronize``), medians, for upstream
+and the adapter, and their ratios. On the H200 sglang's source comes from
+``FA3_SPEC_SGLANG_SRC`` (no network there).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import time
+
+import torch
+
+from fa3_spec.harness.sglang_upstream import (
+    SGLANG_VERSION, load_upstream_or_reason, make_req_to_token, sglang_batch,
+)
+from fa3_spec.integrations import sglang as sgl
+
+
+def _median_us(fn, iters, sync):
+    host, wall = [], []
+    for _ in range(iters):
+        sync()
+        t0 = time.perf_counter()
+        fn()
+        t1 = time.perf_counter()
+        sync()
+        t2 = time.perf_counter()
+        host.append(t1 - t0)
+        wall.append(t2 - t0)
+    return statistics.median(host) * 1e6, statistics.median(wall) * 1e6
+
+
+def _equal(a: dict, b: dict) -> bool:
+    return sorted(a) == sorted(b) and all(
+        sorted(a[k]) == sorted(b[k]) and all(torch.equal(a[k][n], b[k][n]) for n in a[k])
+        for k in a)
+
+
+def run_row(upstream, cfg, bs, iters, device, smoke):
+    g = torch.Generator().manual_seed(bs)
+    r2t = make_req_to_token(cfg, bs + 2, g, device=device)
+    batches = [sglang_batch(cfg, r2t, bs, bs, g) for _ in range(2)]
+    kws = [b.inputs("draft_decode") for b in batches]
+    steps = range(cfg.num_steps - 1)
+
+    backends = upstream.draft_backends(cfg, r2t)
+    mine = [sgl.allocate_buffers(cfg, step=s, device=device) for s in steps]
+
+    def upstream_iteration(kw):
+        for b in backends:
+            b.draft_decode(**kw)
+
+    # The adapter's graph reads static inputs; a replay copies the batch in
+    # (as sglang's runner copies into its own buffers), then replays.
+    static = {k: v.clone() for k, v in kws[0].items()}
+
+    def adapter_iteration():
+        sgl.draft_iteration(cfg, mine, req_to_token=r2t, **static)
+
+    compiled = torch.compile(adapter_iteration, fullgraph=True,
+                             backend="aot_eager" if smoke else "inductor")
+    if device.type == "cuda":
+        from fa3_spec.probes import capture
+
+        graph, _ = capture(compiled)
+        run_adapter = graph.replay
+    else:
+        run_adapter = compiled
+
+    def adapter_replay(kw):
+        for k, v in kw.items():
+            static[k].copy_(v)
+        run_adapter()
+
+    # Parity first: same inputs, same starting buffers, every buffer bitwise.
+    parity = True
+    for kw in kws:
+        for up, buf in zip(backends, mine):
+            for key, group in up.buffers.items():
+                for name, t in group.items():
+                    buf[key][name].copy_(t)
+        upstream_iteration(kw)
+        adapter_replay(kw)
+        parity &= all(_equal(buf, up.buffers) for up, buf in zip(backends, mine))
+
+    sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
+    up_host, up_wall = _median_us(lambda: upstream_iteration(kws[1]), iters, sync)
+    ad_host, ad_wall = _median_us(lambda: adapter_replay(kws[1]), iters, sync)
+    return dict(
+        bs=bs, page_size=cfg.page_size, topk=cfg.topk, num_steps=cfg.num_steps,
+        context_len=cfg.context_len, parity=bool(parity), iters=iters,
+        upstream_host_us=up_host, upstream_wall_us=up_wall,
+        adapter_host_us=ad_host, adapter_wall_us=ad_wall,
+        host_ratio=up_host / ad_host, wall_ratio=up_wall / ad_wall,
+    )
+
+
+def main(argv=None):
+    parser = argparse.ArgumentParser(description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--smoke", action="store_true", help="CPU, tiny, no meaningful timing")
+    parser.add_argument("--bs", type=int, nargs="*", default=[1, 8, 32, 64])
+    parser.add_argument("--iters", type=int, default=200)
+    parser.add_argument("--context-len", type=int, default=4096)
+    parser.add_argument("--json", help="write the rows here")
+    args = parser.parse_args(argv)
+
+    device = torch.device("cpu" if args.smoke or not torch.cuda.is_available() else "cuda")
+    if args.smoke:
+        args.bs, args.iters, args.context_len = [1, 3], 2, 64
+    upstream, why = load_upstream_or_reason(device=device, compile_expand=not args.smoke)
+    if upstream is None:
+        print(f"sglang {SGLANG_VERSION}'s code unavailable: {why}", file=sys.stderr)
+        return 2
+    cfg = sgl.SglangConfig(page_size=2, topk=8, num_steps=5, num_draft_tokens=6,
+                           max_bs=max(args.bs), context_len=args.context_len)
+    rows = []
+    for bs in args.bs:
+        row = run_row(upstream, cfg, bs, args.iters, device, args.smoke)
+        rows.append(row)
+        print(f"bs {bs:4d}  parity {row['parity']}  upstream host {row['upstream_host_us']:8.1f} us"
+              f"  wall {row['upstream_wall_us']:8.1f} us | adapter graph host "
+              f"{row['adapter_host_us']:7.1f} us  wall {row['adapter_wall_us']:7.1f} us | "
+              f"ratio host {row['host_ratio']:5.1f}x  wall {row['wall_ratio']:5.1f}x", flush=True)
+    if args.json:
+        meta = dict(device=torch.cuda.get_device_name() if device.type == "cuda" else "cpu",
+                    torch=torch.__version__, sglang=SGLANG_VERSION, smoke=args.smoke,
+                    command=" ".join(sys.argv))
+        with open(args.json, "w") as f:
+            json.dump(dict(meta=meta, rows=rows), f, indent=1)
+    return 0 if all(r["parity"] for r in rows) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
