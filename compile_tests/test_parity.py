@@ -43,7 +43,7 @@ def test_builder_matches_reference_and_spec(name, mode, step, tree):
 
 
 def test_seed_example_expand_rows():
-    """docs/semantics.md, the #27360 example: P=2, S=4, seq_len=5: branch 0's slots span 3 pages by step 3."""
+    """docs/semantics.md, the #27360 example: P=2, S=4, seq_len=5: branch 0's S slots span 3 pages."""
     cfg = SpecConfig(page_size=2, topk=2, num_steps=4, num_draft_tokens=4, max_bs=1,
                      max_context_len=16)
     world = make_world(cfg, 1, seq_lens=[5])
