@@ -44,6 +44,13 @@ class FA3Metadata:
         page_size: static page size the table is expressed in; the KV cache
             is viewed as ``[-1, page_size, H_kv, D]`` for this call.
         causal: static; bottom-right aligned causal mask when True.
+        window_left: static left window FA3 applies to this call (its
+            ``window_size[0]``; -1 = none), bottom-right aligned: query ``i``
+            of a row's ``n`` queries sits at ``cache_seqlens - n + i`` and
+            sees keys ``t >= that - window_left``. Set only by the
+            sliding-window builders (`fa3_spec.builders.window`), on single
+            calls whose queries are consecutive positions ending at the
+            row's last key, where that alignment is the true position.
     """
 
     page_table: torch.Tensor
@@ -54,6 +61,7 @@ class FA3Metadata:
     max_seqlen_k: int
     page_size: int
     causal: bool
+    window_left: int = -1
 
     @property
     def num_rows(self) -> int:
@@ -105,7 +113,7 @@ class CascadeMetadata:
 
 
 _TENSOR_FIELDS = ("page_table", "cache_seqlens", "cu_seqlens_q", "cu_seqlens_k")
-_STATIC_FIELDS = ("max_seqlen_q", "max_seqlen_k", "page_size", "causal")
+_STATIC_FIELDS = ("max_seqlen_q", "max_seqlen_k", "page_size", "causal", "window_left")
 
 
 def _flatten_fa3(md: FA3Metadata):

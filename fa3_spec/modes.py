@@ -29,7 +29,7 @@ import torch
 
 from ._paged import BatchView
 from .batch import SpecBatch
-from .builders import decode, draft, extend, verify
+from .builders import decode, draft, extend, verify, window
 from .config import SpecConfig
 
 
@@ -103,12 +103,22 @@ def get_mode(name: str) -> Mode:
     return MODES[name]
 
 
-def build_metadata(mode: str, cfg_or_batch, *, step: int = 0, **kwargs):
+def build_metadata(mode: str, cfg_or_batch, *, step: int = 0, window_left: Optional[int] = None,
+                   **kwargs):
     """The metadata of ``mode`` (a key of `MODES`).
 
     Either ``build_metadata(mode, cfg, step=..., **builder_keywords)`` or
     ``build_metadata(mode, batch, step=...)`` with a `SpecBatch` built
     beforehand (outside a compiled region, so errors keep their types).
+
+    ``window_left=W`` (static int >= 0) builds the metadata of a
+    sliding-window layer: each query reads only the keys of its own key set
+    at positions ``>= pos - W`` (`fa3_spec.builders.window`;
+    docs/semantics.md, "Sliding-window layers"). It is a per-call argument,
+    not a `SpecConfig` field, because a hybrid model builds both kinds from
+    one batch in the same step. Pass the result to `cascade_attention`
+    without ``window_size``: single calls carry their window, cascades are
+    trimmed exactly.
     """
     spec = get_mode(mode)
     if isinstance(cfg_or_batch, SpecBatch):
@@ -120,4 +130,6 @@ def build_metadata(mode: str, cfg_or_batch, *, step: int = 0, **kwargs):
             batch.cfg.check_step(step)
     else:
         batch = spec.batch(cfg_or_batch, step=step, **kwargs)
+    if window_left is not None:
+        return window.window_metadata(batch, mode, step, window_left)
     return spec.build(batch, step)

@@ -111,6 +111,11 @@ def _check_window(window_size, metadata) -> tuple:
         if isinstance(side, bool) or not isinstance(side, numbers.Integral) or side < -1:
             raise ValueError(f"window_size entries must be ints >= -1 (-1 = unbounded), got {window_size!r}")
     window = (int(left), int(right))
+    if window != (-1, -1) and any(md.window_left >= 0 for md in metadata.calls):
+        raise ValueError(
+            f"window_size={window} given with sliding-window metadata, which already carries its "
+            "window (build_metadata(..., window_left=W)); pass no window_size"
+        )
     if window != (-1, -1) and isinstance(metadata, CascadeMetadata):
         raise ValueError(
             f"window_size={window} cannot be applied to a CascadeMetadata: the prefix call's queries "
@@ -229,6 +234,8 @@ def attention_call(
     build returns). Both, and NaN, are mapped to ``-inf``; every finite LSE
     is kept.
     """
+    if md.window_left >= 0:  # sliding-window metadata carries its window
+        window_size = (md.window_left, 0 if md.causal else -1)
     k_view = _as_page_size(k_cache, md.page_size, "k_cache")
     v_view = _as_page_size(v_cache, md.page_size, "v_cache")
     extra = dict(softcap=softcap, window_size=window_size, q_descale=q_descale,

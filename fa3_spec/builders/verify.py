@@ -70,6 +70,20 @@ def read_length(view: BatchView, step: int = 0, tree: bool = False) -> torch.Ten
     return view.seq_lens if tree else view.seq_lens + view.cfg.num_draft_tokens
 
 
+def attended_slots(view: BatchView, mask: torch.Tensor) -> tuple:
+    """``(sorted_slots int64 [B, N, N], attended int64 [B, N])``: row ``j`` lists
+    the slots of the draft tokens query ``j`` attends in ascending token order
+    (then the others), ``attended[b, j]`` how many. For a tree mask ascending
+    token order is ascending depth: the path root .. ``j``."""
+    n, bs = view.cfg.num_draft_tokens, view.batch_size
+    tokens = torch.arange(n, device=view.seq_lens.device)
+    slots = view.slots(view.seq_lens.unsqueeze(1) + tokens)  # [B, N]
+    # Attended tokens first, each group in ascending token order.
+    order = torch.argsort(torch.where(mask, tokens, tokens + n), dim=-1)
+    sorted_slots = torch.gather(slots.unsqueeze(1).expand(bs, n, n), 2, order)
+    return sorted_slots, mask.sum(dim=-1)
+
+
 def target_verify_metadata(batch: SpecBatch, step: int = 0) -> Union[FA3Metadata, CascadeMetadata]:
     """`build_target_verify_metadata` on a validated `SpecBatch` (``step`` is unused)."""
     cfg, view = batch.cfg, batch.view()
@@ -83,11 +97,7 @@ def target_verify_metadata(batch: SpecBatch, step: int = 0) -> Union[FA3Metadata
                           max_seqlen_k=cfg.max_context_len, causal=False)
 
     tokens = torch.arange(n, device=view.seq_lens.device)
-    slots = view.slots(view.seq_lens.unsqueeze(1) + tokens)  # [B, N]
-    # Attended tokens first, each group in ascending token order.
-    order = torch.argsort(torch.where(mask, tokens, tokens + n), dim=-1)
-    sorted_slots = torch.gather(slots.unsqueeze(1).expand(bs, n, n), 2, order)
-    attended = mask.sum(dim=-1)  # [B, N]
+    sorted_slots, attended = attended_slots(view, mask)
     table = torch.where(tokens < attended.unsqueeze(-1), sorted_slots, PAGE_SENTINEL)
 
     cache_seqlens = view.mask_padding(attended, 1).reshape(bs * n).to(torch.int32)

@@ -130,7 +130,7 @@ def metadata_mismatches(actual, expected, *, prefix: str = "") -> list:
             out += metadata_mismatches(actual.expand, expected.expand, prefix=prefix + "expand.")
         return out
     out = []
-    for name in ("max_seqlen_q", "max_seqlen_k", "page_size", "causal"):
+    for name in ("max_seqlen_q", "max_seqlen_k", "page_size", "causal", "window_left"):
         if getattr(actual, name) != getattr(expected, name):
             out.append(f"{prefix}{name}: {getattr(actual, name)} != {getattr(expected, name)}")
     for name in ("cache_seqlens", "cu_seqlens_q", "cu_seqlens_k"):
@@ -156,7 +156,9 @@ def key_slots_read(md, num_queries: int) -> list:
     Row ``b`` owns queries ``cu_seqlens_q[b] .. cu_seqlens_q[b+1]-1``; key ``t``
     of the row is slot ``page_table[b, t // P] * P + t % P`` for
     ``t < cache_seqlens[b]``; with ``causal``, query ``i`` of a row with ``n``
-    queries sees keys ``t <= cache_seqlens - n + i`` (bottom-right aligned).
+    queries sees keys ``t <= cache_seqlens - n + i`` (bottom-right aligned),
+    and with ``window_left >= 0`` only keys ``t >= cache_seqlens - n + i -
+    window_left``.
     A cascade's query reads the union, prefix keys first. Queries no row
     owns read nothing.
     """
@@ -177,6 +179,8 @@ def key_slots_read(md, num_queries: int) -> list:
             if cu[b] + i >= num_queries:
                 break
             visible = keys[: max(0, length - n + i + 1)] if md.causal else keys
+            if md.window_left >= 0:  # bottom-right: query i sits at key length - n + i
+                visible = visible[max(0, length - n + i - md.window_left):]
             out[cu[b] + i] = visible
     return out
 

@@ -1,0 +1,177 @@
+"""Sliding-window (SWA) metadata for every mode (docs/semantics.md, "Sliding-window layers").
+
+A layer with left window ``W`` lets a query at position ``pos`` read only the
+keys of its own key set at positions ``>= pos - W``: the last ``W + 1``
+positions of its path, itself included. Every mode's key set is a path of
+consecutive positions ``0 .. pos``: the prefix ``0 .. s-1`` of the request's
+row, then the query's draft path. Positions, per mode (``s = seq_len``)::
+
+    decode                 pos = s - 1
+    draft topk = 1, step i pos = s + i           (drafts follow in the row)
+    draft topk > 1, step i pos = s + i           (every branch at depth i)
+    verify chain, token j  pos = s + j
+    verify tree, token j   pos = s + depth(j)    depth = attended drafts - 1
+    draft extend, query j  pos = s - e + j
+
+**Single calls** (decode, draft topk = 1, chain verify, draft extend). A row's
+queries are consecutive positions ending at its last key, so FA3's
+bottom-right alignment is the true position, and FA3's own window cuts
+exactly. The table starts at the page of the first query's window start,
+``start = floor(max(L - n - W, 0) / P)``, and every key index shifts by
+``start * P``, queries included, so ``window_left = W`` (carried by the
+metadata) still cuts at ``pos - W``. Keys read ``<= W + n + P - 1``, so the
+width is ``min(max_pages, ceil((W + n - 1) / P) + 1)``.
+
+**Cascades** (draft topk > 1, tree verify). The prefix call's queries share
+no bottom-right position, so no window may be applied there; instead both
+calls are trimmed so that together they read exactly ``[lo, pos]``, no
+window at all. With ``D`` the static largest depth (``S - 2`` draft, ``N - 1``
+verify), every query's window starts at or before ``lo_max = s + D - W``:
+
+    prefix call  one row per request, keys [split, s), split = the first page
+                 boundary >= max(lo_max, 0) (clamped to s): inside every
+                 query's window, page-aligned, the same for every draft step
+    expand call  one row per query, page size 1 (slot ids): the prefix
+                 positions [lo, split) before the split (< P + D - depth),
+                 then the path positions s .. pos that are >= lo
+
+Expand width ``min(P + D, W + 1)``, prefix width ``ceil(max(W - D, 0) / P)``:
+both narrow, independent of the context. The expand call reads the prefix
+tail from the request's own row, so SWA layers need no tail copy. With
+``W`` small against ``D`` the split sits at ``s`` and the prefix call is empty.
+"""
+
+from __future__ import annotations
+
+from typing import Optional, Union
+
+import torch
+
+from .. import _validate
+from .._paged import BatchView, cdiv_tensor, cu_seqlens, in_pool, repeat_rows, uniform_cu_seqlens
+from ..batch import SpecBatch
+from ..config import cdiv
+from ..metadata import PAGE_SENTINEL, CascadeMetadata, FA3Metadata
+from .verify import attended_slots
+
+WindowMetadata = Union[FA3Metadata, CascadeMetadata]
+
+
+def window_metadata(batch: SpecBatch, mode: str, step: int, window_left: int) -> WindowMetadata:
+    """Metadata of ``mode`` for a layer with left window ``window_left``.
+
+    Called by ``fa3_spec.build_metadata(mode, ..., window_left=W)`` after
+    validation. Returns an `FA3Metadata` with ``window_left = W`` (single
+    calls) or a `CascadeMetadata` whose calls carry no window (trimmed
+    exactly). Pass it to `cascade_attention` with no ``window_size``.
+    Compiles with no host sync; every shape depends on ``B``, ``cfg`` and
+    ``W`` only.
+    """
+    w = _validate.int_at_least("window_left", window_left, 0)
+    cfg, view = batch.cfg, batch.view()
+    n = cfg.num_draft_tokens
+    if mode == "decode":
+        return _single(view, view.seq_lens, 1, w, cfg.max_context_len)
+    if mode == "draft_decode":
+        d = cfg.decode_length(step)
+        if cfg.topk == 1:
+            return _single(view, view.seq_lens + d, 1, w, cfg.max_context_len + d)
+        loc = in_pool(batch.out_cache_loc[:, :d], cfg.page_size, cfg.num_pages)  # [B*K, d]
+        depth = torch.full((loc.shape[0],), d - 1, dtype=torch.int64, device=loc.device)
+        return _cascade(view, loc, depth, cfg.topk, cfg.num_steps - 2, w)
+    if mode == "target_verify":
+        if batch.tree_mask is None:
+            return _single(view, view.seq_lens + n, n, w, cfg.max_context_len + n)
+        path, attended = attended_slots(view, batch.tree_mask)
+        return _cascade(view, path.reshape(-1, n), attended.reshape(-1) - 1, n, n - 1, w)
+    if mode == "draft_extend":
+        queries = torch.where(view.live, batch.extend_seq_lens.to(torch.int64).clamp(0, n), 0)
+        return _single(view, view.seq_lens, n, w, cfg.max_context_len, queries=queries)
+    raise ValueError(f"unknown mode {mode!r}")
+
+
+def _rows_from(view: BatchView, start_page: torch.Tensor, keys: torch.Tensor, width: int) -> torch.Tensor:
+    """int32 ``[B, width]``: the row's pages from ``start_page`` on, over ``keys`` tokens."""
+    p = view.cfg.page_size
+    cols = torch.arange(width, device=keys.device)
+    pages = torch.div(view.slots((start_page.unsqueeze(1) + cols) * p), p, rounding_mode="floor")
+    used = cols < cdiv_tensor(keys, p).unsqueeze(1)
+    return torch.where(used, pages, PAGE_SENTINEL).to(torch.int32)
+
+
+def _single(view: BatchView, lengths: torch.Tensor, n: int, w: int, max_seqlen_k: int,
+            queries: Optional[torch.Tensor] = None) -> FA3Metadata:
+    """One causal call whose row ``b`` has ``queries[b]`` (default ``n``) queries at
+    positions ending at ``lengths[b] - 1``, trimmed to the window's first page."""
+    cfg, p = view.cfg, view.cfg.page_size
+    lengths = torch.where(view.live, lengths, 0)
+    count = lengths.new_full(lengths.shape, n) if queries is None else queries
+    start = torch.div((lengths - count - w).clamp(min=0), p, rounding_mode="floor")
+    keys = (lengths - start * p).clamp(min=0)
+    width = min(cfg.max_pages, cdiv(w + n - 1, p) + 1)
+    cache_seqlens = keys.to(torch.int32)
+    cu_q = (uniform_cu_seqlens(view.batch_size, n, lengths.device) if queries is None
+            else cu_seqlens(queries))
+    return FA3Metadata(
+        page_table=_rows_from(view, start, keys, width),
+        cache_seqlens=cache_seqlens,
+        cu_seqlens_q=cu_q,
+        cu_seqlens_k=cu_seqlens(cache_seqlens),
+        max_seqlen_q=n,
+        max_seqlen_k=min(max_seqlen_k, w + n + p - 1),
+        page_size=p,
+        causal=True,
+        window_left=w,
+    )
+
+
+def _cascade(view: BatchView, path: torch.Tensor, depth: torch.Tensor, q: int, max_depth: int,
+             w: int) -> CascadeMetadata:
+    """Exactly trimmed cascade. ``path`` int64 ``[B*q, M]``: slots of each query's
+    draft path (position ``s + k`` at column ``k``); ``depth`` int64 ``[B*q]``:
+    the query's own index in it (position ``s + depth``)."""
+    cfg, p = view.cfg, view.cfg.page_size
+    bs, rows = view.batch_size, path.shape[0]
+    s = torch.where(view.live, view.seq_lens, 0)
+    lo_max = (s + max_depth - w).clamp(min=0)
+    split = torch.minimum(cdiv_tensor(lo_max, p) * p, s)  # [B], page aligned or s
+    prefix_keys = torch.where(view.live, s - split, 0)
+    prefix_width = min(cfg.max_pages, max(1, cdiv(max(w - max_depth, 0), p)))
+    prefix_len = prefix_keys.to(torch.int32)
+    prefix = FA3Metadata(
+        page_table=_rows_from(view, torch.div(split, p, rounding_mode="floor"), prefix_keys,
+                              prefix_width),
+        cache_seqlens=prefix_len,
+        cu_seqlens_q=uniform_cu_seqlens(bs, q, s.device),
+        cu_seqlens_k=cu_seqlens(prefix_len),
+        max_seqlen_q=q,
+        max_seqlen_k=max(1, min(cfg.max_context_len, w - max_depth)),
+        page_size=p,
+        causal=False,
+    )
+
+    live = repeat_rows(view.live, q)
+    s_r, split_r = repeat_rows(s, q), repeat_rows(split, q)
+    lo = (s_r + depth - w).clamp(min=0)
+    before = (split_r - lo).clamp(min=0)  # prefix positions lo .. split-1
+    first = (lo - s_r).clamp(min=0)  # first path index inside the window
+    keys = torch.where(live, before + (depth + 1 - first).clamp(min=0), 0)
+    width = min(p + max_depth, w + 1)
+    cols = torch.arange(width, device=s.device)
+    prefix_slots = view.slots((lo.unsqueeze(1) + cols).view(bs, q * width)).view(rows, width)
+    k = (first.unsqueeze(1) + cols - before.unsqueeze(1)).clamp(0, path.shape[1] - 1)
+    path_slots = torch.gather(path.to(torch.int64), 1, k)
+    table = torch.where(cols < before.unsqueeze(1), prefix_slots, path_slots)
+    table = torch.where(cols < keys.unsqueeze(1), table, PAGE_SENTINEL).to(torch.int32)
+    cache_seqlens = keys.to(torch.int32)
+    expand = FA3Metadata(
+        page_table=table,
+        cache_seqlens=cache_seqlens,
+        cu_seqlens_q=uniform_cu_seqlens(rows, 1, s.device),
+        cu_seqlens_k=cu_seqlens(cache_seqlens),
+        max_seqlen_q=1,
+        max_seqlen_k=width,
+        page_size=1,
+        causal=False,
+    )
+    return CascadeMetadata(prefix=prefix, expand=expand)
