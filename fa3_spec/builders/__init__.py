@@ -3,7 +3,9 @@
 Each module has a public entry point with the builders' keyword signature
 (``build_*_metadata(cfg, *, req_to_token, ...)``) that validates its inputs
 into a `fa3_spec.SpecBatch`, and the builder proper on a `SpecBatch`. The
-mode table (`fa3_spec.modes.MODES`) dispatches between them.
+mode table (`fa3_spec.modes.MODES`) dispatches between them; `window`
+builds the sliding-window metadata of every mode
+(``build_metadata(mode, ..., window_left=W)``).
 """
 
 from .decode import build_decode_metadata
@@ -15,6 +17,7 @@ from .draft import (
 )
 from .extend import build_draft_extend_metadata
 from .verify import build_target_verify_metadata
+from .window import window_metadata
 
 __all__ = [
     "build_decode_metadata",
@@ -24,4 +27,5 @@ __all__ = [
     "build_draft_prefix_metadata",
     "build_target_verify_metadata",
     "draft_tail_copy_slots",
+    "window_metadata",
 ]
