@@ -65,7 +65,8 @@ def attention_call(
     k_view = _as_page_size(k_cache, md.page_size)
     v_view = _as_page_size(v_cache, md.page_size)
     if backend == "torch":
-        return paged_attention_reference(q, k_view, v_view, md, softmax_scale)
+        compute = torch.promote_types(q.dtype, torch.float32)  # float64 stays float64
+        return paged_attention_reference(q, k_view, v_view, md, softmax_scale, compute_dtype=compute)
     splits = num_splits or default_num_splits(md.num_rows, k_cache.shape[2], md.max_seqlen_k)
     out, lse = fa3_paged_attention(
         q, k_view, v_view, md.page_table, md.cache_seqlens, md.cu_seqlens_q,

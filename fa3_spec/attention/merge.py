@@ -29,6 +29,7 @@ def merge_attention_states(
     safe = torch.where(denom > 0, denom, 1.0)
     w_a = (w_a / safe).transpose(0, 1).unsqueeze(-1)  # [total_q, H, 1]
     w_b = (w_b / safe).transpose(0, 1).unsqueeze(-1)
-    out = out_a.float() * w_a + out_b.float() * w_b
+    dtype = torch.promote_types(out_a.dtype, torch.float32)  # float64 stays float64
+    out = out_a.to(dtype) * w_a.to(dtype) + out_b.to(dtype) * w_b.to(dtype)
     lse = torch.where(denom > 0, m + torch.log(safe), float("-inf"))
     return out.to(out_a.dtype), lse
