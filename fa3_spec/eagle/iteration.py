@@ -210,8 +210,10 @@ def _accept(lc: LoopConfig, tokens, parents, next_tokens, live, iters):
     bs, n = tokens.shape
     depth_max = lc.max_depth
     if lc.scripted is not None:
-        script = torch.tensor(lc.scripted, device=tokens.device)
-        forced = script[torch.remainder(iters, len(lc.scripted))] - 1
+        turn = torch.remainder(iters, len(lc.scripted))
+        forced = torch.zeros_like(iters)
+        for j, emitted in enumerate(lc.scripted):  # no host-to-device copy (capturable)
+            forced = torch.where(turn == j, emitted - 1, forced)
         accepted = forced.clamp(0, depth_max)
         i = torch.arange(depth_max + 1, device=tokens.device)
         path = torch.minimum(i.unsqueeze(0), accepted.unsqueeze(1))
