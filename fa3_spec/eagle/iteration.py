@@ -145,17 +145,25 @@ def _copy_kv_slots(kv: KVCache, src: torch.Tensor, dst: torch.Tensor) -> None:
         kv.copy_slots(src, dst)
 
 
-def _draft_phase(lc: LoopConfig, models: SpecModel, draft_kv: KVCache, view: BatchView,
-                 st: State, batch: dict):
-    """Draft steps -> every candidate's token, cumulative score and parent candidate."""
+def draft_slots(lc: LoopConfig, view: BatchView) -> torch.Tensor:
+    """int64 ``[B, K, S]`` draft slots of the batch (0 on padding rows)."""
     cfg = lc.spec
     bs, k, s = view.batch_size, cfg.topk, cfg.num_steps
     loc = view.slots(draft_positions(cfg, view.seq_lens).view(bs, k * s)).view(bs, k, s)
-    loc = torch.where(view.live.view(bs, 1, 1), loc, 0)
+    return torch.where(view.live.view(bs, 1, 1), loc, 0)
+
+
+def _draft_steps(lc: LoopConfig, models: SpecModel, draft_kv: KVCache, view: BatchView,
+                 st: State, batch: dict, metadata=None):
+    """Draft steps -> every candidate's token, cumulative score and parent candidate."""
+    cfg = lc.spec
+    bs, k = view.batch_size, cfg.topk
+    loc = draft_slots(lc, view)
     src, dst = draft_tail_copy_slots(cfg, seq_lens=view.seq_lens, out_cache_loc=loc)
     _copy_kv_slots(draft_kv, src, dst)
-    steps = build_draft_iteration_metadata(cfg, **batch, out_cache_loc=loc)
-
+    steps = metadata
+    if steps is None:
+        steps = build_draft_iteration_metadata(cfg, **batch, out_cache_loc=loc)
     tokens, scores = st["cand_tokens"], st["cand_scores"]
     hidden = st["draft_hidden"].unsqueeze(1).expand(bs, k, models.hidden_size)
     leaf = torch.arange(k, device=tokens.device).expand(bs, k)  # candidate index of each leaf
@@ -237,48 +245,47 @@ def _accept(lc: LoopConfig, tokens, parents, next_tokens, live, iters):
     return path, accepted, bonus
 
 
-def eagle_iteration(lc: LoopConfig, models: SpecModel, target_kv: KVCache, draft_kv: KVCache,
-                    req_to_token: torch.Tensor, st: State) -> State:
-    """One speculative iteration over the batch state ``st`` (see the module docstring).
+def draft_phase(lc: LoopConfig, models: SpecModel, draft_kv: KVCache,
+                req_to_token: torch.Tensor, st: State, metadata=None) -> State:
+    """Steps 1-2: draft steps and the tree -> ``tokens``, ``parents`` ``[B, N]``,
+    ``tree_mask`` ``[B, N, N]``. ``metadata``: the draft steps' metadata, or
+    None to build it here (`build_draft_iteration_metadata`)."""
+    batch = dict(req_to_token=req_to_token, req_pool_indices=st["req_pool_indices"],
+                 seq_lens=st["seq_lens"])
+    view = BatchView(lc.spec, **batch)
+    cand = _draft_steps(lc, models, draft_kv, view, st, batch, metadata)
+    tokens, parents = _organize_tree(lc, st["root"], *cand)
+    return dict(tokens=tokens, parents=parents, tree_mask=tree_mask_from_parents(parents))
 
-    Args:
-        lc: static loop configuration.
-        models: the target + draft pair (`SpecModel`).
-        target_kv, draft_kv: the pool's caches (written in place).
-        req_to_token: int32 ``[max_reqs, >= spec.draft_row_len]``.
-        st: batch state from `empty_state` (rows ``[B]``; padding rows have
-            ``seq_lens == 0``).
 
-    Returns:
-        The new state (same keys and shapes). Only the K/V caches are
-        mutated; a caller that keeps the state in static buffers copies the
-        result back (`step_in_place`).
-    """
+def verify_phase(lc: LoopConfig, models: SpecModel, target_kv: KVCache,
+                 req_to_token: torch.Tensor, st: State, tree: State, metadata=None) -> State:
+    """Steps 3-5: verify, greedy acceptance, commit. ``metadata``: the verify
+    metadata, or None to build it here (`build_target_verify_metadata`)."""
     cfg = lc.spec
     n, dmax = cfg.num_draft_tokens, lc.max_depth
-    seq_lens, rpi = st["seq_lens"], st["req_pool_indices"]
+    seq_lens = st["seq_lens"]
     bs = seq_lens.shape[0]
-    batch = dict(req_to_token=req_to_token, req_pool_indices=rpi, seq_lens=seq_lens)
+    batch = dict(req_to_token=req_to_token, req_pool_indices=st["req_pool_indices"],
+                 seq_lens=seq_lens)
     view = BatchView(cfg, **batch)
     live = view.live
-    attn = dict(backend=lc.backend, num_splits=lc.num_splits)
-
-    # 1-2. Draft steps and the tree.
-    cand = _draft_phase(lc, models, draft_kv, view, st, batch)
-    tokens, parents = _organize_tree(lc, st["root"], *cand)
-    tree_mask = tree_mask_from_parents(parents)
+    tokens, parents, tree_mask = tree["tokens"], tree["parents"], tree["tree_mask"]
     depth = tree_mask.sum(-1) - 1
 
     # 3. Verify: node c at slot seq_len + c, RoPE position seq_len + depth(c).
     node = torch.arange(n, device=seq_lens.device)
     verify_slots = view.slots(view.seq_lens.unsqueeze(1) + node)
     verify_slots = torch.where(live.unsqueeze(1), verify_slots, 0)
-    md = build_target_verify_metadata(cfg, **batch, tree_mask=None if cfg.topk == 1 else tree_mask)
+    md = metadata
+    if md is None:
+        md = build_target_verify_metadata(cfg, **batch,
+                                          tree_mask=None if cfg.topk == 1 else tree_mask)
     positions = view.seq_lens.unsqueeze(1) + depth
     hidden = models.target_forward(tokens.reshape(-1), positions.reshape(-1),
-                                   verify_slots.reshape(-1), md, target_kv, **attn)
+                                   verify_slots.reshape(-1), md, target_kv,
+                                   backend=lc.backend, num_splits=lc.num_splits)
     next_tokens = models.target_logits(hidden).argmax(-1).view(bs, n)
-    hidden = hidden.view(bs, n, -1)
 
     # 4. Greedy acceptance.
     path, accepted, bonus = _accept(lc, tokens, parents, next_tokens, live, st["iters"])
@@ -289,7 +296,27 @@ def eagle_iteration(lc: LoopConfig, models: SpecModel, target_kv: KVCache, draft
     src = torch.where(keep, verify_slots.gather(1, path), 0)
     dst = torch.where(keep, view.slots(view.seq_lens.unsqueeze(1) + i), 0)
     _copy_kv_slots(target_kv, src.reshape(-1), dst.reshape(-1))
-    new_seq = torch.where(live, view.seq_lens + accepted + 1, 0)
+    return dict(hidden=hidden.view(bs, n, -1), path=path, accepted=accepted, bonus=bonus,
+                new_seq_lens=torch.where(live, view.seq_lens + accepted + 1, 0),
+                extend_seq_lens=torch.where(live, accepted + 1, 0))
+
+
+def extend_phase(lc: LoopConfig, models: SpecModel, draft_kv: KVCache,
+                 req_to_token: torch.Tensor, st: State, tree: State, verified: State,
+                 metadata=None) -> State:
+    """Steps 6-7: draft extend and the output append -> the new state.
+    ``metadata``: the extend metadata, or None to build it here
+    (`build_draft_extend_metadata` over ``new_seq_lens``)."""
+    cfg = lc.spec
+    n, dmax = cfg.num_draft_tokens, lc.max_depth
+    seq_lens = st["seq_lens"]
+    bs = seq_lens.shape[0]
+    view = BatchView(cfg, req_to_token, st["req_pool_indices"], seq_lens)
+    live = view.live
+    tokens, parents = tree["tokens"], tree["parents"]
+    path, accepted, bonus = verified["path"], verified["accepted"], verified["bonus"]
+    hidden, new_seq = verified["hidden"], verified["new_seq_lens"]
+    i = torch.arange(dmax + 1, device=seq_lens.device)
 
     # Emitted tokens: accepted drafts, then the bonus.
     next_node = torch.cat([path[:, 1:], path[:, -1:]], 1)
@@ -297,16 +324,19 @@ def eagle_iteration(lc: LoopConfig, models: SpecModel, target_kv: KVCache, draft
                           bonus.unsqueeze(1))  # [B, D+1]
 
     # 6. Draft extend over the 1 + accepted new positions (EAGLE shift).
-    ext = torch.where(live, accepted + 1, 0)
-    ext_batch = dict(batch, seq_lens=new_seq)
-    md_ext = build_draft_extend_metadata(cfg, **ext_batch, extend_seq_lens=ext)
+    md_ext = metadata
+    if md_ext is None:
+        md_ext = build_draft_extend_metadata(
+            cfg, req_to_token=req_to_token, req_pool_indices=st["req_pool_indices"],
+            seq_lens=new_seq, extend_seq_lens=verified["extend_seq_lens"])
     row, pos, owned = extend_query_positions(md_ext, new_seq, bs * n)
     j = (pos - view.seq_lens[row]).clamp(0, dmax)  # index within the extend
     ext_tokens = emitted[row, j]
     ext_hidden = hidden[row, path[row, j]]
     ext_slots = req_to_token[view.rows[row], pos.clamp(0, req_to_token.shape[1] - 1)]
     ext_slots = torch.where(owned, in_pool(ext_slots, cfg.page_size, cfg.num_pages), 0)
-    h_ext = models.draft_forward(ext_tokens, ext_hidden, pos, ext_slots, md_ext, draft_kv, **attn)
+    h_ext = models.draft_forward(ext_tokens, ext_hidden, pos, ext_slots, md_ext, draft_kv,
+                                 backend=lc.backend, num_splits=lc.num_splits)
     last = (md_ext.cu_seqlens_q[1:].to(torch.int64) - 1).clamp(min=0)
     draft_hidden = torch.where(live.unsqueeze(1), h_ext[last], 0)
     logp = torch.log_softmax(models.draft_logits(draft_hidden).float(), dim=-1)
@@ -340,6 +370,31 @@ def eagle_iteration(lc: LoopConfig, models: SpecModel, target_kv: KVCache, draft
         accept_len=torch.where(live, accepted + 1, 0),
     )
     return new
+
+
+def eagle_iteration(lc: LoopConfig, models: SpecModel, target_kv: KVCache, draft_kv: KVCache,
+                    req_to_token: torch.Tensor, st: State) -> State:
+    """One speculative iteration over the batch state ``st`` (see the module docstring).
+
+    Args:
+        lc: static loop configuration.
+        models: the target + draft pair (`SpecModel`).
+        target_kv, draft_kv: the pool's caches (written in place).
+        req_to_token: int32 ``[max_reqs, >= spec.draft_row_len]``.
+        st: batch state from `empty_state` (rows ``[B]``; padding rows have
+            ``seq_lens == 0``).
+
+    Returns:
+        The new state (same keys and shapes). Only the K/V caches are
+        mutated; a caller that keeps the state in static buffers copies the
+        result back (`step_in_place`). Every metadata is built inside, by
+        fa3_spec builders: the three phases (`draft_phase`, `verify_phase`,
+        `extend_phase`) also accept metadata built elsewhere (the benchmark's
+        host-built baseline).
+    """
+    tree = draft_phase(lc, models, draft_kv, req_to_token, st)
+    verified = verify_phase(lc, models, target_kv, req_to_token, st, tree)
+    return extend_phase(lc, models, draft_kv, req_to_token, st, tree, verified)
 
 
 def step_in_place(fn, st: State) -> None:
