@@ -28,6 +28,7 @@ iteration (``time.process_time``), host syncs per iteration
 (profiler: 1 - union of GPU activity / span from first to last GPU activity).
 
     python3 benchmarks/eagle_bench.py --json benchmarks/results/eagle_h200.json
+    python3 benchmarks/eagle_bench.py --configs 2,8,5,16 --append --json ...   # one config more
     python3 benchmarks/eagle_bench.py --smoke --json /tmp/eagle_smoke.json   # CPU, tiny
 
 ``--smoke`` runs every code path on CPU with the tiny preset (eager calls
@@ -350,6 +351,8 @@ def main(argv=None) -> int:
     ap.add_argument("--compile", default=None, help="torch.compile backend for (a) (default none)")
     ap.add_argument("--real-acceptance", action="store_true")
     ap.add_argument("--json", metavar="PATH")
+    ap.add_argument("--append", action="store_true",
+                    help="add rows to an existing --json file (split a long run over calls)")
     args = ap.parse_args(argv)
     if args.smoke:
         args.device, args.backend = "cpu", "torch"
@@ -367,6 +370,9 @@ def main(argv=None) -> int:
     models = make_models(args.preset, draft="random", device=args.device,
                          num_layers=args.num_layers)
     rows = []
+    if args.append and args.json and os.path.exists(args.json):
+        with open(args.json) as fh:
+            rows = json.load(fh)["rows"]
     out = dict(command="python3 benchmarks/eagle_bench.py " + " ".join(sys.argv[1:] if argv is None else argv),
                torch=torch.__version__, device=torch.cuda.get_device_name() if args.device == "cuda" else "cpu",
                rows=rows)

@@ -56,13 +56,14 @@ class ModelShape:
     logit_scale: float = 1.0  # lm_head init scale: > 1 sharpens the draft's scores
 
 
-#: ``tiny``: CPU tests (float64 on CPU); its sharper logits (``logit_scale``)
+#: ``tiny``: CPU tests (float64 on CPU); head_dim 64 so that FA3 runs it on
+#: the GPU too; its sharper logits (``logit_scale``)
 #: make EAGLE-2's cumulative scores prefer deep paths, as trained drafts do.
 #: ``llama3-8b``: Llama-3-8B's shapes, random weights.
 
 PRESETS = {
-    "tiny": ModelShape(vocab_size=512, hidden_size=64, num_layers=2, num_heads=4,
-                       num_kv_heads=2, head_dim=16, intermediate_size=128, logit_scale=6.0),
+    "tiny": ModelShape(vocab_size=512, hidden_size=128, num_layers=2, num_heads=4,
+                       num_kv_heads=2, head_dim=64, intermediate_size=256, logit_scale=6.0),
     "llama3-8b": ModelShape(vocab_size=128256, hidden_size=4096, num_layers=32, num_heads=32,
                             num_kv_heads=8, head_dim=128, intermediate_size=14336,
                             rope_theta=500000.0, rms_eps=1e-5),
