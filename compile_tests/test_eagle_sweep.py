@@ -1,8 +1,8 @@
 """The issue's full CPU grid: every config exact to greedy (opt-in, slow).
 
 page_size {1, 2, 16} x topk {1, 4, 8} x num_steps {2, 5} x num_draft_tokens
-{4, 8}, each with the derived (high-acceptance) and the random draft, 10
-requests of up to 40 prompt tokens and 32-40 new tokens through 4 batch rows
+{4, 8}, each with the derived (high-acceptance) and the random draft, 14
+requests of 1-40 prompt tokens and 32-40 new tokens each through 8 batch rows
 (so 6 requests join mid-run). A topk = 1 tree is a chain of at most
 ``num_steps`` drafts, so N is lowered to ``num_steps + 1`` where the grid asks
 for more (the loop rejects impossible trees). Run with

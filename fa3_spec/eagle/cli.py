@@ -86,8 +86,9 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
 
 
 def workload(n: int, *, page_size: int, max_prompt: int, max_new: int, vocab: int,
-             seed: int) -> tuple:
-    """``(prompts, max_new_tokens)``: page-boundary and random prompt lengths."""
+             seed: int, min_new: Optional[int] = None) -> tuple:
+    """``(prompts, max_new_tokens)``: page-boundary and random prompt lengths;
+    new tokens drawn from ``[min_new, max_new]`` (default ``min_new = max_new / 2``)."""
     rng = random.Random(seed)
     p = page_size
     special = [x for x in (1, p - 1, p, p + 1, 2 * p, 2 * p + 1, 3 * p - 1) if 1 <= x <= max_prompt]
@@ -95,7 +96,8 @@ def workload(n: int, *, page_size: int, max_prompt: int, max_new: int, vocab: in
     for i in range(n):
         length = special[i // 2 % len(special)] if i % 2 == 0 else rng.randint(1, max_prompt)
         prompts.append([rng.randrange(vocab) for _ in range(length)])
-        news.append(max(1, rng.randint((max_new + 1) // 2, max_new)))
+        low = (max_new + 1) // 2 if min_new is None else min(min_new, max_new)
+        news.append(max(1, rng.randint(low, max_new)))
     return prompts, news
 
 
