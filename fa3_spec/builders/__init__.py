@@ -14,6 +14,7 @@ from .draft import (
     draft_tail_copy_slots,
 )
 from .extend import build_draft_extend_metadata
+from .prefill import build_prefill_metadata, extend_query_positions
 from .verify import build_target_verify_metadata
 
 __all__ = [
@@ -22,6 +23,8 @@ __all__ = [
     "build_draft_extend_metadata",
     "build_draft_iteration_metadata",
     "build_draft_prefix_metadata",
+    "build_prefill_metadata",
     "build_target_verify_metadata",
+    "extend_query_positions",
     "draft_tail_copy_slots",
 ]
