@@ -26,6 +26,7 @@ from .config import SpecConfig
 from .expand import draft_expand_page_table, draft_expand_tables
 from .metadata import PAGE_SENTINEL, CascadeMetadata, FA3Metadata
 from .modes import MODES, Mode, build_metadata
+from .builders.prefill import build_prefill_metadata, extend_query_positions  # noqa: F401
 from .tree import tree_mask_from_flat, tree_mask_from_parents
 
 __version__ = "0.1.0"

@@ -17,7 +17,9 @@ mode                    extra inputs        queries per request    per step
 ======================  ==================  =====================  ===========
 
 ``out_cache_loc`` is required for draft decode only when topk > 1;
-``tree_mask`` is optional (None verifies a chain).
+``tree_mask`` is optional (None verifies a chain). Prefill of new prompts
+(`fa3_spec.build_prefill_metadata`) is not a speculative mode: it takes a
+static bound on new tokens per request and has no per-iteration role here.
 """
 
 from __future__ import annotations

@@ -241,7 +241,9 @@ def attention_call(
     extra = dict(softcap=softcap, window_size=window_size, q_descale=q_descale,
                  k_descale=k_descale, v_descale=v_descale)
     if backend == "torch":
-        return paged_attention_reference(q, k_view, v_view, md, softmax_scale, **extra)
+        compute = torch.promote_types(q.dtype, torch.float32)  # float64 stays float64
+        return paged_attention_reference(q, k_view, v_view, md, softmax_scale,
+                                         compute_dtype=compute, **extra)
     splits = num_splits or default_num_splits(md.num_rows, k_cache.shape[2], md.max_seqlen_k)
     out, lse = fa3_paged_attention(
         q, k_view, v_view, md.page_table, md.cache_seqlens, md.cu_seqlens_q,

@@ -14,7 +14,8 @@ import torch
 def merge_float(
     out_a: torch.Tensor, lse_a: torch.Tensor, out_b: torch.Tensor, lse_b: torch.Tensor
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """`merge_attention_states` with a float32 output (no rounding to the inputs' dtype)."""
+    """`merge_attention_states` in float32 (float64 inputs stay float64): no
+    rounding to the inputs' dtype."""
     m = torch.maximum(lse_a, lse_b)
     m = torch.where(torch.isfinite(m), m, 0.0)
     w_a = torch.exp(lse_a - m)  # exp(-inf) = 0
@@ -23,7 +24,8 @@ def merge_float(
     safe = torch.where(denom > 0, denom, 1.0)
     w_a = (w_a / safe).transpose(0, 1).unsqueeze(-1)  # [total_q, H, 1]
     w_b = (w_b / safe).transpose(0, 1).unsqueeze(-1)
-    out = out_a.float() * w_a + out_b.float() * w_b
+    dtype = torch.promote_types(out_a.dtype, torch.float32)
+    out = out_a.to(dtype) * w_a.to(dtype) + out_b.to(dtype) * w_b.to(dtype)
     lse = torch.where(denom > 0, m + torch.log(safe), float("-inf"))
     return out, lse
 

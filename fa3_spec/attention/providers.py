@@ -118,7 +118,7 @@ def _probe(feature: str) -> bool:
     dev = torch.device("cuda")
     dtype = torch.float8_e4m3fn if feature == "fp8_kv" else torch.bfloat16
     # Head dim 128, single-token pages: the shape of a tree-verify expand call.
-    q = torch.zeros(1, 1, 128, device=dev).to(dtype)
+    q = torch.zeros(1, 1, 1, 128, device=dev).to(dtype)  # [batch, seqlen_q, H, D]
     kv = torch.zeros(1, 1, 1, 128, device=dev).to(dtype)
     kw = dict(cache_seqlens=torch.ones(1, dtype=torch.int32, device=dev),
               page_table=torch.zeros(1, 1, dtype=torch.int32, device=dev))

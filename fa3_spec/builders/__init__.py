@@ -16,6 +16,7 @@ from .draft import (
     draft_tail_copy_slots,
 )
 from .extend import build_draft_extend_metadata
+from .prefill import build_prefill_metadata, extend_query_positions
 from .verify import build_target_verify_metadata
 from .window import window_metadata
 
@@ -25,7 +26,9 @@ __all__ = [
     "build_draft_extend_metadata",
     "build_draft_iteration_metadata",
     "build_draft_prefix_metadata",
+    "build_prefill_metadata",
     "build_target_verify_metadata",
+    "extend_query_positions",
     "draft_tail_copy_slots",
     "window_metadata",
 ]

@@ -1,4 +1,4 @@
-"""Command line: ``fa3-spec audit`` (the project's self-audit)."""
+"""Command line: ``fa3-spec audit`` (the self-audit) and ``fa3-spec eagle`` (the reference loop)."""
 
 from __future__ import annotations
 
@@ -64,9 +64,14 @@ def main(argv=None) -> int:
     audit.add_argument("--no-steps", action="store_true",
                        help="skip the whole-step rows (metadata + attention + merge)")
     audit.add_argument("-v", "--verbose", action="store_true")
+    from ..eagle import cli as eagle_cli
+
+    eagle_cli.add_parser(sub)
     args = parser.parse_args(argv)
     if args.command == "audit":
         return _audit(args)
+    if args.command == "eagle":
+        return eagle_cli.run(args)
     return 2
 
 

@@ -1,0 +1,398 @@
+"""End-to-end EAGLE loop: metadata in the graph vs host-built metadata vs no speculation.
+
+For each config (page size, topk, num_steps, num_draft_tokens) and batch, in
+one process, over the same prefilled requests (``--context`` prompt tokens):
+
+  a  this loop: the whole iteration (draft steps, tree, verify, accept,
+     commit, draft extend, output) is one CUDA graph, its metadata built
+     inside by fa3_spec builders (`fa3_spec.eagle.eagle_iteration`).
+  b  the same loop with every step's metadata built on the host the upstream
+     way and copied into static buffers before each replay: the iteration is
+     three graphs (draft phase, verify + accept + commit, extend + output)
+     because verify needs the drafted tree and extend the accepted lengths.
+     The metadata come from `fa3_spec.upstream.UpstreamStyleBuilder`, the
+     project's *upstream-style model* (host syncs on ``.item()``, in-place
+     buffers, the flat custom mask), NOT from sglang 0.5.23's own replay
+     functions (not installed here).
+  c  plain greedy decoding without speculation: one decode step (metadata +
+     target + argmax) per graph replay.
+
+Random weights accept almost nothing, so by default acceptance is SCRIPTED:
+each iteration emits a fixed sequence of token counts (3, 4, 2, 5, 3, 4; mean
+3.5) whatever the models say. Every row says so (``acceptance``); its tokens
+are not the model's. ``--real-acceptance`` uses greedy acceptance instead.
+
+Per row: tokens/s, ms per iteration (wall, synced), host CPU time per
+iteration (``time.process_time``), host syncs per iteration
+(``torch.cuda.set_sync_debug_mode``), GPU idle share inside an iteration
+(profiler: 1 - union of GPU activity / span from first to last GPU activity).
+
+    python3 benchmarks/eagle_bench.py --json benchmarks/results/eagle_h200.json
+    python3 benchmarks/eagle_bench.py --configs 2,8,5,16 --append --json ...   # one config more
+    python3 benchmarks/eagle_bench.py --smoke --json /tmp/eagle_smoke.json   # CPU, tiny
+
+``--smoke`` runs every code path on CPU with the tiny preset (eager calls
+instead of graphs; timings meaningless) and checks that (a) and (b) produce
+the same tokens.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import os
+import sys
+import time
+import warnings
+
+import torch
+import torch.utils._pytree as pytree
+
+import fa3_spec
+from fa3_spec.eagle import EagleEngine, LoopConfig, make_models
+from fa3_spec.eagle.iteration import (
+    DEFAULT_SCRIPT, draft_phase, draft_slots, extend_phase, verify_phase,
+)
+from fa3_spec import SpecBatch
+from fa3_spec.probes import capture
+from fa3_spec.harness.upstream import UpstreamStyleBuilder
+
+#: (page_size, topk, num_steps, num_draft_tokens): the issue's three configs
+#: (the seed's P = 2, topk = 8 with its 5 steps and 16 draft tokens).
+CONFIGS = [(16, 1, 5, 6), (16, 4, 5, 8), (2, 8, 5, 16)]
+BATCHES = [1, 8, 32, 64]
+
+
+class Segment:
+    """``fn()`` captured as a CUDA graph (replay), or called directly on CPU.
+
+    ``out`` holds the outputs at fixed addresses after each run."""
+
+    def __init__(self, fn, graphs: bool, pool=None):
+        self.fn, self.graphs = fn, graphs
+        if graphs:
+            self.graph, self.out = capture(fn, pool=pool)
+        else:
+            self.out = fn()
+
+    def run(self):
+        if self.graphs:
+            self.graph.replay()
+        else:
+            fresh = self.fn()
+            pytree.tree_map(lambda d, s: d.copy_(s), self.out, fresh)
+
+
+def _copy_leaves(static, fresh):
+    for dst, src in zip(pytree.tree_leaves(static), pytree.tree_leaves(fresh)):
+        dst.copy_(src)
+
+
+def _static_clone(md):
+    return pytree.tree_map(lambda t: t.clone(), md)
+
+
+def flat_custom_mask(tree_mask: torch.Tensor, seq_lens_host: list) -> torch.Tensor:
+    """Upstream's flat verify mask built on the device (sizes from host seq_lens)."""
+    n = tree_mask.shape[-1]
+    dev = tree_mask.device
+    seq = torch.tensor(seq_lens_host, dtype=torch.int64, device=dev)
+    row_len = seq + n
+    sizes = n * row_len
+    total = int(sum(n * (s + n) for s in seq_lens_host))
+    b = torch.repeat_interleave(torch.arange(len(seq_lens_host), device=dev), sizes,
+                                output_size=total)
+    start = torch.cumsum(sizes, 0) - sizes
+    off = torch.arange(total, device=dev) - start[b]
+    j, col = off // row_len[b], off % row_len[b]
+    draft = tree_mask[b, j, (col - seq[b]).clamp(min=0, max=n - 1)]
+    return torch.where(col < seq[b], True, draft)
+
+
+class HostMetadataLoop:
+    """Variant (b): three captured phases, metadata from the upstream-style builder."""
+
+    def __init__(self, engine: EagleEngine, bucket: int, graphs: bool):
+        self.eng, self.bucket = engine, bucket
+        lc, pool = engine.lc, engine.pool
+        self.lc, self.spec = lc, lc.spec
+        self.view = engine._view(bucket)
+        self.ref = UpstreamStyleBuilder(lc.spec, engine.device)
+        st, m, r2t = self.view, engine.models, pool.req_to_token
+        batch = dict(req_to_token=r2t, req_pool_indices=st["req_pool_indices"],
+                     seq_lens=st["seq_lens"])
+        loc = draft_slots(lc, SpecBatch.create(lc.spec, **batch).view())
+        n = lc.spec.num_draft_tokens
+        tree_mask = torch.tril(torch.ones(bucket, n, n, dtype=torch.bool, device=engine.device))
+        # Static metadata buffers shaped like fa3_spec's (the values are overwritten).
+        self.md_draft = _static_clone(fa3_spec.build_draft_iteration_metadata(
+            lc.spec, **batch, out_cache_loc=loc))
+        self.md_verify = _static_clone(fa3_spec.build_target_verify_metadata(
+            lc.spec, **batch, tree_mask=None if lc.spec.topk == 1 else tree_mask))
+        self.md_extend = _static_clone(fa3_spec.build_draft_extend_metadata(
+            lc.spec, **batch, extend_seq_lens=torch.ones_like(st["seq_lens"])))
+        saved = {k: v.clone() for k, v in st.items()}
+        st["seq_lens"].zero_()  # capture on padding rows: nothing real is written
+        gpool = torch.cuda.graph_pool_handle() if graphs else None
+        self.a = Segment(lambda: draft_phase(lc, m, pool.draft_kv, r2t, st, self.md_draft),
+                         graphs, gpool)
+        self.b = Segment(lambda: verify_phase(lc, m, pool.target_kv, r2t, st, self.a.out,
+                                              self.md_verify), graphs, gpool)
+
+        def extend_and_store():
+            new = extend_phase(lc, m, pool.draft_kv, r2t, st, self.a.out, self.b.out,
+                               self.md_extend)
+            for k, buf in st.items():
+                buf.copy_(new[k])
+            return {}
+
+        self.c = Segment(extend_and_store, graphs, gpool)
+        for k, v in st.items():
+            v.copy_(saved[k])
+
+    def iteration(self):
+        st, ref, spec = self.view, self.ref, self.spec
+        r2t = self.eng.pool.req_to_token
+        batch = dict(req_to_token=r2t, req_pool_indices=st["req_pool_indices"],
+                     seq_lens=st["seq_lens"])
+        loc = draft_slots(self.lc, SpecBatch.create(spec, **batch).view())
+        fresh = [ref.draft_decode(i, **batch, out_cache_loc=loc) for i in range(spec.num_steps - 1)]
+        _copy_leaves(self.md_draft, tuple(fresh))
+        self.a.run()
+        if spec.topk == 1:
+            verify = ref.target_verify(**batch)
+        else:
+            seq_host = st["seq_lens"].tolist()  # host sync, as upstream engines hold seq_lens on the CPU
+            verify = ref.target_verify(**batch, custom_mask=flat_custom_mask(
+                self.a.out["tree_mask"], seq_host))
+        _copy_leaves(self.md_verify, verify)
+        self.b.run()
+        ext = ref.draft_extend(req_to_token=r2t, req_pool_indices=st["req_pool_indices"],
+                               seq_lens=self.b.out["new_seq_lens"],
+                               extend_seq_lens=self.b.out["extend_seq_lens"])
+        _copy_leaves(self.md_extend, ext)
+        self.c.run()
+
+
+def _greedy_segment(engine: EagleEngine, bucket: int, graphs: bool):
+    """Variant (c): one decode step of the target over the same requests."""
+    m, pool, spec = engine.models, engine.pool, engine.spec
+    st = engine._view(bucket)
+    tok = st["root"].clone()
+    seq = st["seq_lens"].clone()
+    rpi = st["req_pool_indices"].clone()
+    r2t = pool.req_to_token
+
+    def step():
+        live = seq > 0
+        md = fa3_spec.build_decode_metadata(spec, req_to_token=r2t, req_pool_indices=rpi,
+                                            seq_lens=torch.where(live, seq + 1, 0))
+        slots = torch.where(live, r2t[rpi, seq.clamp(max=r2t.shape[1] - 1)].to(torch.int64), 0)
+        hidden = m.target_forward(tok, seq, slots, md, pool.target_kv, backend=engine.lc.backend)
+        tok.copy_(m.target_logits(hidden).argmax(-1))
+        seq.copy_(torch.where(live, seq + 1, 0))
+        return {}
+
+    saved = seq.clone()
+    seq.zero_()
+    seg = Segment(step, graphs)
+    seq.copy_(saved)
+    return seg, seq
+
+
+def _count_syncs(fn, cuda: bool):
+    if not cuda:
+        fn()
+        return None
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        torch.cuda.set_sync_debug_mode("warn")
+        try:
+            fn()
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+    return sum("called a synchronizing" in str(w.message) for w in caught)
+
+
+def _gpu_idle(fn, cuda: bool, reps: int = 3):
+    """Median over ``reps`` runs of 1 - busy / span of GPU activity in one ``fn()``."""
+    if not cuda:
+        return None
+    from torch.profiler import ProfilerActivity, profile
+
+    shares = []
+    for _ in range(reps):
+        torch.cuda.synchronize()
+        with profile(activities=[ProfilerActivity.CUDA]) as prof:
+            fn()
+            torch.cuda.synchronize()
+        spans = sorted((e.time_range.start, e.time_range.end) for e in prof.events()
+                       if e.device_type == torch.autograd.DeviceType.CUDA)
+        if not spans:
+            continue
+        busy, cur_s, cur_e = 0.0, *spans[0]
+        for s, e in spans[1:]:
+            if s > cur_e:
+                busy += cur_e - cur_s
+                cur_s, cur_e = s, e
+            else:
+                cur_e = max(cur_e, e)
+        busy += cur_e - cur_s
+        span = spans[-1][1] - spans[0][0]
+        shares.append(1 - busy / span if span > 0 else 0.0)
+    return round(sorted(shares)[len(shares) // 2], 4) if shares else None
+
+
+def _measure(fn, tokens_fn, iters: int, cuda: bool) -> dict:
+    """Time ``iters`` calls of ``fn`` (one iteration each)."""
+    for _ in range(2):
+        fn()
+    sync = torch.cuda.synchronize if cuda else (lambda: None)
+    sync()
+    t0 = tokens_fn()
+    wall0, cpu0 = time.perf_counter(), time.process_time()
+    for _ in range(iters):
+        fn()
+    sync()
+    wall, cpu = time.perf_counter() - wall0, time.process_time() - cpu0
+    tokens = tokens_fn() - t0
+    return dict(ms_per_iteration=round(1e3 * wall / iters, 4),
+                host_cpu_ms_per_iteration=round(1e3 * cpu / iters, 4),
+                tokens_per_s=round(tokens / wall, 2), tokens=int(tokens),
+                host_syncs_per_iteration=_count_syncs(fn, cuda), gpu_idle_share=_gpu_idle(fn, cuda))
+
+
+def bench_point(cfg_tuple, batch, args, models) -> dict:
+    p, k, s, n = cfg_tuple
+    cuda = args.device == "cuda"
+    scripted = None if args.real_acceptance else DEFAULT_SCRIPT
+    total_iters = 2 + args.iters + 1 + 3 + 3  # warm-up, timed, sync count, profiler
+    max_new = args.max_new_tokens or 2 * (total_iters * min(n, s + 1) + 8)
+    spec = fa3_spec.SpecConfig(page_size=p, topk=k, num_steps=s, num_draft_tokens=n,
+                               max_bs=batch, max_context_len=args.context + max_new + n, num_pages=1)
+    spec = dataclasses.replace(spec, num_pages=1 + batch * -(-spec.draft_row_len // p))
+    lc = LoopConfig(spec, max_new_tokens=max_new, backend=args.backend, scripted=scripted)
+    eng = EagleEngine(lc, models, max_reqs=batch, buckets=[batch], graphs=cuda,
+                      compile_backend=args.compile, device=args.device)
+    g = torch.Generator().manual_seed(batch)
+    t0 = time.perf_counter()
+    for _ in range(batch):
+        eng.submit(torch.randint(0, models.vocab_size, (args.context,), generator=g).tolist(), max_new)
+    eng._admit()  # prefill every request (eager)
+    if cuda:
+        torch.cuda.synchronize()
+    prefill_s = time.perf_counter() - t0
+    st = eng._view(batch)
+    snapshot = {key: v.clone() for key, v in st.items()}
+    kv = (eng.pool.target_kv.k.clone(), eng.pool.target_kv.v.clone(),
+          eng.pool.draft_kv.k.clone(), eng.pool.draft_kv.v.clone()) if args.smoke else None
+
+    def restore():
+        for key, v in st.items():
+            v.copy_(snapshot[key])
+        if kv is not None:
+            for dst, src in zip((eng.pool.target_kv.k, eng.pool.target_kv.v,
+                                 eng.pool.draft_kv.k, eng.pool.draft_kv.v), kv):
+                dst.copy_(src)
+
+    out_tokens = lambda: float(st["out_len"].sum())  # noqa: E731 (a sync, outside the timed loop)
+    row = dict(page_size=p, topk=k, num_steps=s, num_draft_tokens=n, batch=batch,
+               context=args.context, preset=args.preset, layers=models.num_target_layers,
+               draft_layers=models.num_draft_layers, dtype=str(models.dtype).replace("torch.", ""),
+               acceptance=("SCRIPTED: emitted tokens per iteration forced to "
+                           f"{list(DEFAULT_SCRIPT)} (mean 3.5); not the model's"
+                           if scripted else "real greedy acceptance"),
+               prefill_s=round(prefill_s, 3), compile=args.compile)
+
+    # (a) metadata in the graph.
+    t0 = time.perf_counter()
+    if cuda:
+        eng.capture()
+    row["capture_a_s"] = round(time.perf_counter() - t0, 2)
+    restore()
+    row["a_in_graph"] = _measure(lambda: eng._launch(batch), out_tokens, args.iters, cuda)
+    a_tokens = st["out_tokens"].clone()
+    restore()
+
+    # (b) host-built metadata, three graphs.
+    t0 = time.perf_counter()
+    host = HostMetadataLoop(eng, batch, cuda)
+    row["capture_b_s"] = round(time.perf_counter() - t0, 2)
+    restore()
+    row["b_host_metadata"] = _measure(host.iteration, out_tokens, args.iters, cuda)
+    row["b_metadata_source"] = "fa3_spec.upstream.UpstreamStyleBuilder (upstream-style model)"
+    if args.smoke:
+        row["a_equals_b"] = bool(torch.equal(a_tokens, st["out_tokens"]))
+    restore()
+
+    # (c) plain greedy decoding.
+    seg, seq = _greedy_segment(eng, batch, cuda)
+    row["c_greedy"] = _measure(seg.run, lambda: float(seq.sum()), args.iters, cuda)
+    restore()
+
+    a, b, c = row["a_in_graph"], row["b_host_metadata"], row["c_greedy"]
+    row["a_over_b"] = round(a["tokens_per_s"] / b["tokens_per_s"], 3)
+    row["a_over_c"] = round(a["tokens_per_s"] / c["tokens_per_s"], 3)
+    return row
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--smoke", action="store_true", help="CPU, tiny preset, every code path")
+    ap.add_argument("--preset", default=None)
+    ap.add_argument("--num-layers", type=int, default=None)
+    ap.add_argument("--batches", type=int, nargs="+", default=None)
+    ap.add_argument("--configs", nargs="+", default=None,
+                    help="P,topk,steps,N tuples, e.g. 16,4,5,8 (default: the issue's three)")
+    ap.add_argument("--context", type=int, default=None, help="prompt tokens per request")
+    ap.add_argument("--iters", type=int, default=None)
+    ap.add_argument("--max-new-tokens", type=int, default=None)
+    ap.add_argument("--compile", default=None, help="torch.compile backend for (a) (default none)")
+    ap.add_argument("--real-acceptance", action="store_true")
+    ap.add_argument("--json", metavar="PATH")
+    ap.add_argument("--append", action="store_true",
+                    help="add rows to an existing --json file (split a long run over calls)")
+    args = ap.parse_args(argv)
+    if args.smoke:
+        args.device, args.backend = "cpu", "torch"
+        args.preset = args.preset or "tiny"
+        batches, configs = args.batches or [2], [(2, 4, 3, 6), (16, 1, 3, 4)]
+        args.context, args.iters = args.context or 20, args.iters or 3
+        torch.set_num_threads(1)
+    else:
+        args.device, args.backend = "cuda", "fa3"
+        args.preset = args.preset or "llama3-8b"
+        batches, configs = args.batches or BATCHES, CONFIGS
+        args.context, args.iters = args.context or 1024, args.iters or 20
+    if args.configs:
+        configs = [tuple(int(x) for x in c.split(",")) for c in args.configs]
+    models = make_models(args.preset, draft="random", device=args.device,
+                         num_layers=args.num_layers)
+    rows = []
+    if args.append and args.json and os.path.exists(args.json):
+        with open(args.json) as fh:
+            rows = json.load(fh)["rows"]
+    out = dict(command="python3 benchmarks/eagle_bench.py " + " ".join(sys.argv[1:] if argv is None else argv),
+               torch=torch.__version__, device=torch.cuda.get_device_name() if args.device == "cuda" else "cpu",
+               rows=rows)
+    for cfg in configs:
+        for batch in batches:
+            row = bench_point(cfg, batch, args, models)
+            rows.append(row)
+            a, b, c = row["a_in_graph"], row["b_host_metadata"], row["c_greedy"]
+            print(f"P={cfg[0]} topk={cfg[1]} S={cfg[2]} N={cfg[3]} bs={batch} [{row['acceptance'][:9]}]: "
+                  f"a {a['tokens_per_s']:.0f} tok/s {a['ms_per_iteration']:.2f} ms/it "
+                  f"syncs {a['host_syncs_per_iteration']} idle {a['gpu_idle_share']} | "
+                  f"b {b['tokens_per_s']:.0f} tok/s {b['ms_per_iteration']:.2f} ms/it "
+                  f"syncs {b['host_syncs_per_iteration']} | c {c['tokens_per_s']:.0f} tok/s | "
+                  f"a/b {row['a_over_b']} a/c {row['a_over_c']}", flush=True)
+            if args.json:  # rewritten after every row: a cut-off run keeps what it measured
+                os.makedirs(os.path.dirname(os.path.abspath(args.json)), exist_ok=True)
+                with open(args.json, "w") as fh:
+                    json.dump(out, fh, indent=1)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

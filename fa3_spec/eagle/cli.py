@@ -1,0 +1,243 @@
+"""``fa3-spec eagle``: run the EAGLE loop on a synthetic workload, optionally check it.
+
+    fa3-spec eagle --preset tiny --device cpu --check-greedy
+    python3 -m fa3_spec.eagle.cli --preset tiny --topk 8 --page-size 2 --json out.json
+
+The workload: ``--requests`` prompts of random tokens (default twice
+``--batch``, so requests join as others finish), lengths cycling through page
+boundaries (1, P-1, P, P+1, 2P, ...) and random ones, each with its own
+``max_new_tokens`` (between half and all of ``--max-new-tokens``). With
+``--check-greedy`` the same prompts are decoded by plain greedy decoding of
+the target and compared token for token; any mismatch makes the exit status 1.
+``--scripted`` forces the accepted length of each iteration (benchmarks with
+random weights): its output is not the model's and is never checked.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import random
+import sys
+import time
+from typing import List, Optional
+
+import torch
+
+from ..config import SpecConfig
+from .engine import EagleEngine, greedy_generate
+from .iteration import DEFAULT_SCRIPT, LoopConfig
+from .models import make_models
+
+#: A divergence at a token where greedy decoding's top-2 logits are this close
+#: (relative to the top logit) is a rounding near-tie (reported, bf16 runs).
+NEAR_TIE = 0.02
+
+DTYPES = {"float64": torch.float64, "float32": torch.float32, "bfloat16": torch.bfloat16,
+          "float16": torch.float16}
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--preset", default="tiny", choices=["tiny", "llama3-8b"])
+    p.add_argument("--device", default="auto", help="cpu, cuda or auto")
+    p.add_argument("--batch", type=int, default=8, help="batch rows (max_bs)")
+    p.add_argument("--requests", type=int, default=None, help="requests (default 2 * batch)")
+    p.add_argument("--page-size", type=int, default=2)
+    p.add_argument("--topk", type=int, default=4)
+    p.add_argument("--num-steps", type=int, default=5)
+    p.add_argument("--num-draft-tokens", type=int, default=8)
+    p.add_argument("--max-new-tokens", type=int, default=32)
+    p.add_argument("--prompt-len", type=int, default=40, help="longest prompt")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--dtype", default=None, choices=sorted(DTYPES),
+                   help="default float64 on CPU, bfloat16 on CUDA")
+    p.add_argument("--draft", default="derived", choices=["derived", "random"],
+                   help="derived: agrees with the target mostly; random: mostly rejected")
+    p.add_argument("--alpha", type=float, default=0.05,
+                   help="residual scale of target layers 1.. (derived draft; smaller: more agreement)")
+    p.add_argument("--noise", type=float, default=0.0, help="relative noise on the derived draft")
+    p.add_argument("--num-layers", type=int, default=None, help="override the preset's depth")
+    p.add_argument("--eos", type=int, default=-1, help="EOS token id (-1: none)")
+    p.add_argument("--backend", default="auto", choices=["auto", "fa3", "torch"])
+    p.add_argument("--graphs", action=argparse.BooleanOptionalAction, default=None,
+                   help="capture one CUDA graph per bucket (default: on with CUDA)")
+    p.add_argument("--compile", default=None,
+                   help="torch.compile backend for the iteration (inductor, aot_eager; default none)")
+    p.add_argument("--scripted", default=None, nargs="?", const=",".join(map(str, DEFAULT_SCRIPT)),
+                   help="force emitted tokens per iteration from this sequence "
+                        f"(default {','.join(map(str, DEFAULT_SCRIPT))}, mean 3.5); output is not the model's")
+    p.add_argument("--check-greedy", action="store_true",
+                   help="also decode greedily without speculation and compare")
+    p.add_argument("--count-syncs", action=argparse.BooleanOptionalAction, default=True,
+                   help="count host syncs per iteration launch (CUDA)")
+    p.add_argument("--json", metavar="PATH", help="write the result as JSON")
+    p.add_argument("--quiet", action="store_true")
+
+
+def add_parser(subparsers) -> argparse.ArgumentParser:
+    """Register ``eagle`` on the ``fa3-spec`` command's subparsers."""
+    p = subparsers.add_parser("eagle", help="run the EAGLE speculative loop (exact to greedy)",
+                              description=__doc__,
+                              formatter_class=argparse.RawDescriptionHelpFormatter)
+    add_arguments(p)
+    p.set_defaults(func=run)
+    return p
+
+
+def workload(n: int, *, page_size: int, max_prompt: int, max_new: int, vocab: int,
+             seed: int, min_new: Optional[int] = None) -> tuple:
+    """``(prompts, max_new_tokens)``: page-boundary and random prompt lengths;
+    new tokens drawn from ``[min_new, max_new]`` (default ``min_new = max_new / 2``)."""
+    rng = random.Random(seed)
+    p = page_size
+    special = [x for x in (1, p - 1, p, p + 1, 2 * p, 2 * p + 1, 3 * p - 1) if 1 <= x <= max_prompt]
+    prompts, news = [], []
+    for i in range(n):
+        length = special[i // 2 % len(special)] if i % 2 == 0 else rng.randint(1, max_prompt)
+        prompts.append([rng.randrange(vocab) for _ in range(length)])
+        low = (max_new + 1) // 2 if min_new is None else min(min_new, max_new)
+        news.append(max(1, rng.randint(low, max_new)))
+    return prompts, news
+
+
+def _resolve_device(name: str) -> str:
+    if name == "auto":
+        return "cuda" if torch.cuda.is_available() else "cpu"
+    return name
+
+
+def run_eagle(args: argparse.Namespace, *, log=print) -> dict:
+    """Run the loop as ``args`` says; return the result dictionary (see `run`)."""
+    device = _resolve_device(args.device)
+    dtype = DTYPES[args.dtype] if args.dtype else None
+    models = make_models(args.preset, draft=args.draft, alpha=args.alpha, noise=args.noise,
+                         seed=args.seed, dtype=dtype, device=device, num_layers=args.num_layers)
+    n_req = args.requests if args.requests is not None else 2 * args.batch
+    prompts, news = workload(n_req, page_size=args.page_size, max_prompt=args.prompt_len,
+                             max_new=args.max_new_tokens, vocab=models.vocab_size, seed=args.seed)
+    scripted = tuple(int(x) for x in args.scripted.split(",")) if args.scripted else None
+    n = args.num_draft_tokens
+    context = args.prompt_len + args.max_new_tokens + n
+    spec = SpecConfig(page_size=args.page_size, topk=args.topk, num_steps=args.num_steps,
+                      num_draft_tokens=n, max_bs=args.batch, max_context_len=context, num_pages=1)
+    max_reqs = 2 * args.batch
+    # Enough pages for every row's largest reservation, plus the reserved page 0.
+    row_pages = -(-(spec.draft_row_len) // args.page_size)
+    spec = dataclasses.replace(spec, num_pages=1 + max_reqs * row_pages)
+    lc = LoopConfig(spec, max_new_tokens=args.max_new_tokens, backend=args.backend,
+                    scripted=scripted)
+    graphs = args.graphs if args.graphs is not None else device == "cuda"
+    engine = EagleEngine(lc, models, max_reqs=max_reqs, graphs=graphs,
+                         compile_backend=args.compile, device=device, seed=args.seed,
+                         count_syncs=args.count_syncs and device == "cuda")
+    capture_s = None
+    if graphs:
+        t0 = time.perf_counter()
+        engine.capture()
+        capture_s = time.perf_counter() - t0
+    for prompt, m in zip(prompts, news):
+        engine.submit(prompt, m, eos_id=args.eos)
+
+    last_print = [time.perf_counter()]
+
+    def progress(eng, host):
+        now = time.perf_counter()
+        if not args.quiet and now - last_print[0] > 2.0:
+            last_print[0] = now
+            acc = eng.stats["accept_lens"]
+            log(f"  iteration {eng.stats['iterations']}: {eng.stats['finished']}/{n_req} done, "
+                f"mean accept {sum(acc) / max(len(acc), 1):.2f}", flush=True)
+
+    if device == "cuda":
+        torch.cuda.synchronize()
+    start = time.perf_counter()
+    outputs = engine.run(progress)
+    if device == "cuda":
+        torch.cuda.synchronize()
+    seconds = time.perf_counter() - start
+    got = [outputs[i] for i in range(n_req)]
+    tokens = sum(len(o) for o in got)
+    acc = engine.stats["accept_lens"]
+    syncs = engine.stats["host_syncs"]
+    result = dict(
+        exact=None,
+        mismatches=None,
+        tokens=tokens,
+        iterations=engine.stats["iterations"],
+        mean_accept_len=sum(acc) / len(acc) if acc else None,
+        accept_len_histogram={str(k): acc.count(k) for k in sorted(set(acc))},
+        host_syncs_per_iteration=(max(syncs) if syncs else None),
+        host_syncs_measured_iterations=len(syncs),
+        tokens_per_s=tokens / seconds if seconds > 0 else None,
+        seconds=seconds,
+        ms_per_iteration=1e3 * seconds / max(engine.stats["iterations"], 1),
+        host_launch_ms_per_iteration=(1e3 * sum(engine.stats["launch_s"])
+                                      / max(len(engine.stats["launch_s"]), 1)),
+        capture_s=capture_s,
+        scripted_acceptance=(f"SCRIPTED: emitted tokens per iteration forced to {list(scripted)}; "
+                             "outputs are not the model's" if scripted else None),
+        config=dict(preset=args.preset, device=device, dtype=str(models.dtype).replace("torch.", ""),
+                    batch=args.batch, requests=n_req, page_size=args.page_size, topk=args.topk,
+                    num_steps=args.num_steps, num_draft_tokens=n,
+                    max_new_tokens=args.max_new_tokens, prompt_len=args.prompt_len,
+                    seed=args.seed, draft=args.draft, alpha=args.alpha, noise=args.noise,
+                    num_layers=models.num_target_layers, eos=args.eos, backend=args.backend,
+                    graphs=graphs, compile=args.compile, scripted=list(scripted) if scripted else None),
+        outputs=got,
+    )
+    if args.check_greedy and not scripted:
+        logits: list = []
+        ref = greedy_generate(models, prompts, news, eos_ids=[args.eos] * n_req,
+                              page_size=args.page_size, backend=args.backend, device=device,
+                              logits_out=logits)
+        diverge = []
+        for i, (a, b) in enumerate(zip(got, ref)):
+            if a != b:
+                first = next((j for j, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
+                entry = dict(request=i, first_divergence=first, spec_len=len(a), greedy_len=len(b))
+                if first < min(len(a), len(b)):
+                    top2 = logits[first][i].topk(2).values
+                    entry["greedy_top2_gap"] = float(top2[0] - top2[1])
+                    entry["near_tie"] = entry["greedy_top2_gap"] <= NEAR_TIE * max(1.0, abs(float(top2[0])))
+                diverge.append(entry)
+        result.update(exact=not diverge, mismatches=len(diverge), divergences=diverge,
+                      near_tie_divergences=sum(bool(d.get("near_tie")) for d in diverge),
+                      near_tie_rule=f"greedy top-2 logit gap <= {NEAR_TIE} * max(1, |top-1 logit|)")
+    return result
+
+
+def run(args: argparse.Namespace) -> int:
+    """Entry point of ``fa3-spec eagle``; 1 when ``--check-greedy`` finds a mismatch."""
+    log = (lambda *a, **k: None) if args.quiet else print
+    res = run_eagle(args, log=log)
+    c = res["config"]
+    label = f" [{res['scripted_acceptance']}]" if res["scripted_acceptance"] else ""
+    log(f"fa3-spec eagle: preset {c['preset']} ({c['num_layers']} layers, {c['dtype']}) on "
+        f"{c['device']}, batch {c['batch']}, {c['requests']} requests, P={c['page_size']} "
+        f"topk={c['topk']} steps={c['num_steps']} N={c['num_draft_tokens']}{label}")
+    syncs = res["host_syncs_per_iteration"]
+    log(f"  {res['tokens']} tokens in {res['iterations']} iterations, mean accept length "
+        f"{res['mean_accept_len'] or 0:.2f}, {res['tokens_per_s'] or 0:.1f} tokens/s, "
+        f"{res['ms_per_iteration']:.2f} ms/iteration, host syncs per iteration: "
+        f"{'not measured' if syncs is None else syncs}")
+    if res["exact"] is not None:
+        log(f"  greedy check: {'EXACT' if res['exact'] else 'MISMATCH'} "
+            f"({res['mismatches']} of {c['requests']} requests differ, "
+            f"{res['near_tie_divergences']} of them at near-ties)")
+    if args.json:
+        with open(args.json, "w") as fh:
+            json.dump(res, fh, indent=1)
+        log(f"  wrote {args.json}")
+    return 1 if res["exact"] is False else 0
+
+
+def main(argv: Optional[List[str]] = None) -> int:
+    parser = argparse.ArgumentParser(prog="fa3-spec eagle", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    add_arguments(parser)
+    return run(parser.parse_args(argv))
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,409 @@
+"""The host driver: admission, finish, joins, bucket runners, asynchronous readback.
+
+`EagleEngine` keeps the loop state (`fa3_spec.eagle.iteration.empty_state`)
+in static device buffers of ``max_bs`` rows. Between iterations the host
+
+* admits waiting requests into free rows: a pool row and pages
+  (`KVPool.allocate`), then an eager prefill of target and draft whose
+  metadata comes from `fa3_spec.build_prefill_metadata`, written into the
+  state rows on the device (the first token is picked on the device too);
+* launches one iteration for the smallest bucket that covers every occupied
+  row (``state[:bucket]``): a CUDA-graph replay when captured, else a call;
+* copies the state's outputs into pinned host memory with a non-blocking
+  copy and records an event, then handles the *previous* iteration's copy:
+  the host runs one iteration ahead of what it has read. Finished requests
+  are already padding rows on the device (``seq_len = 0``), so the extra
+  iteration never reads or writes their pages; the host frees them when it
+  reads the copy, and their rows are reused by the next admission.
+
+Nothing in an iteration waits for the host. `greedy_generate` is the
+reference: plain greedy decoding of the same target on decode metadata.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+import warnings
+from typing import Callable, Dict, List, Optional, Sequence
+
+import torch
+
+from .. import build_decode_metadata
+from ..builders.prefill import build_prefill_metadata, extend_query_positions
+from ..config import SpecConfig
+from ..probes import capture
+from .iteration import LoopConfig, State, eagle_iteration, empty_state, step_in_place
+from .models import KVCache, SpecModel
+from .pool import KVPool
+
+#: State keys the host reads back after every iteration.
+READBACK = ("out_tokens", "out_len", "seq_lens", "accept_len", "tree_tokens", "parents", "path")
+
+
+@dataclasses.dataclass
+class Request:
+    rid: int
+    prompt: List[int]
+    max_new_tokens: int
+    eos_id: int = -1
+    row: int = -1  # req_to_token row while admitted
+    slot: int = -1  # batch row while admitted
+    since: int = 0  # first iteration (launch index) that saw it admitted
+    output: Optional[List[int]] = None
+
+
+def _prefill_forward(models: SpecModel, spec: SpecConfig, kv_target: KVCache,
+                     kv_draft: Optional[KVCache], req_to_token: torch.Tensor,
+                     rows: List[int], prompts: List[List[int]], *, backend: str,
+                     num_splits=None):
+    """Eager prefill of ``prompts`` into pool ``rows``.
+
+    Returns ``(first_token [B], draft_hidden [B, H], cand_scores [B, K],
+    cand_tokens [B, K], logits [B, V])``: the target's greedy token after
+    each prompt (and its logits) and, with a draft cache (else None), the
+    draft's feature and the top-K children of that token.
+    """
+    device = req_to_token.device
+    lens = torch.tensor([len(p) for p in prompts], dtype=torch.int64, device=device)
+    tokens = torch.tensor([t for p in prompts for t in p], dtype=torch.int64, device=device)
+    max_len = max(len(p) for p in prompts)
+    # q is sized to the metadata's static bound (rows * max_seqlen_q), as
+    # cascade_attention requires; queries past the real ones write K/V to
+    # slot 0 (the reserved dummy page) and are never read.
+    total = len(prompts) * max_len
+    tokens = torch.nn.functional.pad(tokens, (0, total - tokens.shape[0]))
+    rpi = torch.tensor(rows, dtype=torch.int64, device=device)
+    md = build_prefill_metadata(spec, req_to_token=req_to_token, req_pool_indices=rpi,
+                                seq_lens=lens, extend_seq_lens=lens, max_seqlen_q=max_len)
+    row, pos, owned = extend_query_positions(md, lens, total)
+    slots = torch.where(owned, req_to_token[rpi[row], pos].to(torch.int64), 0)
+    attn = dict(backend=backend, num_splits=num_splits)
+    hidden = models.target_forward(tokens, pos, slots, md, kv_target, **attn)
+    last = md.cu_seqlens_q[1:].to(torch.int64) - 1
+    logits = models.target_logits(hidden[last])
+    first = logits.argmax(-1)
+    if kv_draft is None:
+        return first, None, None, None, logits
+    # EAGLE shift: draft position p consumes the token at p + 1 (the first
+    # generated token after the prompt's last position).
+    shifted = torch.cat([tokens[1:], tokens[:1]])
+    is_last = torch.zeros(total, dtype=torch.bool, device=device)
+    is_last[last] = True
+    shifted = torch.where(is_last, first[row], shifted)
+    h_draft = models.draft_forward(shifted, hidden, pos, slots, md, kv_draft, **attn)[last]
+    logp = torch.log_softmax(models.draft_logits(h_draft).float(), dim=-1)
+    scores, cand = logp.topk(spec.topk, dim=-1)
+    return first, h_draft, scores, cand, logits
+
+
+class EagleEngine:
+    """Serve requests with the EAGLE loop (see the module docstring).
+
+    Args:
+        lc: `LoopConfig` (``lc.spec.max_bs`` = batch rows; ``lc.spec.num_pages``
+            = pool size).
+        models: a `SpecModel`.
+        max_reqs: ``req_to_token`` rows (default ``2 * max_bs``).
+        buckets: batch sizes to run/capture (default: powers of two up to
+            ``max_bs``, plus ``max_bs``).
+        graphs: capture one CUDA graph per bucket (CUDA only).
+        compile_backend: ``torch.compile(fullgraph=True)`` backend for the
+            iteration ("inductor", "aot_eager", ...), or None for eager.
+        device: where everything lives.
+        seed: pool page shuffle.
+        count_syncs: on CUDA, count synchronizing calls during each iteration
+            launch with ``torch.cuda.set_sync_debug_mode`` (adds host time).
+    """
+
+    def __init__(self, lc: LoopConfig, models: SpecModel, *, max_reqs: Optional[int] = None,
+                 buckets: Optional[Sequence[int]] = None, graphs: bool = False,
+                 compile_backend: Optional[str] = None, device="cpu", seed: int = 0,
+                 count_syncs: bool = False):
+        self.lc = lc
+        self.spec = lc.spec
+        self.models = models
+        self.device = torch.device(device)
+        self.max_bs = lc.spec.max_bs
+        self.pool = KVPool(lc.spec, max_reqs=max_reqs or 2 * self.max_bs,
+                           target_layers=models.num_target_layers,
+                           draft_layers=models.num_draft_layers, num_kv_heads=models.num_kv_heads,
+                           head_dim=models.head_dim, dtype=models.dtype, device=device, seed=seed)
+        self.state = empty_state(lc, models, self.max_bs, self.device)
+        if buckets is None:
+            buckets = [b for b in (1, 2, 4, 8, 16, 32, 64, 128, 256) if b < self.max_bs]
+            buckets.append(self.max_bs)
+        self.buckets = sorted(set(buckets))
+        if self.buckets[-1] < self.max_bs:
+            raise ValueError("the largest bucket must be >= max_bs")
+        if graphs and self.device.type != "cuda":
+            raise ValueError("graphs=True needs a CUDA device")
+        self.graphs = graphs
+        self.count_syncs = count_syncs and self.device.type == "cuda"
+
+        def iteration(st: State) -> State:
+            return eagle_iteration(lc, models, self.pool.target_kv, self.pool.draft_kv,
+                                   self.pool.req_to_token, st)
+
+        self._iteration = iteration
+        self._fn = iteration
+        if compile_backend is not None:
+            self._fn = torch.compile(iteration, fullgraph=True, backend=compile_backend,
+                                     dynamic=False)
+        self._graphs: Dict[int, torch.cuda.CUDAGraph] = {}
+        self._views: Dict[int, State] = {}
+        self._waiting: List[Request] = []
+        self._slots: List[Optional[Request]] = [None] * self.max_bs
+        self._done: Dict[int, Request] = {}
+        self._next_rid = 0
+        self._pending = None  # (host copy, event, bucket) of the last launched iteration
+        self._pinned = [None, None]
+        self._parity = 0
+        self.stats = dict(iterations=0, accept_lens=[], host_syncs=[], launch_s=[],
+                          iteration_s=[], admitted=0, finished=0)
+
+    # ------------------------------------------------------------- requests
+    def submit(self, prompt: Sequence[int], max_new_tokens: int, eos_id: int = -1) -> int:
+        """Queue a request; returns its id. It joins at the next free row."""
+        prompt = [int(t) for t in prompt]
+        if max_new_tokens > self.lc.max_new_tokens:
+            raise ValueError(f"max_new_tokens={max_new_tokens} exceeds the loop's "
+                             f"max_new_tokens={self.lc.max_new_tokens}")
+        self.pool.check_request(len(prompt), max_new_tokens)
+        rid = self._next_rid
+        self._next_rid += 1
+        self._waiting.append(Request(rid, prompt, max_new_tokens, eos_id))
+        return rid
+
+    @property
+    def active(self) -> int:
+        return sum(r is not None for r in self._slots)
+
+    @property
+    def has_work(self) -> bool:
+        return bool(self._waiting) or self.active > 0 or self._pending is not None
+
+    def results(self) -> Dict[int, List[int]]:
+        return {rid: r.output for rid, r in self._done.items()}
+
+    # ------------------------------------------------------------ admission
+    def _admit(self) -> None:
+        batch: List[Request] = []
+        free = [i for i, r in enumerate(self._slots) if r is None]
+        while self._waiting and free:
+            req = self._waiting[0]
+            if not self.pool.can_allocate(len(req.prompt), req.max_new_tokens):
+                break
+            self._waiting.pop(0)
+            req.row = self.pool.allocate(len(req.prompt), req.max_new_tokens)
+            req.slot = free.pop(0)
+            req.since = self.stats["iterations"]
+            self._slots[req.slot] = req
+            batch.append(req)
+        if not batch:
+            return
+        pool, st, dev = self.pool, self.state, self.device
+        first, h, scores, cand, _ = _prefill_forward(
+            self.models, self.spec, pool.target_kv, pool.draft_kv, pool.req_to_token,
+            [r.row for r in batch], [r.prompt for r in batch], backend=self.lc.backend,
+            num_splits=self.lc.num_splits)
+        idx = torch.tensor([r.slot for r in batch], dtype=torch.int64, device=dev)
+        lens = torch.tensor([len(r.prompt) for r in batch], dtype=torch.int64, device=dev)
+        max_new = torch.tensor([r.max_new_tokens for r in batch], dtype=torch.int64, device=dev)
+        eos = torch.tensor([r.eos_id for r in batch], dtype=torch.int64, device=dev)
+        done = (first == eos) | (max_new <= 1)  # on the device: no sync
+        st["req_pool_indices"][idx] = torch.tensor([r.row for r in batch], dtype=torch.int64,
+                                                   device=dev)
+        st["seq_lens"][idx] = torch.where(done, 0, lens)
+        st["root"][idx] = first
+        st["cand_tokens"][idx] = cand
+        st["cand_scores"][idx] = scores
+        st["draft_hidden"][idx] = h.to(st["draft_hidden"].dtype)
+        out = torch.zeros(len(batch), st["out_tokens"].shape[1], dtype=torch.int64, device=dev)
+        out[:, 0] = first
+        st["out_tokens"][idx] = out
+        st["out_len"][idx] = 1
+        st["max_new"][idx] = max_new
+        st["eos"][idx] = eos
+        st["iters"][idx] = 0
+        st["accept_len"][idx] = 0
+        self.stats["admitted"] += len(batch)
+
+    # ------------------------------------------------------------- iteration
+    def bucket_for(self, rows: int) -> int:
+        return next(b for b in self.buckets if b >= rows)
+
+    def _view(self, bucket: int) -> State:
+        if bucket not in self._views:
+            self._views[bucket] = {k: v[:bucket] for k, v in self.state.items()}
+        return self._views[bucket]
+
+    def capture(self, buckets: Optional[Sequence[int]] = None) -> Dict[int, float]:
+        """Capture the iteration for each bucket (all padding while capturing,
+        so warm-up and capture runs read nothing and write only slot 0)."""
+        if not self.graphs:
+            raise RuntimeError("capture() needs graphs=True")
+        seconds = {}
+        saved = {k: v.clone() for k, v in self.state.items()}
+        live = self.state["seq_lens"].clone()
+        self.state["seq_lens"].zero_()
+        pool = None
+        for bucket in sorted(buckets or self.buckets, reverse=True):
+            start = time.perf_counter()
+            view = self._view(bucket)
+            pool = pool or torch.cuda.graph_pool_handle()
+            graph, _ = capture(step_in_place, self._fn, view, pool=pool)
+            self._graphs[bucket] = graph
+            torch.cuda.synchronize()
+            seconds[bucket] = time.perf_counter() - start
+        for k, v in self.state.items():
+            v.copy_(saved[k])
+        self.state["seq_lens"].copy_(live)
+        return seconds
+
+    def _launch(self, bucket: int) -> None:
+        if self.graphs and bucket not in self._graphs:
+            self.capture([bucket])
+
+        def go():
+            if self.graphs:
+                self._graphs[bucket].replay()
+            else:
+                step_in_place(self._fn, self._view(bucket))
+
+        start = time.perf_counter()
+        if self.count_syncs:
+            with warnings.catch_warnings(record=True) as caught:
+                warnings.simplefilter("always")
+                torch.cuda.set_sync_debug_mode("warn")
+                try:
+                    go()
+                finally:
+                    torch.cuda.set_sync_debug_mode("default")
+            syncs = [w for w in caught if "called a synchronizing" in str(w.message)]
+            self.stats["host_syncs"].append(len(syncs))
+        else:
+            go()
+        self.stats["launch_s"].append(time.perf_counter() - start)
+
+    def _readback(self, bucket: int):
+        view = self._view(bucket)
+        if self.device.type != "cuda":
+            return {k: view[k].clone() for k in READBACK}, None
+        p = self._parity
+        self._parity ^= 1
+        if self._pinned[p] is None:
+            self._pinned[p] = {k: torch.empty(self.state[k].shape, dtype=self.state[k].dtype,
+                                              pin_memory=True) for k in READBACK}
+        host = {k: self._pinned[p][k][:bucket] for k in READBACK}
+        for k in READBACK:
+            host[k].copy_(view[k], non_blocking=True)
+        event = torch.cuda.Event()
+        event.record()
+        return host, event
+
+    def _consume(self, host, event, iteration: int, on_iteration=None) -> None:
+        if event is not None:
+            event.synchronize()  # waits for that iteration only; the next one is queued
+        seq = host["seq_lens"]
+        out_len, accept = host["out_len"], host["accept_len"]
+        for slot in range(seq.shape[0]):
+            req = self._slots[slot]
+            if req is None or req.since > iteration:  # admitted after this copy was taken
+                continue
+            if accept[slot] > 0:
+                self.stats["accept_lens"].append(int(accept[slot]))
+            if seq[slot] == 0:  # finished (padding on the device already)
+                req.output = host["out_tokens"][slot, : int(out_len[slot])].tolist()
+                self.pool.release(req.row)
+                self._slots[slot] = None
+                self._done[req.rid] = req
+                self.stats["finished"] += 1
+        if on_iteration is not None:
+            on_iteration(self, host)
+
+    def step(self, on_iteration: Optional[Callable] = None) -> bool:
+        """Admit, launch one iteration, then read the previous one. False when idle."""
+        self._admit()
+        occupied = [i for i, r in enumerate(self._slots) if r is not None]
+        launched = None
+        if occupied:
+            bucket = self.bucket_for(occupied[-1] + 1)
+            start = time.perf_counter()
+            self._launch(bucket)
+            launched = self._readback(bucket) + (self.stats["iterations"], start)
+            self.stats["iterations"] += 1
+        if self._pending is not None:
+            host, event, iteration, started = self._pending
+            self._consume(host, event, iteration, on_iteration)
+            self.stats["iteration_s"].append(time.perf_counter() - started)
+        self._pending = launched
+        return self.has_work
+
+    def run(self, progress: Optional[Callable] = None) -> Dict[int, List[int]]:
+        """Run until every submitted request has finished; returns outputs by id."""
+        while self.step(progress):
+            pass
+        return self.results()
+
+    def device_outputs(self) -> Dict[int, List[int]]:
+        """Outputs so far of the admitted requests, read from the device buffer (syncs)."""
+        out = {}
+        for req in self._slots:
+            if req is not None:
+                n = int(self.state["out_len"][req.slot])
+                out[req.rid] = self.state["out_tokens"][req.slot, :n].tolist()
+        return out
+
+
+def greedy_generate(models: SpecModel, prompts: Sequence[Sequence[int]],
+                    max_new_tokens: Sequence[int], *, eos_ids: Optional[Sequence[int]] = None,
+                    page_size: int = 1, backend: str = "auto", device="cpu",
+                    logits_out: Optional[list] = None) -> List[List[int]]:
+    """Plain greedy decoding of the target (no speculation): the reference.
+
+    Prefill through `build_prefill_metadata`, then one token per request per
+    step through `build_decode_metadata`, in a pool of its own. Each output
+    stops after ``max_new_tokens[i]`` tokens or its EOS (included).
+    ``logits_out``, if given, receives each step's float32 logits ``[B, V]``
+    on the CPU (step 0 = after the prompt), for near-tie analysis.
+    """
+    prompts = [list(map(int, p)) for p in prompts]
+    bs = len(prompts)
+    steps = max(max_new_tokens)
+    ctx = max(len(p) for p in prompts) + steps + 1
+    spec = SpecConfig(page_size=page_size, topk=1, num_steps=2, num_draft_tokens=1,
+                      max_bs=max(bs, 1), max_context_len=ctx, num_pages=1)
+    spec = dataclasses.replace(spec, num_pages=1 + bs * -(-spec.draft_row_len // page_size))
+    pool = KVPool(spec, max_reqs=bs, target_layers=models.num_target_layers, draft_layers=1,
+                  num_kv_heads=models.num_kv_heads, head_dim=models.head_dim,
+                  dtype=models.dtype, device=device, seed=1)
+    rows = [pool.allocate(len(p), steps) for p in prompts]
+    r2t = pool.req_to_token
+    first, _, _, _, logits = _prefill_forward(models, spec, pool.target_kv, None, r2t, rows,
+                                              prompts, backend=backend)
+    if logits_out is not None:
+        logits_out.append(logits.float().cpu())
+    rpi = torch.tensor(rows, dtype=torch.int64, device=device)
+    seq = torch.tensor([len(q) for q in prompts], dtype=torch.int64, device=device)
+    tokens = [first]
+    cur = first
+    for _ in range(steps - 1):
+        md = build_decode_metadata(spec, req_to_token=r2t, req_pool_indices=rpi, seq_lens=seq + 1)
+        slots = r2t[rpi, seq].to(torch.int64)
+        hidden = models.target_forward(cur, seq, slots, md, pool.target_kv, backend=backend)
+        logits = models.target_logits(hidden)
+        if logits_out is not None:
+            logits_out.append(logits.float().cpu())
+        cur = logits.argmax(-1)
+        tokens.append(cur)
+        seq = seq + 1
+    table = torch.stack(tokens, 1).cpu().tolist()
+    eos_ids = list(eos_ids) if eos_ids is not None else [-1] * bs
+    out = []
+    for row, m, eos in zip(table, max_new_tokens, eos_ids):
+        row = row[:m]
+        if eos in row:
+            row = row[: row.index(eos) + 1]
+        out.append(row)
+    return out

@@ -1,0 +1,407 @@
+"""One EAGLE iteration, all on the device: draft, tree, verify, accept, commit, extend.
+
+`eagle_iteration` is a pure function of static-shaped device tensors (the
+loop state, batch-major ``[B]``) except for the K/V it writes into the pool:
+no host sync, no data-dependent shape, no Python branch on a tensor value.
+It compiles with ``torch.compile(fullgraph=True)`` and is captured as one
+CUDA graph per batch bucket (see `fa3_spec.eagle.engine`).
+
+Per request ``b`` with ``seq_len`` tokens in both caches and the *root* (the
+last emitted token, not yet in any cache) at position ``seq_len``:
+
+1. **Draft.** Copy the prefix's partial last page into every branch's first
+   page (`draft_tail_copy_slots`), then ``S - 1`` draft steps on
+   `build_draft_iteration_metadata`. Step ``i`` feeds each of the ``K``
+   leaves ``fc([embed(leaf token); parent's draft feature])`` at position
+   ``seq_len + i`` and slot ``out_cache_loc[b, t, i]``; each leaf proposes
+   its top-``K`` and the ``K`` best of the ``K * K`` candidates by cumulative
+   log-probability become the next leaves (EAGLE-2).
+2. **Tree.** Of all ``K + (S-1) K^2`` candidates take the ``N - 1`` best
+   (ties broken by index, so a node's ancestors always come first), sorted
+   by index, plus the root as node 0: ``tokens [B, N]``, ``parents [B, N]``
+   (``-1`` at the root), tree mask ``[B, N, N]``. topk = 1 is a chain.
+3. **Verify.** The target runs over the ``N`` nodes: node ``c`` at row
+   position ``seq_len + c`` (its slot) and RoPE position ``seq_len +
+   depth(c)``, through `build_target_verify_metadata` (tree cascade, or the
+   causal chain call when topk = 1).
+4. **Accept (greedy).** From the root, follow the child whose token is the
+   target's argmax at its parent, as deep as it goes; emit the accepted
+   drafts plus the argmax at the last accepted node (the bonus token), which
+   becomes the next root.
+5. **Commit.** Copy the target K/V of the accepted path's node ``i`` (at
+   ``seq_len + path[i]``) to position ``seq_len + i`` (gather, then write;
+   ``path[i] >= i``); ``seq_len`` grows by ``1 + accepted``.
+6. **Draft extend** (`build_draft_extend_metadata`) over the ``1 + accepted``
+   new positions with EAGLE's shift: draft position ``p`` consumes the token
+   at ``p + 1`` and the target feature at ``p``. Its last position gives the
+   new root's top-``K`` children and the feature for the next draft step.
+7. **Output.** Append the emitted tokens to the device output buffer, stop
+   at EOS or ``max_new_tokens``; a finished request becomes a padding row
+   (``seq_len = 0``) that reads nothing and writes only slot 0.
+
+``scripted`` (benchmarks only): the accepted length of each iteration is
+forced from a fixed sequence instead of decided by the target, and the
+"accepted path" is simply nodes ``0 .. a``: the same work, output that is not
+the model's. Every output produced in this mode must say so.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Dict, Optional, Tuple
+
+import torch
+import torch.nn.functional as F
+
+from .._paged import BatchView, in_pool
+from ..batch import SpecBatch
+from ..builders import (
+    build_draft_extend_metadata,
+    build_draft_iteration_metadata,
+    build_target_verify_metadata,
+    draft_tail_copy_slots,
+)
+from ..builders.prefill import extend_query_positions
+from ..config import SpecConfig
+from ..tree import tree_mask_from_parents
+from .models import KVCache, SpecModel
+from .pool import draft_positions
+
+#: Emitted tokens per iteration (accepted drafts + bonus) forced in scripted
+#: mode; mean 3.5.
+DEFAULT_SCRIPT = (3, 4, 2, 5, 3, 4)
+
+State = Dict[str, torch.Tensor]
+
+
+@dataclasses.dataclass(frozen=True)
+class LoopConfig:
+    """Static configuration of the loop.
+
+    Attributes:
+        spec: fa3_spec's `SpecConfig` (``num_pages`` = the pool size).
+        max_new_tokens: width of the device output buffer (largest
+            ``max_new_tokens`` of a request).
+        backend: attention backend (``"torch"``, ``"fa3"``, ``"auto"``).
+        num_splits: FA3 split count (None: fa3_spec's default).
+        scripted: emitted-tokens sequence forced per iteration (benchmarks),
+            or None for real greedy acceptance.
+    """
+
+    spec: SpecConfig
+    max_new_tokens: int
+    backend: str = "auto"
+    num_splits: Optional[int] = None
+    scripted: Optional[Tuple[int, ...]] = None
+
+    def __post_init__(self):
+        s = self.spec
+        candidates = s.topk + (s.num_steps - 1) * s.topk ** 2
+        if s.num_draft_tokens < 2:
+            raise ValueError("num_draft_tokens must be >= 2 (the root and one draft)")
+        if s.num_draft_tokens - 1 > candidates:
+            raise ValueError(
+                f"num_draft_tokens - 1 = {s.num_draft_tokens - 1} exceeds the "
+                f"{candidates} draft candidates of topk={s.topk}, num_steps={s.num_steps}")
+        if s.num_pages is None:
+            raise ValueError("spec.num_pages must be set (the KV pool size)")
+        if self.max_new_tokens < 1:
+            raise ValueError("max_new_tokens must be >= 1")
+        if self.scripted is not None and (not self.scripted or min(self.scripted) < 1):
+            raise ValueError("scripted must be a non-empty sequence of positive lengths")
+
+    @property
+    def max_depth(self) -> int:
+        """Deepest accepted path: ``min(N - 1, S)`` drafts."""
+        return min(self.spec.num_draft_tokens - 1, self.spec.num_steps)
+
+
+def empty_state(lc: LoopConfig, models: SpecModel, max_bs: int, device) -> State:
+    """All-padding state for ``max_bs`` batch rows (every tensor batch-major)."""
+    k, n, d = lc.spec.topk, lc.spec.num_draft_tokens, lc.max_depth
+    i64 = dict(dtype=torch.int64, device=device)
+    z = lambda *s: torch.zeros(*s, **i64)  # noqa: E731
+    return {
+        "req_pool_indices": z(max_bs),
+        "seq_lens": z(max_bs),  # 0 = padding row (free or finished)
+        "root": z(max_bs),
+        "cand_tokens": z(max_bs, k),
+        "cand_scores": torch.zeros(max_bs, k, dtype=torch.float32, device=device),
+        "draft_hidden": torch.zeros(max_bs, models.hidden_size, dtype=models.dtype, device=device),
+        "out_tokens": z(max_bs, lc.max_new_tokens + 1),  # last column: trash
+        "out_len": z(max_bs),
+        "max_new": z(max_bs),
+        "eos": torch.full((max_bs,), -1, **i64),
+        "iters": z(max_bs),
+        # What the last iteration did (read by the host for stats and drawings).
+        "tree_tokens": z(max_bs, n),
+        "parents": torch.full((max_bs, n), -1, **i64),
+        "path": z(max_bs, d + 1),
+        "accept_len": z(max_bs),  # tokens emitted before EOS/max truncation; 0 = padding
+    }
+
+
+def _copy_kv_slots(kv: KVCache, src: torch.Tensor, dst: torch.Tensor) -> None:
+    if src.numel():
+        kv.copy_slots(src, dst)
+
+
+def draft_slots(lc: LoopConfig, view: BatchView) -> torch.Tensor:
+    """int64 ``[B, K, S]`` draft slots of the batch (0 on padding rows)."""
+    cfg = lc.spec
+    bs, k, s = view.batch_size, cfg.topk, cfg.num_steps
+    loc = view.slots(draft_positions(cfg, view.seq_lens).view(bs, k * s)).view(bs, k, s)
+    return torch.where(view.live.view(bs, 1, 1), loc, 0)
+
+
+def _draft_steps(lc: LoopConfig, models: SpecModel, draft_kv: KVCache, view: BatchView,
+                 st: State, batch: dict, metadata=None):
+    """Draft steps -> every candidate's token, cumulative score and parent candidate."""
+    cfg = lc.spec
+    bs, k = view.batch_size, cfg.topk
+    loc = draft_slots(lc, view)
+    src, dst = draft_tail_copy_slots(cfg, seq_lens=view.seq_lens, out_cache_loc=loc)
+    _copy_kv_slots(draft_kv, src, dst)
+    steps = metadata
+    if steps is None:
+        steps = build_draft_iteration_metadata(cfg, **batch, out_cache_loc=loc)
+    tokens, scores = st["cand_tokens"], st["cand_scores"]
+    hidden = st["draft_hidden"].unsqueeze(1).expand(bs, k, models.hidden_size)
+    leaf = torch.arange(k, device=tokens.device).expand(bs, k)  # candidate index of each leaf
+    all_tokens, all_scores, all_parents = [tokens], [scores], [torch.full_like(tokens, -1)]
+    offset = k
+    for i, md in enumerate(steps):
+        positions = (view.seq_lens + i).unsqueeze(1).expand(bs, k).reshape(-1)
+        out = models.draft_forward(tokens.reshape(-1), hidden.reshape(bs * k, -1), positions,
+                                   loc[:, :, i].reshape(-1), md, draft_kv, backend=lc.backend,
+                                   num_splits=lc.num_splits)
+        logp = torch.log_softmax(models.draft_logits(out).float(), dim=-1)
+        top_lp, top_tok = logp.topk(k, dim=-1)
+        cum = (scores.unsqueeze(-1) + top_lp.view(bs, k, k)).view(bs, k * k)
+        top_tok = top_tok.view(bs, k * k)
+        all_tokens.append(top_tok)
+        all_scores.append(cum)
+        all_parents.append(leaf.unsqueeze(-1).expand(bs, k, k).reshape(bs, k * k))
+        best = torch.sort(cum, dim=-1, descending=True, stable=True).indices[:, :k]
+        tokens, scores = top_tok.gather(1, best), cum.gather(1, best)
+        parent_branch = torch.div(best, k, rounding_mode="floor")
+        hidden = out.view(bs, k, -1).gather(
+            1, parent_branch.unsqueeze(-1).expand(bs, k, models.hidden_size))
+        leaf = offset + best
+        offset += k * k
+    return torch.cat(all_tokens, 1), torch.cat(all_scores, 1), torch.cat(all_parents, 1)
+
+
+def _organize_tree(lc: LoopConfig, root, cand_tokens, cand_scores, cand_parents):
+    """The ``N - 1`` best candidates plus the root: ``tokens, parents`` ``[B, N]``."""
+    n = lc.spec.num_draft_tokens
+    bs = root.shape[0]
+    if lc.spec.topk == 1:  # a chain: candidate i is the child of candidate i - 1
+        chosen = torch.arange(n - 1, device=root.device).expand(bs, n - 1)
+    else:
+        best = torch.sort(cand_scores, dim=-1, descending=True, stable=True).indices[:, : n - 1]
+        chosen = torch.sort(best, dim=-1).values
+    tokens = torch.cat([root.unsqueeze(1), cand_tokens.gather(1, chosen)], 1)
+    parent_cand = cand_parents.gather(1, chosen)  # [B, N-1], -1: child of the root
+    same = chosen.unsqueeze(1) == parent_cand.unsqueeze(2)  # [B, child, chosen]
+    node = torch.arange(1, n, device=root.device)
+    parent_node = torch.where(parent_cand < 0, 0, (same.long() * node).sum(-1))
+    parents = torch.cat([torch.full_like(root, -1).unsqueeze(1), parent_node], 1)
+    return tokens, parents
+
+
+def _accept(lc: LoopConfig, tokens, parents, next_tokens, live, iters):
+    """Greedy walk from the root: ``(path [B, D+1], accepted [B], bonus [B])``.
+
+    ``path[:, i]`` is the node at depth ``i`` of the accepted path for
+    ``i <= accepted`` (entries past it repeat the last accepted node).
+    """
+    bs, n = tokens.shape
+    depth_max = lc.max_depth
+    if lc.scripted is not None:
+        turn = torch.remainder(iters, len(lc.scripted))
+        forced = torch.zeros_like(iters)
+        for j, emitted in enumerate(lc.scripted):  # no host-to-device copy (capturable)
+            forced = torch.where(turn == j, emitted - 1, forced)
+        accepted = forced.clamp(0, depth_max)
+        i = torch.arange(depth_max + 1, device=tokens.device)
+        path = torch.minimum(i.unsqueeze(0), accepted.unsqueeze(1))
+    else:
+        cur = torch.zeros(bs, dtype=torch.int64, device=tokens.device)
+        going = live.clone()
+        accepted = torch.zeros_like(cur)
+        nodes = [cur]
+        for _ in range(depth_max):
+            want = next_tokens.gather(1, cur.unsqueeze(1))  # target's argmax at cur
+            child = (parents == cur.unsqueeze(1)) & (tokens == want)
+            found = child.any(-1) & going
+            cur = torch.where(found, child.int().argmax(-1), cur)
+            accepted = accepted + found.long()
+            going = found
+            nodes.append(cur)
+        path = torch.stack(nodes, 1)
+    accepted = torch.where(live, accepted, 0)
+    last = path.gather(1, accepted.unsqueeze(1))
+    bonus = next_tokens.gather(1, last).squeeze(1)
+    return path, accepted, bonus
+
+
+def draft_phase(lc: LoopConfig, models: SpecModel, draft_kv: KVCache,
+                req_to_token: torch.Tensor, st: State, metadata=None) -> State:
+    """Steps 1-2: draft steps and the tree -> ``tokens``, ``parents`` ``[B, N]``,
+    ``tree_mask`` ``[B, N, N]``. ``metadata``: the draft steps' metadata, or
+    None to build it here (`build_draft_iteration_metadata`)."""
+    batch = dict(req_to_token=req_to_token, req_pool_indices=st["req_pool_indices"],
+                 seq_lens=st["seq_lens"])
+    view = SpecBatch.create(lc.spec, **batch).view()
+    cand = _draft_steps(lc, models, draft_kv, view, st, batch, metadata)
+    tokens, parents = _organize_tree(lc, st["root"], *cand)
+    return dict(tokens=tokens, parents=parents, tree_mask=tree_mask_from_parents(parents))
+
+
+def verify_phase(lc: LoopConfig, models: SpecModel, target_kv: KVCache,
+                 req_to_token: torch.Tensor, st: State, tree: State, metadata=None) -> State:
+    """Steps 3-5: verify, greedy acceptance, commit. ``metadata``: the verify
+    metadata, or None to build it here (`build_target_verify_metadata`)."""
+    cfg = lc.spec
+    n, dmax = cfg.num_draft_tokens, lc.max_depth
+    seq_lens = st["seq_lens"]
+    bs = seq_lens.shape[0]
+    batch = dict(req_to_token=req_to_token, req_pool_indices=st["req_pool_indices"],
+                 seq_lens=seq_lens)
+    view = SpecBatch.create(cfg, **batch).view()
+    live = view.live
+    tokens, parents, tree_mask = tree["tokens"], tree["parents"], tree["tree_mask"]
+    depth = tree_mask.sum(-1) - 1
+
+    # 3. Verify: node c at slot seq_len + c, RoPE position seq_len + depth(c).
+    node = torch.arange(n, device=seq_lens.device)
+    verify_slots = view.slots(view.seq_lens.unsqueeze(1) + node)
+    verify_slots = torch.where(live.unsqueeze(1), verify_slots, 0)
+    md = metadata
+    if md is None:
+        md = build_target_verify_metadata(cfg, **batch,
+                                          tree_mask=None if cfg.topk == 1 else tree_mask)
+    positions = view.seq_lens.unsqueeze(1) + depth
+    hidden = models.target_forward(tokens.reshape(-1), positions.reshape(-1),
+                                   verify_slots.reshape(-1), md, target_kv,
+                                   backend=lc.backend, num_splits=lc.num_splits)
+    next_tokens = models.target_logits(hidden).argmax(-1).view(bs, n)
+
+    # 4. Greedy acceptance.
+    path, accepted, bonus = _accept(lc, tokens, parents, next_tokens, live, st["iters"])
+
+    # 5. Commit the accepted path's target K/V to positions seq_len + i.
+    i = torch.arange(dmax + 1, device=seq_lens.device)
+    keep = (i <= accepted.unsqueeze(1)) & live.unsqueeze(1)
+    src = torch.where(keep, verify_slots.gather(1, path), 0)
+    dst = torch.where(keep, view.slots(view.seq_lens.unsqueeze(1) + i), 0)
+    _copy_kv_slots(target_kv, src.reshape(-1), dst.reshape(-1))
+    return dict(hidden=hidden.view(bs, n, -1), path=path, accepted=accepted, bonus=bonus,
+                new_seq_lens=torch.where(live, view.seq_lens + accepted + 1, 0),
+                extend_seq_lens=torch.where(live, accepted + 1, 0))
+
+
+def extend_phase(lc: LoopConfig, models: SpecModel, draft_kv: KVCache,
+                 req_to_token: torch.Tensor, st: State, tree: State, verified: State,
+                 metadata=None) -> State:
+    """Steps 6-7: draft extend and the output append -> the new state.
+    ``metadata``: the extend metadata, or None to build it here
+    (`build_draft_extend_metadata` over ``new_seq_lens``)."""
+    cfg = lc.spec
+    n, dmax = cfg.num_draft_tokens, lc.max_depth
+    seq_lens = st["seq_lens"]
+    bs = seq_lens.shape[0]
+    view = SpecBatch.create(cfg, req_to_token=req_to_token, req_pool_indices=st["req_pool_indices"],
+                            seq_lens=seq_lens).view()
+    live = view.live
+    tokens, parents = tree["tokens"], tree["parents"]
+    path, accepted, bonus = verified["path"], verified["accepted"], verified["bonus"]
+    hidden, new_seq = verified["hidden"], verified["new_seq_lens"]
+    i = torch.arange(dmax + 1, device=seq_lens.device)
+
+    # Emitted tokens: accepted drafts, then the bonus.
+    next_node = torch.cat([path[:, 1:], path[:, -1:]], 1)
+    emitted = torch.where(i < accepted.unsqueeze(1), tokens.gather(1, next_node),
+                          bonus.unsqueeze(1))  # [B, D+1]
+
+    # 6. Draft extend over the 1 + accepted new positions (EAGLE shift).
+    md_ext = metadata
+    if md_ext is None:
+        md_ext = build_draft_extend_metadata(
+            cfg, req_to_token=req_to_token, req_pool_indices=st["req_pool_indices"],
+            seq_lens=new_seq, extend_seq_lens=verified["extend_seq_lens"])
+    row, pos, owned = extend_query_positions(md_ext, new_seq, bs * n)
+    j = (pos - view.seq_lens[row]).clamp(0, dmax)  # index within the extend
+    ext_tokens = emitted[row, j]
+    ext_hidden = hidden[row, path[row, j]]
+    ext_slots = req_to_token[view.rows[row], pos.clamp(0, req_to_token.shape[1] - 1)]
+    ext_slots = torch.where(owned, in_pool(ext_slots, cfg.page_size, cfg.num_pages), 0)
+    h_ext = models.draft_forward(ext_tokens, ext_hidden, pos, ext_slots, md_ext, draft_kv,
+                                 backend=lc.backend, num_splits=lc.num_splits)
+    last = (md_ext.cu_seqlens_q[1:].to(torch.int64) - 1).clamp(min=0)
+    draft_hidden = torch.where(live.unsqueeze(1), h_ext[last], 0)
+    logp = torch.log_softmax(models.draft_logits(draft_hidden).float(), dim=-1)
+    cand_scores, cand_tokens = logp.topk(cfg.topk, dim=-1)
+
+    # 7. Output append, EOS / length stop; finished rows become padding.
+    emit = torch.where(live, accepted + 1, 0)
+    is_eos = (emitted == st["eos"].unsqueeze(1)) & (i < emit.unsqueeze(1))
+    hit_eos = is_eos.any(-1)
+    emit = torch.where(hit_eos, is_eos.int().argmax(-1) + 1, emit)
+    emit = torch.minimum(emit, (st["max_new"] - st["out_len"]).clamp(min=0))
+    width = st["out_tokens"].shape[1] - 1  # the last column is a trash column
+    column = torch.where(i < emit.unsqueeze(1), st["out_len"].unsqueeze(1) + i, width)
+    out_tokens = st["out_tokens"].scatter(1, column.clamp(max=width), emitted)
+    out_len = st["out_len"] + emit
+    finished = live & (hit_eos | (out_len >= st["max_new"]))
+
+    new = dict(st)
+    new.update(
+        seq_lens=torch.where(finished, 0, new_seq),
+        root=torch.where(live, bonus, st["root"]),
+        cand_tokens=cand_tokens,
+        cand_scores=cand_scores,
+        draft_hidden=draft_hidden.to(st["draft_hidden"].dtype),
+        out_tokens=out_tokens,
+        out_len=out_len,
+        iters=st["iters"] + live.long(),
+        tree_tokens=tokens,
+        parents=parents,
+        path=path,
+        accept_len=torch.where(live, accepted + 1, 0),
+    )
+    return new
+
+
+def eagle_iteration(lc: LoopConfig, models: SpecModel, target_kv: KVCache, draft_kv: KVCache,
+                    req_to_token: torch.Tensor, st: State) -> State:
+    """One speculative iteration over the batch state ``st`` (see the module docstring).
+
+    Args:
+        lc: static loop configuration.
+        models: the target + draft pair (`SpecModel`).
+        target_kv, draft_kv: the pool's caches (written in place).
+        req_to_token: int32 ``[max_reqs, >= spec.draft_row_len]``.
+        st: batch state from `empty_state` (rows ``[B]``; padding rows have
+            ``seq_lens == 0``).
+
+    Returns:
+        The new state (same keys and shapes). Only the K/V caches are
+        mutated; a caller that keeps the state in static buffers copies the
+        result back (`step_in_place`). Every metadata is built inside, by
+        fa3_spec builders: the three phases (`draft_phase`, `verify_phase`,
+        `extend_phase`) also accept metadata built elsewhere (the benchmark's
+        host-built baseline).
+    """
+    tree = draft_phase(lc, models, draft_kv, req_to_token, st)
+    verified = verify_phase(lc, models, target_kv, req_to_token, st, tree)
+    return extend_phase(lc, models, draft_kv, req_to_token, st, tree, verified)
+
+
+def step_in_place(fn, st: State) -> None:
+    """``st[k].copy_(fn(st)[k])`` for every key: the state stays in its buffers
+    (what a captured graph needs: fixed addresses)."""
+    new = fn(st)
+    for key, buf in st.items():
+        buf.copy_(new[key])

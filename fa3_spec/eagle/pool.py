@@ -1,0 +1,141 @@
+"""The paged KV pool of the loop: target and draft caches, ``req_to_token`` rows.
+
+Target and draft each own a cache ``[L, num_pages, P, H_kv, D]``; both are
+indexed by the same slots (slot ``s`` = page ``s // P``, offset ``s % P``).
+Page 0 is reserved (the sentinel page every padding row reads and writes).
+
+A request owns one ``req_to_token`` row of ``cfg.draft_row_len`` positions
+(int32 slots). At admission it gets the pages for every position it can
+touch: committed positions up to ``prompt_len + max_new_tokens``, plus the
+verify window and the topk > 1 draft scratch past the last one (in the layout
+of `draft_positions`: with ``P > 1`` and ``topk > 1`` each branch has its own
+pages, the first beginning with a copy of the prefix's partial last page).
+Positions past the reservation map to slot 0. Pages come from a shuffled
+free list, so a request's pages are scattered over the pool.
+
+Allocation and release are host bookkeeping done between iterations (the
+row is written with one host-to-device copy); nothing here runs inside an
+iteration, and nothing reads a device value.
+"""
+
+from __future__ import annotations
+
+import random
+from typing import List
+
+import torch
+
+from ..config import SpecConfig, cdiv
+from .models import KVCache
+
+
+def draft_positions(cfg: SpecConfig, seq_lens: torch.Tensor) -> torch.Tensor:
+    """Row positions ``[B, K, S]`` of the draft tokens of one iteration.
+
+    ``P > 1`` and ``K > 1``: branch ``t`` owns ``ceil((last + S) / P)`` pages
+    starting at row position ``seq_len - last + t * that * P`` (``last =
+    seq_len % P``), and its draft token ``s`` sits at offset ``last + s``;
+    so branch 0's drafts follow the prefix on its partial last page. Otherwise
+    the ``K * S`` drafts follow the prefix contiguously (branch-major).
+    Traceable (pure arithmetic on ``seq_lens``).
+    """
+    p, k, s = cfg.page_size, cfg.topk, cfg.num_steps
+    seq = seq_lens.to(torch.int64).view(-1, 1, 1)
+    t = torch.arange(k, device=seq.device).view(1, k, 1)
+    step = torch.arange(s, device=seq.device).view(1, 1, s)
+    if p > 1 and k > 1:
+        last = torch.remainder(seq, p)
+        region = torch.div(last + s + p - 1, p, rounding_mode="floor") * p
+        return seq - last + t * region + last + step
+    return seq + t * s + step
+
+
+class KVPool:
+    """Target and draft KV caches plus ``req_to_token``, with a host allocator.
+
+    Args:
+        cfg: static configuration; ``cfg.num_pages`` is the pool size in
+            pages (page 0 included) and must be set.
+        max_reqs: rows of ``req_to_token``.
+        target_layers, draft_layers, num_kv_heads, head_dim, dtype, device:
+            cache geometry.
+        seed: shuffles the free-page list.
+    """
+
+    def __init__(self, cfg: SpecConfig, *, max_reqs: int, target_layers: int, draft_layers: int,
+                 num_kv_heads: int, head_dim: int, dtype, device, seed: int = 0):
+        if cfg.num_pages is None:
+            raise ValueError("cfg.num_pages must give the pool size in pages")
+        if max_reqs < 1:
+            raise ValueError(f"max_reqs must be >= 1, got {max_reqs}")
+        self.cfg = cfg
+        self.device = torch.device(device)
+        self.row_len = cfg.draft_row_len
+        self.req_to_token = torch.zeros(max_reqs, self.row_len, dtype=torch.int32, device=device)
+        geom = (cfg.num_pages, cfg.page_size, num_kv_heads, head_dim)
+        self.target_kv = KVCache.zeros(target_layers, *geom, dtype=dtype, device=device)
+        self.draft_kv = KVCache.zeros(draft_layers, *geom, dtype=dtype, device=device)
+        pages = list(range(1, cfg.num_pages))
+        random.Random(seed).shuffle(pages)
+        self._free_pages: List[int] = pages
+        self._free_rows: List[int] = list(range(max_reqs))
+        self._pages_of_row: dict = {}
+
+    @property
+    def free_pages(self) -> int:
+        return len(self._free_pages)
+
+    @property
+    def free_rows(self) -> int:
+        return len(self._free_rows)
+
+    def check_request(self, prompt_len: int, max_new_tokens: int) -> None:
+        """Raise ValueError if such a request can never fit the configuration."""
+        cfg = self.cfg
+        if prompt_len < 1:
+            raise ValueError(f"prompt_len must be >= 1, got {prompt_len}")
+        if max_new_tokens < 1:
+            raise ValueError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
+        need = prompt_len + max_new_tokens + cfg.num_draft_tokens
+        if need > cfg.max_context_len:
+            raise ValueError(
+                f"prompt_len + max_new_tokens + num_draft_tokens = {need} exceeds "
+                f"max_context_len={cfg.max_context_len}")
+        if self.pages_needed(prompt_len, max_new_tokens) > cfg.num_pages - 1:
+            raise ValueError("the request needs more pages than the pool has")
+
+    def positions_needed(self, prompt_len: int, max_new_tokens: int) -> int:
+        """Row positions a request can touch: committed tokens plus the scratch
+        past them (verify window, draft branches)."""
+        scratch = self.row_len - self.cfg.max_context_len
+        return min(self.row_len, prompt_len + max_new_tokens + scratch)
+
+    def pages_needed(self, prompt_len: int, max_new_tokens: int) -> int:
+        return cdiv(self.positions_needed(prompt_len, max_new_tokens), self.cfg.page_size)
+
+    def can_allocate(self, prompt_len: int, max_new_tokens: int) -> bool:
+        return bool(self._free_rows) and (
+            self.pages_needed(prompt_len, max_new_tokens) <= len(self._free_pages))
+
+    def allocate(self, prompt_len: int, max_new_tokens: int) -> int:
+        """Reserve a row and its pages; write the row; return the row index."""
+        self.check_request(prompt_len, max_new_tokens)
+        if not self.can_allocate(prompt_len, max_new_tokens):
+            raise RuntimeError("KV pool exhausted (call can_allocate first)")
+        p = self.cfg.page_size
+        n = self.pages_needed(prompt_len, max_new_tokens)
+        pages = [self._free_pages.pop() for _ in range(n)]
+        row = self._free_rows.pop(0)
+        self._pages_of_row[row] = pages
+        pos = torch.arange(n * p)
+        slots = torch.tensor(pages, dtype=torch.int64)[pos // p] * p + pos % p
+        host = torch.zeros(self.row_len, dtype=torch.int32)
+        host[: min(n * p, self.row_len)] = slots[: self.row_len].to(torch.int32)
+        self.req_to_token[row].copy_(host.to(self.device))
+        return row
+
+    def release(self, row: int) -> None:
+        """Return a finished request's pages and row (its stale slots stay in
+        the row; no live batch row points at it)."""
+        self._free_pages.extend(self._pages_of_row.pop(row))
+        self._free_rows.append(row)
