@@ -22,6 +22,9 @@ def test_bench_smoke(tmp_path):
     rows = _run("bench.py", tmp_path)
     assert {r["kind"] for r in rows} == {"metadata", "draft_loop", "verify"}
     assert all(r["upstream_host_us"] > 0 for r in rows if r["kind"] == "metadata")
+    assert all(r["upstream_baseline"] in ("sglang-0.5.23", "model") for r in rows)
+    assert all("upstream_baseline_why" in r for r in rows
+               if r["kind"] == "draft_loop" and r["upstream_baseline"] == "model")
 
 
 def test_compile_capture_smoke(tmp_path):
