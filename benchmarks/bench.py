@@ -339,6 +339,11 @@ def draft_loop_row(cfg, world, bs, args):
     else:
         row["fa3_spec_us"], row["fa3_spec_iqr_us"] = _wall(lambda: runner(**batch), iters, device)
         row["floor_us"], row["floor_iqr_us"] = _wall(floor_c, iters, device)
+    from runner_staging import staging_row  # benchmarks/: the runner call minus the replay
+
+    staging = staging_row(runner, batch, bs, iters, device)
+    row["runner_staging_us"] = staging["runner_staging_us"]
+    row["zero_copy_staging_us"] = staging.get("zero_copy_staging_us")
     return row
 
 
