@@ -192,7 +192,8 @@ def metadata_row(cfg, world, bs, args):
         return ours_c(**batch)
 
     row = dict(kind="metadata", page_size=cfg.page_size, topk=cfg.topk, num_steps=cfg.num_steps,
-               num_draft_tokens=cfg.num_draft_tokens, batch=bs, context=cfg.max_context_len)
+               num_draft_tokens=cfg.num_draft_tokens, batch=bs, context=cfg.max_context_len,
+               upstream_baseline="model")
     row["upstream_host_us"], row["upstream_host_iqr_us"] = _wall(upstream, iters, device)
     row["compiled_eager_host_us"], row["compiled_eager_host_iqr_us"] = _wall(ours, iters, device)
     if device == "cuda":
@@ -203,27 +204,68 @@ def metadata_row(cfg, world, bs, args):
     return row
 
 
-def draft_loop_row(cfg, world, bs, args):
-    device, iters = args.device, args.iters
+def _loop_setup(mode, cfg, world, bs, args, *, layers=1):
+    """(model, attention backend, hidden, batch, kw, runner) of a one-graph ``mode`` step.
+
+    The toy model (Llama-3-8B heads on CUDA, tiny on CPU), the step's batch
+    from ``world`` and a `CUDAGraphRunner` over the single bucket ``bs`` whose
+    static inputs already hold the batch.
+    """
+    device = args.device
     heads = (HEADS, KV_HEADS, HEAD_DIM) if device == "cuda" else (4, 2, 16)
-    model = ToyModel.create(layers=1, num_pages=world.num_pages, page_size=cfg.page_size,
+    model = ToyModel.create(layers=layers, num_pages=world.num_pages, page_size=cfg.page_size,
                             num_heads=heads[0], num_kv_heads=heads[1], head_dim=heads[2],
                             dtype=torch.bfloat16, device=device)
     backend_attn = "fa3" if device == "cuda" else "torch"
+    tree = mode == "target_verify" and cfg.topk > 1
+    rows = cfg.topk if mode == "draft_decode" else cfg.num_draft_tokens
     g = torch.Generator(device=device).manual_seed(0)
-    hidden = torch.randn(bs, cfg.topk, model.hidden, device=device, generator=g).bfloat16()
-    batch = world_batch("draft_decode", world, hidden)
-    loc = batch["out_cache_loc"].reshape(bs * cfg.topk, cfg.num_steps)
-    kw = world.batch()
-
-    # b: one graph with metadata inside.
-    step = make_step("draft_decode", cfg, model, world.req_to_token, backend=backend_attn)
+    hidden = torch.randn(bs, rows, model.hidden, device=device, generator=g).bfloat16()
+    batch = world_batch(mode, world, hidden, tree=tree)
+    step = make_step(mode, cfg, model, world.req_to_token, backend=backend_attn, tree=tree)
     runner = CUDAGraphRunner(step, buckets=[bs], backend=args.backend,
                              strategy="manual" if device == "cuda" else "eager",
-                             example=lambda n: example_batch("draft_decode", cfg, model, n, device=device))
+                             example=lambda b: example_batch(mode, cfg, model, b, device=device,
+                                                             tree=tree))
     runner.capture()
     for name, buf in runner.static_inputs(bs).items():
         buf.copy_(batch[name])
+    return model, backend_attn, hidden, batch, world.batch(), runner
+
+
+def sglang_draft_steps(upstream, cfg, world, bs):
+    """sglang 0.5.23's own replay-metadata call per draft step, or None.
+
+    ``upstream`` is `fa3_spec.harness.sglang_upstream.load_upstream_or_reason`'s
+    object; each returned callable fills that step backend's CUDA-graph
+    buffers in place, as sglang's runner does before each replay.
+    """
+    if upstream is None:
+        return None
+    from fa3_spec.integrations.sglang import SglangConfig
+
+    scfg = SglangConfig(page_size=cfg.page_size, topk=cfg.topk, num_steps=cfg.num_steps,
+                        num_draft_tokens=cfg.num_draft_tokens, max_bs=bs,
+                        context_len=cfg.max_context_len)
+    backends = upstream.draft_backends(scfg, world.req_to_token)
+    kw = dict(req_pool_indices=world.req_pool_indices, seq_lens=world.seq_lens,
+              out_cache_loc=world.out_cache_loc.reshape(-1))
+    return [lambda b=b: b.draft_decode(**kw) for b in backends]
+
+
+def draft_loop_row(cfg, world, bs, args):
+    """All draft steps of one iteration, 1 layer: upstream vs one graph vs floor.
+
+    The upstream column runs sglang 0.5.23's own per-step replay metadata
+    (``upstream_baseline: "sglang-0.5.23"``) when ``args.upstream`` holds it,
+    else the project's `UpstreamStyleBuilder` model (``"model"``). With
+    sglang, each step's attention graph reads this library's metadata of that
+    step, which the adapter tests show bitwise equal to the buffers sglang
+    fills: the attention work is the same, the metadata cost is sglang's.
+    """
+    device, iters = args.device, args.iters
+    model, backend_attn, hidden, batch, kw, runner = _loop_setup("draft_decode", cfg, world, bs, args)
+    loc = batch["out_cache_loc"].reshape(bs * cfg.topk, cfg.num_steps)
 
     def attend_with(md):
         return lambda q, k, v: fa3_spec.cascade_attention(q, k, v, md, backend=backend_attn)
@@ -243,9 +285,20 @@ def draft_loop_row(cfg, world, bs, args):
 
     floor_c = torch.compile(floor_fn, fullgraph=True, backend=args.backend)
 
-    # a: host metadata per step into static buffers of per-step attention graphs.
+    # a: host metadata per step, then per-step attention graphs reading it.
     ref = UpstreamStyleBuilder(cfg, device)
-    static_mds = [ref.draft_decode(s, **kw, out_cache_loc=loc) for s in range(cfg.num_steps - 1)]
+    sglang_steps, why = None, "sglang 0.5.23 not loaded"
+    try:
+        sglang_steps = sglang_draft_steps(getattr(args, "upstream", None), cfg, world, bs)
+        if sglang_steps is not None:
+            for fill in sglang_steps:  # run once: sglang's code accepts this world
+                fill()
+    except Exception as e:  # noqa: BLE001 -- the labelled fallback, with the reason
+        sglang_steps, why = None, f"{type(e).__name__}: {e}"
+    if sglang_steps is None:
+        static_mds = [ref.draft_decode(s, **kw, out_cache_loc=loc) for s in range(cfg.num_steps - 1)]
+    else:
+        static_mds = mds
     x_static = [hidden.reshape(bs * cfg.topk, -1).clone() for _ in static_mds]
 
     def attn_step(s):
@@ -256,13 +309,19 @@ def draft_loop_row(cfg, world, bs, args):
         return fn
 
     row = dict(kind="draft_loop", page_size=cfg.page_size, topk=cfg.topk, num_steps=cfg.num_steps,
-               batch=bs, context=cfg.max_context_len, layers=1)
+               batch=bs, context=cfg.max_context_len, layers=1,
+               upstream_baseline="model" if sglang_steps is None else "sglang-0.5.23")
+    if sglang_steps is None:
+        row["upstream_baseline_why"] = why
     if device == "cuda":
         graphs = [capture(attn_step(s)) for s in range(len(static_mds))]
 
         def upstream_loop():
             for s, (graph, out) in enumerate(graphs):
-                _copy_leaves(static_mds[s], ref.draft_decode(s, **kw, out_cache_loc=loc))
+                if sglang_steps is None:
+                    _copy_leaves(static_mds[s], ref.draft_decode(s, **kw, out_cache_loc=loc))
+                else:
+                    sglang_steps[s]()
                 graph.replay()
                 if s + 1 < len(graphs):
                     x_static[s + 1].copy_(out)
@@ -280,6 +339,11 @@ def draft_loop_row(cfg, world, bs, args):
     else:
         row["fa3_spec_us"], row["fa3_spec_iqr_us"] = _wall(lambda: runner(**batch), iters, device)
         row["floor_us"], row["floor_iqr_us"] = _wall(floor_c, iters, device)
+    from runner_staging import staging_row  # benchmarks/: the runner call minus the replay
+
+    staging = staging_row(runner, batch, bs, iters, device)
+    row["runner_staging_us"] = staging["runner_staging_us"]
+    row["zero_copy_staging_us"] = staging.get("zero_copy_staging_us")
     return row
 
 
@@ -293,29 +357,12 @@ def verify_row(cfg, world, bs, args):
     c  floor: the same layers with metadata and KV slots precomputed.
     """
     device, iters = args.device, args.iters
-    heads = (HEADS, KV_HEADS, HEAD_DIM) if device == "cuda" else (4, 2, 16)
     layers = args.layers if device == "cuda" else 2
-    model = ToyModel.create(layers=layers, num_pages=world.num_pages, page_size=cfg.page_size,
-                            num_heads=heads[0], num_kv_heads=heads[1], head_dim=heads[2],
-                            dtype=torch.bfloat16, device=device)
-    backend_attn = "fa3" if device == "cuda" else "torch"
     tree = cfg.topk > 1
-    mode = "target_verify"
     n = cfg.num_draft_tokens
-    g = torch.Generator(device=device).manual_seed(0)
-    hidden = torch.randn(bs, n, model.hidden, device=device, generator=g).bfloat16()
-    batch = world_batch(mode, world, hidden, tree=tree)
-    kw = world.batch()
+    model, backend_attn, hidden, batch, kw, runner = _loop_setup("target_verify", cfg, world, bs,
+                                                                 args, layers=layers)
     mask = world.tree_mask if tree else None
-
-    step = make_step(mode, cfg, model, world.req_to_token, backend=backend_attn, tree=tree)
-    runner = CUDAGraphRunner(step, buckets=[bs], backend=args.backend,
-                             strategy="manual" if device == "cuda" else "eager",
-                             example=lambda b: example_batch(mode, cfg, model, b, device=device,
-                                                             tree=tree))
-    runner.capture()
-    for name, buf in runner.static_inputs(bs).items():
-        buf.copy_(batch[name])
 
     slots = verify_slots(cfg, **kw)
     x_flat = hidden.reshape(bs * n, model.hidden)
@@ -332,7 +379,8 @@ def verify_row(cfg, world, bs, args):
     upstream_c = torch.compile(forward_with(static_md), fullgraph=True, backend=args.backend)
 
     row = dict(kind="verify", page_size=cfg.page_size, topk=cfg.topk, num_steps=cfg.num_steps,
-               num_draft_tokens=n, batch=bs, context=cfg.max_context_len, layers=layers)
+               num_draft_tokens=n, batch=bs, context=cfg.max_context_len, layers=layers,
+               upstream_baseline="model")
     if device != "cuda":
         row["fa3_spec_us"], row["fa3_spec_iqr_us"] = _wall(lambda: runner(**batch), iters, device)
         row["floor_us"], row["floor_iqr_us"] = _wall(floor_c, iters, device)
@@ -349,6 +397,19 @@ def verify_row(cfg, world, bs, args):
 
 
 KINDS = {"metadata": metadata_row, "draft_loop": draft_loop_row, "verify": verify_row}
+
+
+def load_sglang(args):
+    """sglang 0.5.23's metadata code for the upstream column, or None (reason printed)."""
+    if args.upstream == "model":
+        return None
+    from fa3_spec.harness.sglang_upstream import load_upstream_or_reason
+
+    upstream, why = load_upstream_or_reason(device=args.device, fetch=not args.smoke,
+                                            compile_expand=not args.smoke)
+    if upstream is None:
+        print(f"upstream column: the model (sglang 0.5.23 unavailable: {why})", file=sys.stderr)
+    return upstream
 
 
 def points(names, smoke, args_batches=None):
@@ -385,9 +446,13 @@ def main():
     parser.add_argument("--profile", action="store_true", help="print kernel tables (draft_loop)")
     parser.add_argument("--batches", type=int, nargs="+", help="override scenario batches")
     parser.add_argument("--smoke", action="store_true", help="tiny CPU run of every code path")
+    parser.add_argument("--upstream", choices=("auto", "model"), default="auto",
+                        help="draft_loop's upstream column: sglang 0.5.23's own code when it "
+                             "loads (auto; FA3_SPEC_SGLANG_SRC offline), else the model")
     args = parser.parse_args()
     args.device = "cpu" if args.smoke else "cuda"
     args.backend = "aot_eager" if args.smoke else "inductor"
+    args.upstream = load_sglang(args)
     if args.smoke:
         args.iters = min(args.iters, 3)
     rows = []

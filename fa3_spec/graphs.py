@@ -2,12 +2,30 @@
 
 The runner owns static, batch-major input buffers per bucket. A call checks
 each batch tensor against its buffer (trailing shape, dtype, device: the
-names the argument otherwise), copies the real batch into the first ``bs``
-rows of the smallest bucket that holds it, **zero-fills the rest**, replays,
-and returns views of the outputs' live rows. Zero rows are padding rows by
+error names the argument), copies the real batch into the first ``bs`` rows
+of the smallest bucket that holds it, keeps the rest **zero**, replays, and
+returns views of the outputs' live rows. Zero rows are padding rows by
 construction (``seq_len == 0`` reads nothing; slot 0 is the reserved dummy
 page), so a large batch followed by a small one in the same bucket leaves no
 stale row that is read.
+
+Host cost per call (the "staging" between the engine and ``replay()``):
+
+* the checks run **once per shape signature** (`_signature`): they read only
+  the keys, each value's type, dtype, shape and device, all of which are in
+  the signature, against buffers fixed at capture; a signature that passed
+  once passes again, so later calls with it skip them;
+* all live rows move with one ``torch._foreach_copy_`` (one multi-tensor
+  launch per dtype on CUDA, instead of one ``copy_`` per input);
+* zero-filling is skipped when the bucket's previous call had ``<= bs`` live
+  rows: the runner tracks, per bucket, the high-water mark of rows that may
+  be non-zero and zeroes only ``[bs, mark)`` (the step must not write its
+  batch inputs; none of the library's steps does);
+* the live output views (manual strategy) are built once per ``(bucket, bs)``.
+
+Zero-copy: an engine may write ``runner.static_inputs(bucket)[name][:bs]``
+itself (rows ``[:bs]`` only) and call ``runner.replay(bucket, bs)``, which
+skips the checks and the copies and keeps the zero-fill rule above.
 
 Outputs need not be batch-major row for row: at capture the runner learns,
 per output tensor, how its leading dimension grows with the batch
@@ -32,10 +50,15 @@ Two capture strategies:
   happens lazily on the serving path, and outputs are overwritten by the next
   replay (the runner clones them).
 * ``"eager"``: no compile, no graph: the same padding logic, for CPU tests.
+
+Cold start: ``cache_path=`` (or `save_compile_cache` / `load_compile_cache`)
+keeps PyTorch's compile caches (``torch.compiler.save_cache_artifacts``) in
+one file, loaded before the first compile and written after `capture`.
 """
 
 from __future__ import annotations
 
+import os
 import time
 from typing import Callable, Dict, List, Optional, Sequence, Tuple
 
@@ -62,6 +85,9 @@ class CUDAGraphRunner:
         dynamic_batch: mark the batch dimension dynamic so buckets share a
             compiled graph (``"manual"``).
         warmup: eager-compiled runs before each capture.
+        cache_path: a file for PyTorch's compile caches: loaded (if it
+            exists) before the first compile, written after `capture`, so a
+            second process skips most of inductor's work (`load_compile_cache`).
 
     Attributes: ``compiled_step`` (the step as the strategy compiles it; what
     each bucket captures). After `capture`: ``capture_seconds`` per bucket and
@@ -71,7 +97,7 @@ class CUDAGraphRunner:
 
     def __init__(self, step: Callable, *, example: Callable[[int], Dict[str, torch.Tensor]],
                  buckets: Sequence[int], strategy: str = "manual", backend: str = "inductor",
-                 dynamic_batch: bool = True, warmup: int = 2):
+                 dynamic_batch: bool = True, warmup: int = 2, cache_path: Optional[str] = None):
         if strategy not in STRATEGIES:
             raise ValueError(f"strategy must be one of {STRATEGIES}, got {strategy!r}")
         if not buckets or min(buckets) < 1:
@@ -89,6 +115,10 @@ class CUDAGraphRunner:
         self._graphs: Dict[int, torch.cuda.CUDAGraph] = {}
         self._out_rows: Optional[List[Tuple[int, int]]] = None  # per output leaf: (a, c)
         self._pool = None
+        self.cache_path = cache_path
+        self._passed: Dict[tuple, int] = {}  # signature -> bs, for signatures that passed the checks
+        self._dirty: Dict[int, int] = {}  # bucket -> rows [mark:] of its inputs are known zero
+        self._live: Dict[Tuple[int, int], tuple] = {}  # (bucket, bs) -> (names, dst views, outputs)
         if strategy == "eager":
             self.compiled_step = step
         elif strategy == "reduce-overhead":
@@ -99,6 +129,10 @@ class CUDAGraphRunner:
     # ---------------------------------------------------------------- capture
     def capture(self) -> Dict[int, float]:
         """Allocate buffers and capture every bucket (largest first)."""
+        if self.cache_path is not None and self.strategy != "eager":
+            load_compile_cache(self.cache_path)
+        self._passed.clear()
+        self._live.clear()
         for bucket in reversed(self.buckets):
             start = time.perf_counter()
             static = {k: v.clone() for k, v in self.example(bucket).items()}
@@ -115,7 +149,10 @@ class CUDAGraphRunner:
             if torch.cuda.is_available() and self.strategy != "eager":
                 torch.cuda.synchronize()
             self.capture_seconds[bucket] = time.perf_counter() - start
+            self._dirty[bucket] = bucket  # example values: the first call zero-fills
         self._out_rows = self._learn_output_rows()
+        if self.cache_path is not None and self.strategy != "eager":
+            save_compile_cache(self.cache_path)
         return self.capture_seconds
 
     def _output_shapes(self, bs: int) -> list:
@@ -199,30 +236,104 @@ class CUDAGraphRunner:
                                  f"{x.shape[0]} rows, others {bs}")
         return bs
 
-    def __call__(self, **batch: torch.Tensor):
-        if not self._static:
-            self.capture()
+    @staticmethod
+    def _signature(batch: Dict[str, torch.Tensor]) -> Optional[tuple]:
+        """Everything `_check_batch` reads from ``batch``: keys (in order), and
+        per value its type, dtype, shape and device. None if a value is not
+        tensor-like (the full checks then raise)."""
+        try:
+            return tuple((name, type(x), x.dtype, x.shape, x.device) for name, x in batch.items())
+        except AttributeError:
+            return None
+
+    def _checked_bs(self, batch: Dict[str, torch.Tensor]) -> int:
+        """``bs`` of ``batch``, checking it only the first time its signature is seen.
+
+        `_check_batch` is a pure function of the signature and of the bucket's
+        buffers (fixed from `capture` on; `capture` clears this cache), and the
+        bucket is itself chosen from the signature (the first value's leading
+        dimension): a signature that passed once passes every time.
+        """
+        sig = self._signature(batch)
+        bs = self._passed.get(sig) if sig is not None else None
+        if bs is not None:
+            return bs
         if not batch:
             raise ValueError("the batch is empty: pass the step's batch tensors")
         first = next(iter(batch.values()))
         bs = first.shape[0] if isinstance(first, torch.Tensor) and first.dim() else 0
-        bucket = self.bucket_for(bs)
-        static = self._static[bucket]
-        bs = self._check_batch(batch, static)
-        for name, buf in static.items():
-            buf[:bs].copy_(batch[name])
-            buf[bs:].zero_()  # padding rows: seq_len 0, slot 0
+        bs = self._check_batch(batch, self._static[self.bucket_for(bs)])
+        if sig is not None:
+            self._passed[sig] = bs
+        return bs
+
+    def _plan(self, bucket: int, bs: int) -> tuple:
+        """(input names, their live-row views, live outputs or None), once per (bucket, bs)."""
+        plan = self._live.get((bucket, bs))
+        if plan is None:
+            static = self._static[bucket]
+            live_out = None
+            if self.strategy == "manual":
+                live_out = self._live_outputs(self._outputs[bucket], bs)
+            plan = (list(static), [buf[:bs] for buf in static.values()], live_out)
+            self._live[(bucket, bs)] = plan
+        return plan
+
+    def _live_outputs(self, out, bs: int):
+        leaves, spec = pytree.tree_flatten(out)
+        live = [t[: a * bs + c] if t.dim() else t for t, (a, c) in zip(leaves, self._out_rows)]
+        return pytree.tree_unflatten(live, spec)
+
+    def _zero_padding(self, bucket: int, bs: int) -> None:
+        """Zero rows ``[bs, mark)`` of the bucket's inputs; rows past the mark are zero already."""
+        mark = self._dirty[bucket]
+        if mark > bs:
+            torch._foreach_zero_([buf[bs:mark] for buf in self._static[bucket].values()])
+        self._dirty[bucket] = bs
+
+    def _run(self, bucket: int, bs: int, plan: tuple):
+        self._zero_padding(bucket, bs)
         if self.strategy == "manual":
             self._graphs[bucket].replay()
-            out = self._outputs[bucket]
-        elif self.strategy == "reduce-overhead":
+            return plan[2]
+        static = self._static[bucket]
+        if self.strategy == "reduce-overhead":
             torch.compiler.cudagraph_mark_step_begin()
             out = pytree.tree_map(torch.clone, self.compiled_step(**static))
         else:
             out = self.compiled_step(**static)
-        leaves, spec = pytree.tree_flatten(out)
-        live = [t[: a * bs + c] if t.dim() else t for t, (a, c) in zip(leaves, self._out_rows)]
-        return pytree.tree_unflatten(live, spec)
+        return self._live_outputs(out, bs)
+
+    def __call__(self, **batch: torch.Tensor):
+        """Copy ``batch`` into its bucket, replay, return the outputs' live rows.
+
+        Outputs of the manual strategy are views of the captured buffers: the
+        next call overwrites them (clone what must outlive it).
+        """
+        if not self._static:
+            self.capture()
+        bs = self._checked_bs(batch)
+        bucket = self.bucket_for(bs)
+        plan = self._plan(bucket, bs)
+        torch._foreach_copy_(plan[1], [batch[name] for name in plan[0]])
+        return self._run(bucket, bs, plan)
+
+    def replay(self, bucket: int, bs: int):
+        """Zero-copy call: the engine has written rows ``[:bs]`` of every
+        ``static_inputs(bucket)`` tensor itself (and no other rows).
+
+        Zero-fills rows ``[bs:]`` where a previous call may have left data,
+        replays, and returns the live output rows as `__call__` does. No
+        shape, dtype or device checks: the engine writes into the buffers,
+        whose shapes and dtypes are the captured ones.
+        """
+        if not self._static:
+            self.capture()
+        if bucket not in self._static:
+            raise ValueError(f"bucket must be one of {self.buckets}, got {bucket!r}")
+        if isinstance(bs, bool) or not isinstance(bs, int) or not 0 <= bs <= bucket:
+            raise ValueError(f"bs must be an int in [0, {bucket}], got {bs!r}")
+        return self._run(bucket, bs, self._plan(bucket, bs))
 
     def graph(self, bucket: int) -> torch.cuda.CUDAGraph:
         """The captured graph of ``bucket`` (manual strategy)."""
@@ -231,3 +342,32 @@ class CUDAGraphRunner:
     def output_buffers(self, bucket: int) -> Optional[object]:
         """The captured outputs of ``bucket`` (manual strategy)."""
         return self._outputs.get(bucket)
+
+
+# ------------------------------------------------------------------ cold start
+def save_compile_cache(path: str) -> bool:
+    """Write this process's compile-cache artifacts (inductor FX graphs,
+    AOTAutograd, autotuning: ``torch.compiler.save_cache_artifacts``) to
+    ``path``; False (nothing written) when there are none, e.g. with a
+    non-inductor backend."""
+    saved = torch.compiler.save_cache_artifacts()
+    if saved is None:
+        return False
+    artifacts, _info = saved
+    tmp = f"{path}.tmp"
+    with open(tmp, "wb") as fh:
+        fh.write(artifacts)
+    os.replace(tmp, path)  # a reader never sees half a file
+    return True
+
+
+def load_compile_cache(path: str) -> bool:
+    """Load artifacts written by `save_compile_cache` into PyTorch's caches
+    (``torch.compiler.load_cache_artifacts``) before compiling; False when
+    ``path`` does not exist. Artifacts from another torch version, device or
+    configuration are simply not hit."""
+    if not os.path.exists(path):
+        return False
+    with open(path, "rb") as fh:
+        torch.compiler.load_cache_artifacts(fh.read())
+    return True

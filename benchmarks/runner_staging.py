@@ -1,0 +1,148 @@
+"""Host cost of `CUDAGraphRunner.__call__` beyond the replay itself ("staging").
+
+Per batch size, in one process: the runner call ``runner(**batch)`` against
+the replay alone (``runner.graph(bucket).replay()``), host wall time with
+``time.perf_counter`` (no sync inside the timed region, the device drains
+between samples) and device time with CUDA events; staging is the difference
+of the host medians. Where the runner has the zero-copy path
+(``runner.replay(bucket, bs)`` after the engine writes
+``runner.static_inputs(bucket)``), it is timed too. The step is the toy
+1-layer draft iteration (FA3, 32/8 heads, D = 128)::
+
+    python3 benchmarks/runner_staging.py --json staging.json   # H200
+    python3 benchmarks/runner_staging.py --smoke               # CPU, no graph
+
+``--smoke`` (CPU) uses the "eager" strategy with a no-op step (it returns one
+input), so the call time is the runner's own host work: validation, staging
+copies, zero-fill and the output views. Report ratios within one run.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import time
+
+import torch
+
+import fa3_spec
+from fa3_spec.graphs import CUDAGraphRunner
+
+HEADS, KV_HEADS, HEAD_DIM = 32, 8, 128
+
+
+def _median_us(fn, iters, sync):
+    for _ in range(5):
+        fn()
+    sync()
+    samples = []
+    for _ in range(iters):
+        sync()
+        start = time.perf_counter()
+        fn()
+        samples.append(time.perf_counter() - start)
+    sync()
+    return round(statistics.median(samples) * 1e6, 2)
+
+
+def _device_us(fn, iters):
+    begin, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    samples = []
+    for _ in range(iters):
+        torch.cuda.synchronize()
+        begin.record()
+        fn()
+        end.record()
+        end.synchronize()
+        samples.append(begin.elapsed_time(end) * 1e3)
+    return round(statistics.median(samples), 2)
+
+
+def draft_setup(cfg, bs, device):
+    """(runner, batch) of the toy 1-layer draft iteration at batch ``bs`` (one bucket)."""
+    from fa3_spec.harness.toy import ToyModel, example_batch, make_step, world_batch
+    from fa3_spec.harness.worlds import make_world
+
+    world = make_world(cfg, bs, seed=1, device=device)
+    heads = (HEADS, KV_HEADS, HEAD_DIM) if device == "cuda" else (4, 2, 16)
+    model = ToyModel.create(layers=1, num_pages=world.num_pages, page_size=cfg.page_size,
+                            num_heads=heads[0], num_kv_heads=heads[1], head_dim=heads[2],
+                            dtype=torch.bfloat16, device=device)
+    g = torch.Generator(device=device).manual_seed(0)
+    hidden = torch.randn(bs, cfg.topk, model.hidden, device=device, generator=g).bfloat16()
+    step = make_step("draft_decode", cfg, model, world.req_to_token,
+                     backend="fa3" if device == "cuda" else "torch")
+    runner = CUDAGraphRunner(step, buckets=[bs], strategy="manual" if device == "cuda" else "eager",
+                             example=lambda n: example_batch("draft_decode", cfg, model, n,
+                                                             device=device))
+    runner.capture()
+    return runner, world_batch("draft_decode", world, hidden)
+
+
+def staging_row(runner, batch, bs, iters, device):
+    """Host medians of the runner call, the replay alone and the zero-copy path."""
+    bucket = runner.bucket_for(bs)
+    if device == "cuda":
+        sync, replay_only = torch.cuda.synchronize, runner.graph(bucket).replay
+    else:  # eager strategy: the "replay" is the step itself on the static buffers
+        static = runner.static_inputs(bucket)
+        sync, replay_only = (lambda: None), (lambda: runner.compiled_step(**static))
+    row = dict(batch=bs, bucket=bucket)
+    row["call_host_us"] = _median_us(lambda: runner(**batch), iters, sync)
+    row["replay_host_us"] = _median_us(replay_only, iters, sync)
+    row["runner_staging_us"] = round(row["call_host_us"] - row["replay_host_us"], 2)
+    if hasattr(runner, "replay"):  # zero-copy: the engine writes the static inputs itself
+        row["zero_copy_host_us"] = _median_us(lambda: runner.replay(bucket, bs), iters, sync)
+        row["zero_copy_staging_us"] = round(row["zero_copy_host_us"] - row["replay_host_us"], 2)
+    if device == "cuda":
+        row["call_device_us"] = _device_us(lambda: runner(**batch), iters)
+        row["replay_device_us"] = _device_us(replay_only, iters)
+    return row
+
+
+def smoke_setup(bs, k=4, s=5, hidden=64):
+    """(runner, batch): the draft step's input shapes, a no-op step, eager strategy."""
+    def example(n):
+        return dict(req_pool_indices=torch.zeros(n, dtype=torch.int64),
+                    seq_lens=torch.zeros(n, dtype=torch.int64),
+                    out_cache_loc=torch.zeros(n, k, s, dtype=torch.int64),
+                    hidden=torch.zeros(n, k, hidden, dtype=torch.bfloat16))
+
+    runner = CUDAGraphRunner(lambda **b: b["seq_lens"], example=example, buckets=[bs],
+                             strategy="eager")
+    runner.capture()
+    batch = {name: torch.ones_like(t) for name, t in example(bs).items()}
+    return runner, batch
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--batches", type=int, nargs="+", default=[1, 8, 64])
+    parser.add_argument("--iters", type=int, default=200)
+    parser.add_argument("--json")
+    parser.add_argument("--smoke", action="store_true", help="CPU, no-op step, eager strategy")
+    args = parser.parse_args()
+    device = "cpu" if args.smoke or not torch.cuda.is_available() else "cuda"
+    rows = []
+    for bs in args.batches:
+        if args.smoke:
+            runner, batch = smoke_setup(bs)
+        else:
+            cfg = fa3_spec.SpecConfig(page_size=2, topk=8, num_steps=5, num_draft_tokens=16,
+                                      max_bs=bs, max_context_len=4096)
+            runner, batch = draft_setup(cfg, bs, device)
+        row = dict(kind="runner_staging", device=device, **staging_row(runner, batch, bs,
+                                                                       args.iters, device))
+        rows.append(row)
+        print(json.dumps(row), flush=True)
+    if args.json:
+        with open(args.json, "w") as fh:
+            json.dump(dict(torch=torch.__version__, command="python3 benchmarks/runner_staging.py "
+                           + " ".join(sys.argv[1:]), rows=rows), fh, indent=1)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,145 @@
+"""The runner's host staging: checks once per signature, padding kept zero by a
+high-water mark, one grouped copy, the zero-copy path, and the compile cache."""
+
+import os
+import pathlib
+import subprocess
+import sys
+
+import pytest
+import torch
+
+import fa3_spec
+from fa3_spec.graphs import CUDAGraphRunner, load_compile_cache
+from fa3_spec.harness.toy import ToyModel, make_step, world_batch
+from fa3_spec.harness.worlds import make_world
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+
+
+def _example(bs):  # non-zero: the first call must zero-fill what capture left
+    return dict(req_pool_indices=torch.ones(bs, dtype=torch.int64),
+                out_cache_loc=torch.ones(bs, 3, 2, dtype=torch.int64),
+                hidden=torch.ones(bs, 3, 5, dtype=torch.bfloat16))
+
+
+def _batch(bs, seed):
+    g = torch.Generator().manual_seed(seed)
+    return {k: torch.randint(1, 100, v.shape, generator=g).to(v.dtype)
+            for k, v in _example(bs).items()}
+
+
+def _step(req_pool_indices, out_cache_loc, hidden):
+    # Reads every row of every input: a stale padding row would show.
+    return req_pool_indices + out_cache_loc.sum((1, 2)), hidden.float().sum(1)
+
+
+def _runner(buckets=(4, 8)):
+    runner = CUDAGraphRunner(_step, example=_example, buckets=list(buckets), strategy="eager")
+    runner.capture()
+    return runner
+
+
+def _padded(batch, bucket):
+    return {k: torch.cat([v, v.new_zeros((bucket - v.shape[0],) + v.shape[1:])])
+            for k, v in batch.items()}
+
+
+def test_padding_rows_stay_zero_across_batch_sizes():
+    runner = _runner()
+    for i, bs in enumerate([3, 8, 7, 5, 5, 0, 6, 1, 4, 3, 2]):
+        batch = _batch(bs, i)
+        bucket = runner.bucket_for(bs)
+        got = runner(**batch)
+        want = _step(**_padded(batch, bucket))
+        for name, buf in runner.static_inputs(bucket).items():
+            assert torch.equal(buf[:bs], batch[name]) and not buf[bs:].any(), (bs, name)
+        assert all(torch.equal(g, w[:bs]) for g, w in zip(got, want))
+
+
+def test_checks_run_once_per_signature_and_still_refuse(monkeypatch):
+    runner = _runner()
+    calls = []
+    check = runner._check_batch
+    monkeypatch.setattr(runner, "_check_batch", lambda *a: calls.append(1) or check(*a))
+    good = _batch(3, 0)
+    for i in range(3):
+        runner(**_batch(3, i))
+    assert len(calls) == 1  # same keys, types, dtypes, shapes, devices: checked once
+    runner(**_batch(6, 0))
+    assert len(calls) == 2  # a new shape is a new signature
+    with pytest.raises(TypeError, match="out_cache_loc"):
+        runner(**{**good, "out_cache_loc": good["out_cache_loc"].int()})
+    with pytest.raises(ValueError, match="out_cache_loc"):
+        runner(**{**good, "out_cache_loc": good["out_cache_loc"][:, :1]})
+    with pytest.raises(TypeError, match="hidden"):
+        runner(**{**good, "hidden": good["hidden"].tolist()})
+    with pytest.raises(ValueError, match="keys"):
+        runner(**{k: v for k, v in good.items() if k != "hidden"})
+    runner(**good)  # the good signature still passes after the refusals
+    assert len(calls) == 6
+
+
+def test_zero_copy_replay_matches_the_call():
+    runner, ref = _runner(), _runner()
+    for i, bs in enumerate([2, 8, 7, 6, 0]):
+        batch = _batch(bs, i)
+        bucket = runner.bucket_for(bs)
+        for name, buf in runner.static_inputs(bucket).items():
+            buf[:bs].copy_(batch[name])  # the engine writes its rows in place
+        got, want = runner.replay(bucket, bs), ref(**batch)
+        assert all(torch.equal(g, w) for g, w in zip(got, want))
+        assert all(not buf[bs:].any() for buf in runner.static_inputs(bucket).values())
+    with pytest.raises(ValueError, match="bucket"):
+        runner.replay(5, 2)
+    with pytest.raises(ValueError, match="bs"):
+        runner.replay(4, 5)
+
+
+@pytest.mark.parametrize("mode, tree", [("draft_decode", False), ("target_verify", True),
+                                        ("draft_extend", False)])
+def test_library_steps_do_not_write_their_inputs(mode, tree):
+    """The zero-fill skip assumes the step leaves its batch inputs unchanged."""
+    cfg = fa3_spec.SpecConfig(page_size=2, topk=2, num_steps=3, num_draft_tokens=4, max_bs=4,
+                              max_context_len=24)
+    world = make_world(cfg, 4, seed=3)
+    model = ToyModel.create(layers=1, num_pages=world.num_pages, page_size=2, num_heads=2,
+                            num_kv_heads=1, head_dim=8, dtype=torch.float32)
+    step = make_step(mode, cfg, model, world.req_to_token, backend="torch", tree=tree)
+    rows = cfg.topk if mode == "draft_decode" else cfg.num_draft_tokens
+    batch = world_batch(mode, world, torch.randn(4, rows, model.hidden), tree=tree)
+    before = {k: v.clone() for k, v in batch.items()}
+    step(**batch)
+    assert all(torch.equal(batch[k], before[k]) for k in batch)
+
+
+def test_missing_compile_cache_is_not_an_error(tmp_path):
+    assert load_compile_cache(str(tmp_path / "absent.bin")) is False
+    runner = CUDAGraphRunner(_step, example=_example, buckets=[4], strategy="eager",
+                             cache_path=str(tmp_path / "cache.bin"))
+    runner.capture()  # eager compiles nothing: no file
+    assert not (tmp_path / "cache.bin").exists()
+
+
+_COMPILE = """
+import sys, torch
+from torch._dynamo.utils import counters
+from fa3_spec.graphs import load_compile_cache, save_compile_cache
+loaded = load_compile_cache(sys.argv[1])
+torch.compile(lambda x: (x * 2 + 1).relu(), fullgraph=True, backend="inductor")(torch.randn(8))
+saved = False if loaded else save_compile_cache(sys.argv[1])
+print(loaded, saved, counters["inductor"]["fxgraph_cache_hit"])
+"""
+
+
+@pytest.mark.slow
+def test_compile_cache_round_trip_across_processes(tmp_path):
+    """A second process with an empty inductor cache dir hits the saved artifacts."""
+    def run(cache_dir):
+        env = dict(os.environ, PYTHONPATH=str(ROOT), TORCHINDUCTOR_CACHE_DIR=str(cache_dir))
+        out = subprocess.run([sys.executable, "-c", _COMPILE, str(tmp_path / "c.bin")], env=env,
+                             check=True, capture_output=True, text=True, timeout=300).stdout
+        return out.split()[-3:]
+
+    assert run(tmp_path / "cold") == ["False", "True", "0"]
+    assert run(tmp_path / "warm") == ["True", "False", "1"]
