@@ -21,7 +21,7 @@ its wheel's ``flashattention_backend.py``).
     python3 benchmarks/audit_upstream.py --device cpu                              # CPU: no syncs/capture
 
 Exits 2 when sglang's code cannot be had (the reason is printed), else 0: the
-rows are a report (upstream is expected to be unclean).
+rows are a report, whatever they say.
 """
 
 from __future__ import annotations
@@ -34,9 +34,14 @@ import torch
 
 
 def _subjects(upstream, cfg, device, bs: int):
-    """``[(name, fn, example, variant, writable)]``: upstream rows, then fa3_spec's."""
+    """``[(name, fn, example, variant, writable, restore)]``: upstream rows, then fa3_spec's.
+
+    ``restore`` puts every buffer a row fills back to its initial values (the
+    fills write live entries only, as sglang's do)."""
+    import types
+
     import fa3_spec
-    from fa3_spec.harness.sglang_upstream import make_req_to_token, sglang_batch
+    from fa3_spec.harness.sglang_upstream import DECODE, make_req_to_token, sglang_batch
     from fa3_spec.integrations import sglang as sgl
 
     g = torch.Generator().manual_seed(0)
@@ -55,23 +60,35 @@ def _subjects(upstream, cfg, device, bs: int):
             cache_loc=kw["out_cache_loc"].view(-1, cfg.num_steps)[:, :decode_length],
             topk=k, page_size=p)
 
+    def restorer(groups):
+        """In-place reset of every tensor of ``groups`` (dicts of dicts of tensors)."""
+        flat = [t for g in groups for d in g.values() for t in d.values()]
+        initial = [t.clone() for t in flat]
+
+        def restore():
+            for t, v in zip(flat, initial):
+                t.copy_(v)
+        return restore
+
     subjects = [("sglang draft_decode_set_expand_metadata",
                  upstream.draft_decode_set_expand_metadata,
-                 expand_kwargs(kws[0]), expand_kwargs(kws[1]), ["cache_seqlens_int32", "page_table"])]
+                 expand_kwargs(kws[0]), expand_kwargs(kws[1]), ["cache_seqlens_int32", "page_table"],
+                 lambda: None)]
 
+    # The draft spec_info the replay path reads, made outside the audited code
+    # (it stands for sglang's EagleDraftInput; making it is not sglang's metadata code).
+    draft_info = types.SimpleNamespace(is_draft_input=lambda: True)
     one = upstream.backend(cfg, r2t, step=step)
 
     def sglang_replay_metadata_step(req_pool_indices, seq_lens, out_cache_loc):
-        one.draft_decode(req_pool_indices=req_pool_indices, seq_lens=seq_lens,
-                         out_cache_loc=out_cache_loc)
+        one._apply(DECODE, bs, req_pool_indices, seq_lens, draft_info, out_cache_loc)
         return one.buffers
 
     every = upstream.draft_backends(cfg, r2t)
 
     def sglang_replay_metadata_iteration(req_pool_indices, seq_lens, out_cache_loc):
         for b in every:
-            b.draft_decode(req_pool_indices=req_pool_indices, seq_lens=seq_lens,
-                           out_cache_loc=out_cache_loc)
+            b._apply(DECODE, bs, req_pool_indices, seq_lens, draft_info, out_cache_loc)
         return [b.buffers for b in every]
 
     mine_one = sgl.allocate_buffers(cfg, step=step, device=device)
@@ -95,13 +112,17 @@ def _subjects(upstream, cfg, device, bs: int):
             spec, req_to_token=r2t, req_pool_indices=req_pool_indices, seq_lens=seq_lens,
             out_cache_loc=out_cache_loc)
 
-    for name, fn in [("sglang replay metadata, draft step", sglang_replay_metadata_step),
-                     ("sglang replay metadata, iteration", sglang_replay_metadata_iteration),
-                     ("fa3_spec sglang.draft_decode step", fa3_spec_sglang_draft_decode),
-                     ("fa3_spec sglang.draft_iteration", fa3_spec_sglang_draft_iteration),
-                     ("fa3_spec build_draft_iteration_metadata",
-                      fa3_spec_build_draft_iteration_metadata)]:
-        subjects.append((name, fn, dict(kws[0]), dict(kws[1]), []))
+    for name, fn, restore in [
+            ("sglang replay metadata, draft step", sglang_replay_metadata_step,
+             restorer([one.buffers])),
+            ("sglang replay metadata, iteration", sglang_replay_metadata_iteration,
+             restorer([b.buffers for b in every])),
+            ("fa3_spec sglang.draft_decode step", fa3_spec_sglang_draft_decode,
+             restorer([mine_one])),
+            ("fa3_spec sglang.draft_iteration", fa3_spec_sglang_draft_iteration, restorer(mine)),
+            ("fa3_spec build_draft_iteration_metadata", fa3_spec_build_draft_iteration_metadata,
+             lambda: None)]:
+        subjects.append((name, fn, dict(kws[0]), dict(kws[1]), [], restore))
     return subjects
 
 
@@ -132,13 +153,14 @@ def main(argv=None) -> int:
     cfg = SglangConfig(page_size=2, topk=8, num_steps=5, num_draft_tokens=6, max_bs=args.bs,
                        context_len=args.context_len)
     rows = []
-    for name, fn, example, variant, writable in _subjects(upstream, cfg, torch.device(device),
+    for name, fn, example, variant, writable, restore in _subjects(upstream, cfg, torch.device(device),
                                                           args.bs):
         if args.only and not any(o in name for o in args.only):
             continue
         print(f"auditing {name} ...", flush=True)
         rows.append(audit_callable(fn, example, variants=[variant], backend=args.backend,
-                                   device=device, writable=writable, name=name))
+                                   device=device, writable=writable, restore=restore,
+                                   name=name))
     print(format_findings(rows))
     if device == "cpu":
         print("host syncs and CUDA-graph capture: not measured on CPU")

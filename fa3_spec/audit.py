@@ -321,6 +321,7 @@ def audit_callable(
     device: Optional[str] = None,
     same: Optional[Callable[[object, object], list]] = None,
     writable: Iterable[str] = (),
+    restore: Callable[[], None] = lambda: None,
     name: Optional[str] = None,
 ) -> AuditRow:
     """Audit any function for ``torch.compile(fullgraph=True)`` + CUDA graphs.
@@ -347,6 +348,10 @@ def audit_callable(
         writable: names of top-level arguments ``fn`` may write (the buffers
             an engine's fill function fills). Writing any other input is a
             ``mutations`` finding.
+        restore: resets state ``fn`` reads or writes outside its arguments
+            (buffers it closes over, KV caches) in place; called before every
+            run, so that a buffer's untouched entries do not carry one run's
+            values into the next comparison.
         name: the row's label (default: ``fn``'s qualified name).
 
     Returns:
@@ -391,6 +396,7 @@ def audit_callable(
     eager_obs, mutated = [], {}
     for call in calls:
         fresh = _clone(call)
+        restore()
         out = _call(fn, fresh)
         eager_obs.append(_clone((out, fresh)))
         for (arg, before), (_, after) in zip(_argument_names(fn, call), _argument_names(fn, fresh)):
@@ -401,6 +407,7 @@ def audit_callable(
     # 2. Graph breaks as dynamo's explain sees them.
     sites: dict = {}
     try:
+        restore()
         _, breaks = graph_break_sites(fn, *_clone(calls[0])[0], **_clone(calls[0])[1])
         for reason, frame in breaks:
             head, _, rest = reason.strip().partition("\n")
@@ -419,6 +426,7 @@ def audit_callable(
     compiles = True
     for i, call in enumerate(calls):
         fresh = _clone(call)
+        restore()
         try:
             out = _call(compiled, fresh)
         except Exception as exc:  # a fullgraph failure is a finding, not a crash
@@ -450,7 +458,9 @@ def audit_callable(
     # 4. CUDA only: host syncs, capture, replay on every variant.
     host_syncs, cuda_graph = None, ("skipped" if compiles else "fail")
     if compiles and device != "cpu" and torch.cuda.is_available():
+        restore()
         eager_syncs = host_sync_sites(fn, *_clone(calls[0])[0], **_clone(calls[0])[1])
+        restore()
         compiled_syncs = host_sync_sites(compiled, *_clone(calls[0])[0], **_clone(calls[0])[1])
         host_syncs = len(eager_syncs) + len(compiled_syncs)
         seen = set()
@@ -463,7 +473,9 @@ def audit_callable(
         if compiled_syncs:
             findings.append(Finding("host_syncs", "synchronizing call (compiled)", None, None,
                                     f"{len(compiled_syncs)} in 2 compiled calls"))
-        cuda_graph = _capture_callable(compiled, calls, eager_obs, same, findings)
+        restore()
+        cuda_graph = _capture_callable(compiled, calls, eager_obs, same, findings, restore)
+    restore()
 
     return AuditRow(
         mode=label, scope="callable", config={}, step=None,
@@ -480,7 +492,7 @@ def audit_callable(
 
 
 def _capture_callable(compiled: Callable, calls: list, eager_obs: list, same: Callable,
-                      findings: list) -> str:
+                      findings: list, restore: Callable[[], None]) -> str:
     """Capture ``compiled`` on a copy of ``calls[0]``; refill with each call
     (variants, or the example alone), replay, compare with eager."""
     static = _clone(calls[0])
@@ -507,6 +519,7 @@ def _capture_callable(compiled: Callable, calls: list, eager_obs: list, same: Ca
         for s, n in zip(static_leaves, new_leaves):
             if isinstance(s, torch.Tensor):
                 s.copy_(n)
+        restore()
         graph.replay()
         torch.cuda.synchronize()
         for m in same(_clone((out, static)), eager_obs[i]):
