@@ -147,8 +147,10 @@ def test_malformed_arguments_are_named():
 
 # ------------------------------------------------------------------ the CLI
 def inputs_factory(device="cpu"):
-    """``--inputs`` factory: (example, variants)."""
-    return _example(), [_variant()]
+    """``--inputs`` factory: (example, variants) on ``device``."""
+    def on(call):
+        return tuple(t.to(device) for t in call)
+    return on(_example()), [on(_variant())]
 
 
 def test_cli_audits_a_callable(tmp_path, capsys):
