@@ -134,3 +134,37 @@ def tree_mask(value: object, bs: int, n: int) -> torch.Tensor:
             f"tree_mask must have shape [B, N, N] = [{bs}, {n}, {n}], got {tuple(mask.shape)}"
         )
     return mask
+
+
+# ------------------------------------------------------------------ audited calls
+def call_arguments(name: str, value: object) -> tuple:
+    """``(args, kwargs)`` of an audited call: ``value`` is a tuple/list of
+    positional arguments or a dict of keyword arguments (str keys)."""
+    if isinstance(value, dict):
+        bad = [k for k in value if not isinstance(k, str)]
+        if bad:
+            raise TypeError(f"{name}: keyword argument names must be str, got {bad[0]!r}")
+        return (), dict(value)
+    if isinstance(value, (tuple, list)):
+        return tuple(value), {}
+    raise TypeError(f"{name} must be a tuple/list of positional arguments or a dict of "
+                    f"keyword arguments, got {type(value).__name__}")
+
+
+def same_call_layout(name: str, value: object, like: object) -> None:
+    """``value`` has the pytree structure of ``like``, tensors of equal shapes,
+    dtypes and devices (only values may differ)."""
+    from torch.utils import _pytree
+
+    leaves, spec = _pytree.tree_flatten(value)
+    ref_leaves, ref_spec = _pytree.tree_flatten(like)
+    if spec != ref_spec:
+        raise ValueError(f"{name} must have the structure of example: {spec} vs {ref_spec}")
+    for i, (a, b) in enumerate(zip(leaves, ref_leaves)):
+        if isinstance(b, torch.Tensor):
+            if not isinstance(a, torch.Tensor):
+                raise TypeError(f"{name}: leaf {i} must be a tensor, got {type(a).__name__}")
+            if (a.shape, a.dtype, a.device) != (b.shape, b.dtype, b.device):
+                raise ValueError(
+                    f"{name}: leaf {i} is {tuple(a.shape)} {a.dtype} on {a.device}, example has "
+                    f"{tuple(b.shape)} {b.dtype} on {b.device} (variants change values only)")

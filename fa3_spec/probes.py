@@ -9,30 +9,97 @@ Each answers one question about a function, with torch's own machinery:
   symbols): each is a host sync on CUDA, even when ``fullgraph=True``
   accepted it (torch 2.13 captures ``.item()`` as an unbacked symbol).
 * `count_host_syncs`: synchronising CUDA calls, via
-  ``torch.cuda.set_sync_debug_mode``.
+  ``torch.cuda.set_sync_debug_mode``, each with the user frame that made it.
+* `recompile_reasons`: the guards that failed when dynamo recompiled.
+* `user_frame`: the innermost frame of a stack outside torch and this package's
+  probes (where a finding is in the user's source).
 * `capture`: warm up on a side stream, then capture one call in a CUDA graph.
 """
 
 from __future__ import annotations
 
+import os
+import re
+import traceback
 import warnings
-from typing import Callable
+from typing import Callable, Optional
 
 import torch
 
+_TORCH_DIR = os.path.dirname(torch.__file__)
+_HERE = os.path.dirname(os.path.abspath(__file__))
+_OWN_FILES = {os.path.join(_HERE, name) for name in ("probes.py", "audit.py")}
 
-def graph_breaks(fn: Callable, *args) -> tuple:
-    """``(count, reasons)`` of graph breaks when dynamo traces ``fn(*args)``.
+
+def user_frame(frames) -> Optional[traceback.FrameSummary]:
+    """The innermost frame of ``frames`` (outermost first) in user code: not in
+    torch, not in Python's own ``warnings``/``contextlib``, not in the audit
+    itself. None when there is none."""
+    for fr in reversed(list(frames or ())):
+        if fr.filename.startswith(("<frozen", "<eval_with_key")):
+            continue
+        name = os.path.abspath(fr.filename)
+        if name.startswith(_TORCH_DIR) or name in _OWN_FILES:
+            continue
+        if os.path.basename(name) in ("warnings.py", "contextlib.py"):
+            continue
+        return fr
+    return None
+
+
+_FILE_LINE = re.compile(r'File "([^"]+)", line (\d+)(?:, in (\S+))?')
+
+
+def stack_trace_frame(stack_trace: Optional[str]) -> Optional[tuple]:
+    """``(file, line, code)`` of the innermost ``File "...", line N`` of an FX
+    node's ``stack_trace`` (the user line that produced the node), or None."""
+    if not stack_trace:
+        return None
+    lines = stack_trace.rstrip().splitlines()
+    for i in range(len(lines) - 1, -1, -1):
+        m = _FILE_LINE.search(lines[i])
+        if m:
+            code = lines[i + 1].strip() if i + 1 < len(lines) else ""
+            return m.group(1), int(m.group(2)), code
+    return None
+
+
+def graph_breaks(fn: Callable, *args, **kwargs) -> tuple:
+    """``(count, reasons)`` of graph breaks when dynamo traces ``fn(*args, **kwargs)``.
 
     Counted from the break reasons as well as ``graph_break_count``: on some
     torch versions (seen on 2.13) a break that ends the frame is listed in
     ``break_reasons`` while ``graph_break_count`` stays 0.
     """
+    count, sites = graph_break_sites(fn, *args, **kwargs)
+    return count, [reason for reason, _ in sites]
+
+
+def graph_break_sites(fn: Callable, *args, **kwargs) -> tuple:
+    """``(count, [(reason, frame)])``: as `graph_breaks`, each reason with the
+    user frame (`traceback.FrameSummary` or None) where dynamo broke."""
     torch._dynamo.reset()
-    explained = torch._dynamo.explain(fn)(*args)
-    reasons = [str(r.reason) for r in explained.break_reasons]
+    explained = torch._dynamo.explain(fn)(*args, **kwargs)
+    sites = [(str(r.reason), user_frame(getattr(r, "user_stack", None)))
+             for r in explained.break_reasons]
     torch._dynamo.reset()
-    return max(explained.graph_break_count, len(reasons)), reasons
+    return max(explained.graph_break_count, len(sites)), sites
+
+
+def recompile_reasons() -> list:
+    """``[(guard, file, line, code)]`` of every guard failure dynamo recorded since
+    the last ``torch._dynamo.reset()`` (each one caused a recompile): the
+    guard's source text (e.g. ``n == 2``) and the user line that installed it."""
+    from torch._dynamo.utils import guard_failures
+
+    found = []
+    for failures in list(guard_failures.values()):
+        for text in failures:
+            first = str(text).splitlines()[0] if str(text) else ""
+            guard = re.sub(r"^\s*\d+/\d+:\s*", "", first).split("#")[0].strip()
+            where = stack_trace_frame(str(text))
+            found.append((guard or first, *(where or (None, None, ""))))
+    return found
 
 
 class RecordingBackend:
@@ -49,39 +116,77 @@ class RecordingBackend:
     def __init__(self, backend: str = "aot_eager"):
         self.backend = backend
         self.frame_count = 0
-        self.data_dependent: list = []
+        self.data_dependent: list = []  # "op_kind:op" per data-dependent node
+        self.data_dependent_sites: list = []  # (op, (file, line, code) or None)
+        self.inplace_on_inputs: list = []  # (input name, op, (file, line, code) or None)
 
     def __call__(self, gm, example_inputs):
         from torch.fx.experimental.symbolic_shapes import free_unbacked_symbols
 
+        def unbacked(node):
+            value = node.meta.get("example_value") if hasattr(node, "meta") else None
+            return free_unbacked_symbols(value) if value is not None else set()
+
         self.frame_count += 1
         for node in gm.graph.nodes:
-            value = node.meta.get("example_value")
-            unbacked = free_unbacked_symbols(value) if value is not None else set()
-            if (node.op == "call_method" and node.target in ("item", "tolist")) or unbacked:
-                self.data_dependent.append(f"{node.op}:{getattr(node.target, '__name__', node.target)}")
+            op = getattr(node.target, "__name__", str(node.target))
+            where = stack_trace_frame(node.meta.get("stack_trace"))
+            # Count the node that introduces an unbacked symbol, not every
+            # node that merely carries it on (sym_size, comparisons, asserts).
+            inherited = set().union(*(unbacked(a) for a in node.all_input_nodes))
+            if (node.op == "call_method" and node.target in ("item", "tolist")) or (
+                    unbacked(node) - inherited):
+                self.data_dependent.append(f"{node.op}:{op}")
+                self.data_dependent_sites.append((op, where))
+            if node.op in ("call_method", "call_function") and _writes_in_place(node, op):
+                root = node.args[0] if node.args else None
+                while hasattr(root, "op") and root.op != "placeholder" and root.args:
+                    root = root.args[0]  # through views: x[0].add_(1), x.view(-1).copy_(y)
+                if hasattr(root, "op") and root.op == "placeholder":
+                    self.inplace_on_inputs.append((str(root.target), op, where))
         return torch._dynamo.lookup_backend(self.backend)(gm, example_inputs)
 
 
-def count_host_syncs(fn: Callable, *args, calls: int = 2) -> tuple:
+def _writes_in_place(node, op: str) -> bool:
+    """``x.add_(...)``, ``torch.Tensor.copy_``, ``x[i] = v`` (``setitem``)."""
+    if op == "setitem":
+        return True
+    return op.endswith("_") and not op.startswith("_")
+
+
+def count_host_syncs(fn: Callable, *args, calls: int = 2, **kwargs) -> tuple:
     """``(count, messages)`` of synchronizing CUDA calls in ``calls`` runs.
 
     One un-counted warm-up call comes first, so one-time process set-up
     (lazy CUDA/library initialisation) is not charged to the step.
     """
-    fn(*args)
+    sites = host_sync_sites(fn, *args, calls=calls, **kwargs)
+    return len(sites), [message for message, _ in sites]
+
+
+def host_sync_sites(fn: Callable, *args, calls: int = 2, **kwargs) -> list:
+    """``[(message, frame)]``: each synchronizing CUDA call of ``calls`` runs of
+    ``fn(*args, **kwargs)`` (after one un-counted warm-up), with the user frame
+    (`traceback.FrameSummary` or None) that made it."""
+    fn(*args, **kwargs)
     torch.cuda.synchronize()
-    with warnings.catch_warnings(record=True) as caught:
+    caught = []
+
+    def record(message, category, filename, lineno, file=None, line=None):
+        # Only torch's per-call report counts, not its "prototype feature" notice.
+        if "called a synchronizing" in str(message):
+            caught.append((str(message), user_frame(traceback.extract_stack()[:-1])))
+
+    with warnings.catch_warnings():
         warnings.simplefilter("always")
+        warnings.showwarning = record
         torch.cuda.set_sync_debug_mode("warn")
         try:
             for _ in range(calls):
-                fn(*args)
+                fn(*args, **kwargs)
         finally:
             torch.cuda.set_sync_debug_mode("default")
-    # Only torch's per-call report counts, not its "prototype feature" notice.
-    messages = [str(w.message) for w in caught if "called a synchronizing" in str(w.message)]
-    return len(messages), messages
+    return caught
 
 
 def capture(fn: Callable, *args, warmup: int = 2, pool=None, **kwargs):

@@ -1,4 +1,5 @@
-"""Command line: ``fa3-spec audit`` (the self-audit) and ``fa3-spec eagle`` (the reference loop)."""
+"""Command line: ``fa3-spec audit`` (the self-audit, or any function with ``--callable``) and
+``fa3-spec eagle`` (the reference EAGLE loop)."""
 
 from __future__ import annotations
 
@@ -11,6 +12,51 @@ import torch
 from ..modes import MODES
 
 
+def _load(spec: str, flag: str):
+    """``package.module:attribute`` -> the attribute (the module is imported)."""
+    import importlib
+
+    module, sep, attr = spec.partition(":")
+    if not sep or not module or not attr:
+        raise SystemExit(f"fa3-spec audit: {flag} must be package.module:name, got {spec!r}")
+    obj = importlib.import_module(module)
+    for part in attr.split("."):
+        obj = getattr(obj, part)
+    return obj
+
+
+def _audit_callable(args: argparse.Namespace, device: str) -> int:
+    """``--callable module:fn --inputs module:factory``: one `audit_callable` row."""
+    import inspect
+
+    from ..audit import audit_callable, format_findings
+
+    if not args.inputs:
+        raise SystemExit("fa3-spec audit: --callable needs --inputs package.module:factory")
+    fn, factory = _load(args.callable, "--callable"), _load(args.inputs, "--inputs")
+    try:
+        takes_device = "device" in inspect.signature(factory).parameters
+    except (TypeError, ValueError):
+        takes_device = False
+    made = factory(device=device) if takes_device else factory()
+    if not (isinstance(made, tuple) and len(made) == 2):
+        raise SystemExit(f"fa3-spec audit: {args.inputs} must return (example, variants)")
+    example, variants = made
+    print(f"fa3-spec audit: {args.callable}, {len(list(variants))} variants, torch "
+          f"{torch.__version__}, device {device}, backend {args.backend}", flush=True)
+    row = audit_callable(fn, example, variants=variants, backend=args.backend, device=device,
+                         writable=args.writable, name=args.callable)
+    print(format_findings([row]))
+    if row.host_syncs is None:
+        print("host syncs and CUDA-graph capture: not measured on CPU "
+              "(run with --device cuda on a CUDA machine)")
+    if args.json:
+        with open(args.json, "w") as fh:
+            json.dump([row.to_json()], fh, indent=1)
+        print(f"wrote {args.json}")
+    return 0 if row.clean else 1
+
+
 def _audit(args: argparse.Namespace) -> int:
     from ..audit import format_table
     from .selfaudit import audit_case, default_grid, step_grid
@@ -18,6 +64,8 @@ def _audit(args: argparse.Namespace) -> int:
     device = args.device
     if device == "auto":
         device = "cuda" if torch.cuda.is_available() else "cpu"
+    if args.callable:
+        return _audit_callable(args, device)
     cases = default_grid(page_sizes=args.page_sizes, topks=args.topks, num_steps=args.num_steps)
     if not args.no_steps:
         cases += step_grid(page_sizes=args.page_sizes, topks=args.topks, num_steps=args.num_steps)
@@ -50,9 +98,16 @@ def main(argv=None) -> int:
     sub = parser.add_subparsers(dest="command", required=True)
     audit = sub.add_parser(
         "audit",
-        help="trace every metadata builder: graph breaks, recompiles, parity, "
-        "host syncs and CUDA-graph capture (on CUDA)",
+        help="trace every metadata builder (or --callable): graph breaks, recompiles, "
+        "data-dependent ops, input mutations, parity, host syncs and CUDA-graph capture (on CUDA)",
     )
+    audit.add_argument("--callable", metavar="MODULE:FUNCTION",
+                       help="audit this function instead of fa3_spec's builders")
+    audit.add_argument("--inputs", metavar="MODULE:FACTORY",
+                       help="with --callable: factory() (or factory(device=...)) returning "
+                       "(example, variants); each a tuple of positional or dict of keyword args")
+    audit.add_argument("--writable", nargs="+", default=[], metavar="ARG",
+                       help="with --callable: arguments the function may write (output buffers)")
     audit.add_argument("--json", metavar="PATH", help="write the rows as JSON")
     audit.add_argument("--backend", default="aot_eager",
                        help="torch.compile backend (aot_eager, inductor, eager)")

@@ -1,0 +1,168 @@
+"""`fa3_spec.audit.audit_callable` on small functions with one known defect each.
+
+Each defect must land in its column at its line (the line marked ``# defect``,
+found with `inspect`), and a clean function must come back clean. CPU only:
+host syncs and capture are in ``test_gpu_audit_callable.py``.
+"""
+
+import inspect
+import json
+
+import pytest
+import torch
+
+from fa3_spec.audit import audit_callable, pytree_mismatches
+from fa3_spec.harness import cli
+
+
+def defect_line(fn) -> int:
+    lines, start = inspect.getsourcelines(fn)
+    marked = [start + i for i, text in enumerate(lines) if "# defect" in text]
+    assert len(marked) == 1, fn.__name__
+    return marked[0]
+
+
+# ------------------------------------------------------------------ the subjects
+def uses_item(lens, out):
+    total = lens.sum().item()  # defect
+    return out * total
+
+
+def uses_tolist(lens, out):
+    first = lens.tolist()[0]  # defect
+    return out + first
+
+
+def branches_on_a_value(lens, out):
+    if lens.max() > 3:  # defect
+        return out + 1
+    return out - 1
+
+
+def uses_nonzero(lens, out):
+    live = torch.nonzero(lens)  # defect
+    return out.sum() + live.sum()
+
+
+def data_dependent_shape(lens, out):
+    kept = out[lens > 0]  # defect
+    return kept.sum()
+
+
+def writes_its_input(lens, out):
+    lens.clamp_(min=1)  # defect
+    return out * lens
+
+
+def prints_a_tensor(lens, out):
+    print(lens)  # defect
+    return out + 1
+
+
+def guards_on_a_python_int(lens, out, page_size):
+    pages = (lens + page_size - 1) // page_size  # defect
+    return out * pages
+
+
+def clean(lens, out):
+    pages = (lens + 1) // 2
+    return torch.where(lens > 0, out * pages, torch.zeros_like(out)).sum(0)
+
+
+def fills_a_buffer(lens, buf):
+    buf.copy_(lens * 2)
+
+
+def _example():
+    return (torch.tensor([3, 0, 5, 2]), torch.ones(4))
+
+
+def _variant():
+    return (torch.tensor([1, 4, 0, 6]), torch.full((4,), 2.0))
+
+
+CASES = [
+    (uses_item, "data_dependent"),
+    (uses_tolist, "data_dependent"),
+    (branches_on_a_value, "graph_breaks"),
+    (uses_nonzero, "data_dependent"),
+    (data_dependent_shape, "data_dependent"),
+    (writes_its_input, "mutations"),
+    (prints_a_tensor, "graph_breaks"),
+]
+
+
+@pytest.mark.parametrize("fn,column", CASES, ids=[f.__name__ for f, _ in CASES])
+def test_defect_reported_in_its_column_at_its_line(fn, column, capsys):
+    row = audit_callable(fn, _example(), variants=[_variant()])
+    assert not row.clean
+    assert getattr(row, column) > 0, row.problems
+    here = [f for f in row.findings if f.column == column]
+    assert any(f.line == defect_line(fn) and f.file == __file__ for f in here), row.problems
+    assert all(f.op for f in here)
+
+
+def test_value_dependent_guard_is_a_recompile_at_its_line():
+    lens, out = _example()
+    row = audit_callable(guards_on_a_python_int, (lens, out, 2), variants=[(lens, out, 16)])
+    assert row.recompiles == 1 and not row.clean
+    (guard,) = [f for f in row.findings if f.column == "recompiles"]
+    assert guard.line == defect_line(guards_on_a_python_int) and "page_size" in guard.message
+    # Without a variant that changes the value there is nothing to recompile.
+    assert audit_callable(guards_on_a_python_int, (lens, out, 2)).clean
+
+
+def test_clean_function_is_clean_with_keyword_arguments():
+    lens, out = _example()
+    row = audit_callable(clean, {"lens": lens, "out": out},
+                         variants=[dict(zip(("lens", "out"), _variant()))])
+    assert row.clean and row.findings == [] and row.problems == []
+    assert row.host_syncs is None and row.cuda_graph == "skipped"
+
+
+def test_declared_output_buffer_may_be_written_and_is_compared():
+    lens = torch.tensor([3, 0, 5, 2])
+    example = (lens, torch.zeros(4, dtype=torch.int64))
+    assert audit_callable(fills_a_buffer, example, writable=["buf"]).clean
+    row = audit_callable(fills_a_buffer, example)
+    assert row.mutations == 1 and any(f.op == "copy_" for f in row.findings)
+
+
+def test_pytree_mismatches_exact_for_ints_tolerant_for_floats():
+    a = {"x": torch.tensor([1, 2]), "y": [torch.tensor([1.0, 2.0]), 3]}
+    b = {"x": torch.tensor([1, 2]), "y": [torch.tensor([1.0, 2.0 + 1e-7]), 3]}
+    assert pytree_mismatches(a, b) == []
+    assert pytree_mismatches(a, {"x": torch.tensor([1, 3]), "y": b["y"]})
+    assert pytree_mismatches(a, {"x": a["x"], "y": [a["y"][0], 4]})
+    assert pytree_mismatches(a, {"x": a["x"]})
+
+
+def test_malformed_arguments_are_named():
+    lens, out = _example()
+    with pytest.raises(TypeError, match="example"):
+        audit_callable(clean, lens)
+    with pytest.raises(ValueError, match=r"variants\[0\]"):
+        audit_callable(clean, (lens, out), variants=[(lens[:2], out)])
+
+
+# ------------------------------------------------------------------ the CLI
+def inputs_factory(device="cpu"):
+    """``--inputs`` factory: (example, variants) on ``device``."""
+    def on(call):
+        return tuple(t.to(device) for t in call)
+    return on(_example()), [on(_variant())]
+
+
+def test_cli_audits_a_callable(tmp_path, capsys):
+    out = tmp_path / "rows.json"
+    code = cli.main(["audit", "--callable", f"{__name__}:uses_nonzero",
+                     "--inputs", f"{__name__}:inputs_factory", "--json", str(out),
+                     "--device", "cpu"])
+    assert code == 1
+    (row,) = json.loads(out.read_text())
+    (finding,) = [f for f in row["findings"] if f["column"] == "data_dependent"]
+    assert finding["line"] == defect_line(uses_nonzero) and finding["op"] == "nonzero"
+    text = capsys.readouterr().out
+    assert "not measured on CPU" in text and "uses_nonzero" in text
+    assert cli.main(["audit", "--callable", f"{__name__}:clean",
+                     "--inputs", f"{__name__}:inputs_factory", "--device", "cpu"]) == 0
