@@ -229,10 +229,11 @@ def attention_call(
     Queries that no row owns, or that see no key, get output 0 and LSE
     ``-inf`` whatever the backend. FA3 leaves unowned queries unwritten and
     gives an empty row (``cache_seqlens = 0``, or a window with no key) a
-    non-finite LSE: ``+inf`` or ``-inf`` depending on the build
-    (`compile_tests/test_gpu_attention_args.py` records which one the H200's
-    build returns). Both, and NaN, are mapped to ``-inf``; every finite LSE
-    is kept.
+    non-finite LSE: ``-inf`` on tokenspeed-fa3 3.0.0.post20260810 (recorded
+    on the H200 by `compile_tests/test_gpu_attention_args.py` for 1, 4 and 16
+    splits, causal or not); its output there is not guaranteed finite. Any
+    non-finite LSE (``+inf``, ``-inf``, NaN) is mapped to ``-inf`` and its
+    output to 0; every finite LSE is kept.
     """
     if md.window_left >= 0:  # sliding-window metadata carries its window
         window_size = (md.window_left, 0 if md.causal else -1)
@@ -241,7 +242,7 @@ def attention_call(
     extra = dict(softcap=softcap, window_size=window_size, q_descale=q_descale,
                  k_descale=k_descale, v_descale=v_descale)
     if backend == "torch":
-        compute = torch.promote_types(q.dtype, torch.float32)  # float64 stays float64
+        compute = torch.float64 if q.dtype == torch.float64 else torch.float32
         return paged_attention_reference(q, k_view, v_view, md, softmax_scale,
                                          compute_dtype=compute, **extra)
     splits = num_splits or default_num_splits(md.num_rows, k_cache.shape[2], md.max_seqlen_k)

@@ -24,7 +24,7 @@ def merge_float(
     safe = torch.where(denom > 0, denom, 1.0)
     w_a = (w_a / safe).transpose(0, 1).unsqueeze(-1)  # [total_q, H, 1]
     w_b = (w_b / safe).transpose(0, 1).unsqueeze(-1)
-    dtype = torch.promote_types(out_a.dtype, torch.float32)
+    dtype = torch.float64 if out_a.dtype == torch.float64 else torch.float32
     out = out_a.to(dtype) * w_a.to(dtype) + out_b.to(dtype) * w_b.to(dtype)
     lse = torch.where(denom > 0, m + torch.log(safe), float("-inf"))
     return out, lse
