@@ -59,7 +59,7 @@ def _audit_callable(args: argparse.Namespace, device: str) -> int:
 
 def _audit(args: argparse.Namespace) -> int:
     from ..audit import format_table
-    from .selfaudit import audit_case, default_grid, step_grid
+    from .selfaudit import audit_case, default_grid, loop_grid, step_grid
 
     device = args.device
     if device == "auto":
@@ -69,6 +69,7 @@ def _audit(args: argparse.Namespace) -> int:
     cases = default_grid(page_sizes=args.page_sizes, topks=args.topks, num_steps=args.num_steps)
     if not args.no_steps:
         cases += step_grid(page_sizes=args.page_sizes, topks=args.topks, num_steps=args.num_steps)
+        cases += loop_grid(topks=args.topks)
     if args.modes:
         cases = [c for c in cases if c.mode in args.modes]
     print(
@@ -117,7 +118,8 @@ def main(argv=None) -> int:
     audit.add_argument("--num-steps", type=int, default=5)
     audit.add_argument("--modes", nargs="+", choices=list(MODES))
     audit.add_argument("--no-steps", action="store_true",
-                       help="skip the whole-step rows (metadata + attention + merge)")
+                       help="skip the whole-step rows (metadata + attention + merge) and the "
+                       "EAGLE-iteration rows")
     audit.add_argument("-v", "--verbose", action="store_true")
     from ..eagle import cli as eagle_cli
 

@@ -39,7 +39,7 @@ class AuditCase:
     step: Union[int, str] = 0  # a draft step, or ALL_STEPS
     batch_size: int = 4
     num_padding: int = 1
-    scope: str = "builder"  # "builder": one metadata builder; "step": a whole step
+    scope: str = "builder"  # "builder": a metadata builder; "step": a whole step; "loop": EAGLE
 
     @property
     def tree(self) -> bool:
@@ -90,6 +90,21 @@ def step_grid(page_sizes: Iterable[int] = (1, 2, 16, 64), topks: Iterable[int] =
         for mode in ("draft_decode", "target_verify", "draft_extend"):
             cases.append(AuditCase(mode, cfg, scope="step"))
     return cases
+
+
+#: The row label of a whole EAGLE iteration (`fa3_spec.eagle.eagle_iteration`):
+#: every mode's metadata, attention, tree, acceptance, commit and extend.
+LOOP = "eagle_iteration"
+
+
+def loop_grid(topks: Iterable[int] = (1, 8)) -> list:
+    """Whole EAGLE iterations (scope ``"loop"``): the tiny models, mid-run
+    states with joins and padding rows; page size 2 for topk > 1, 16 else."""
+    return [AuditCase(LOOP, SpecConfig(page_size=2 if k > 1 else 16, topk=k, num_steps=4,
+                                       num_draft_tokens=6 if k > 1 else 4, max_bs=4,
+                                       max_context_len=64),
+                      scope="loop")
+            for k in topks]
 
 
 def _builder(case: AuditCase, names: list) -> Callable:
@@ -187,10 +202,61 @@ def _step_subject(case: AuditCase, device: str) -> _Subject:
     return _Subject(fn, args, same, lambda i, eager: [], restore)
 
 
+def _loop_subject(case: AuditCase, device: str) -> _Subject:
+    """Two mid-run states of the EAGLE loop (after 1 and 2 iterations: same
+    shapes, other values), the iteration as a function of the state tensors."""
+    import dataclasses as dc
+
+    from ..eagle import EagleEngine, LoopConfig, eagle_iteration, make_models
+    from ..eagle.cli import workload
+
+    cfg = case.cfg
+    models = make_models("tiny", seed=0, device=device,
+                         dtype=torch.bfloat16 if device != "cpu" else torch.float32)
+    spec = dc.replace(cfg, num_pages=1 + 2 * cfg.max_bs * -(-cfg.draft_row_len // cfg.page_size))
+    lc = LoopConfig(spec, max_new_tokens=24, backend="auto" if device != "cpu" else "torch")
+    engine = EagleEngine(lc, models, device=device)
+    prompts, news = workload(cfg.max_bs - 1, page_size=cfg.page_size, max_prompt=32, max_new=24,
+                             vocab=512, seed=0)
+    for prompt, m in zip(prompts, news):
+        engine.submit(prompt, m)
+    states = []
+    for _ in range(2):
+        engine.step()
+        states.append({k: v.clone() for k, v in engine.state.items()})
+    pool = engine.pool
+    names = sorted(states[0])
+    kv = [pool.target_kv.k, pool.target_kv.v, pool.draft_kv.k, pool.draft_kv.v]
+    initial = [t.clone() for t in kv]
+
+    def restore():
+        for t, s0 in zip(kv, initial):
+            t.copy_(s0)
+
+    def fn(*tensors):
+        st = {n: t.clone() for n, t in zip(names, tensors)}
+        out = eagle_iteration(lc, models, pool.target_kv, pool.draft_kv, pool.req_to_token, st)
+        return [out[n] for n in names]
+
+    def same(got, want):
+        for n, g, w in zip(names, got, want):
+            if g.is_floating_point():
+                err = float((g.float() - w.float()).norm() / w.float().norm().clamp(min=1e-6))
+                if not torch.isfinite(g).all() or err > 1e-2:
+                    return [f"{n}: relative error {err:.2e}"]
+            elif not torch.equal(g, w):
+                return [f"{n} differs"]
+        return []
+
+    return _Subject(fn, [[st[n] for n in names] for st in states], same, lambda i, eager: [],
+                    restore)
+
+
 def audit_case(case: AuditCase, *, backend: str = "aot_eager", device: str = "cpu") -> AuditRow:
     """Audit one case with `fa3_spec.audit.audit_function`."""
     cfg = case.cfg
-    subject = (_step_subject if case.scope == "step" else _builder_subject)(case, device)
+    subject = {"builder": _builder_subject, "step": _step_subject,
+               "loop": _loop_subject}[case.scope](case, device)
     return audit_function(
         subject.fn, subject.args, same=subject.same,
         reference_problems=subject.reference_problems, restore=subject.restore,
