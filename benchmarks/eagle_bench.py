@@ -44,7 +44,6 @@ import json
 import os
 import sys
 import time
-import warnings
 
 import torch
 import torch.utils._pytree as pytree
@@ -55,7 +54,7 @@ from fa3_spec.eagle.iteration import (
     DEFAULT_SCRIPT, draft_phase, draft_slots, extend_phase, verify_phase,
 )
 from fa3_spec import SpecBatch
-from fa3_spec.probes import capture
+from fa3_spec.probes import capture, recording_host_syncs
 from fa3_spec.harness.upstream import UpstreamStyleBuilder
 
 #: (page_size, topk, num_steps, num_draft_tokens): the issue's three configs
@@ -205,14 +204,9 @@ def _count_syncs(fn, cuda: bool):
     if not cuda:
         fn()
         return None
-    with warnings.catch_warnings(record=True) as caught:
-        warnings.simplefilter("always")
-        torch.cuda.set_sync_debug_mode("warn")
-        try:
-            fn()
-        finally:
-            torch.cuda.set_sync_debug_mode("default")
-    return sum("called a synchronizing" in str(w.message) for w in caught)
+    with recording_host_syncs() as syncs:
+        fn()
+    return len(syncs)
 
 
 def _gpu_idle(fn, cuda: bool, reps: int = 3):

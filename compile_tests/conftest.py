@@ -24,4 +24,14 @@ def _fresh_dynamo():
     torch._dynamo.reset()
 
 
+@pytest.fixture
+def one_thread():
+    """Pin torch to one CPU thread for the test (the EAGLE loop's many small ops
+    run several times faster that way on a shared 2-core machine)."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
 requires_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")

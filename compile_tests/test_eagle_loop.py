@@ -24,11 +24,8 @@ from fa3_spec.tree import tree_mask_from_parents
 
 
 @pytest.fixture(autouse=True)
-def _one_thread():
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
+def _one_thread(one_thread):
     yield
-    torch.set_num_threads(before)
 
 
 _MODELS = {}

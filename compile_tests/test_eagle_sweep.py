@@ -15,7 +15,6 @@ It prints each config's mean accept length (tokens per iteration).
 import os
 
 import pytest
-import torch
 
 from test_eagle_loop import check_exact
 
@@ -42,11 +41,8 @@ GRID = _grid()
 
 
 @pytest.fixture(autouse=True)
-def _one_thread():
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
+def _one_thread(one_thread):
     yield
-    torch.set_num_threads(before)
 
 
 @pytest.mark.parametrize("draft", ["derived", "random"])

@@ -14,6 +14,8 @@ from .attention import cascade_attention, merge_attention_states
 from .batch import SpecBatch
 from .builders import (
     build_decode_metadata,
+    build_prefill_metadata,
+    extend_query_positions,
     build_draft_decode_metadata,
     build_draft_extend_metadata,
     build_draft_iteration_metadata,
@@ -26,7 +28,6 @@ from .config import SpecConfig
 from .expand import draft_expand_page_table, draft_expand_tables
 from .metadata import PAGE_SENTINEL, CascadeMetadata, FA3Metadata
 from .modes import MODES, Mode, build_metadata
-from .builders.prefill import build_prefill_metadata, extend_query_positions  # noqa: F401
 from .tree import tree_mask_from_flat, tree_mask_from_parents
 
 __version__ = "0.1.0"
@@ -44,6 +45,8 @@ __all__ = [
     "SpecConfig",
     "Mode",
     "build_decode_metadata",
+    "build_prefill_metadata",
+    "extend_query_positions",
     "cascade_attention",
     "merge_attention_states",
     "build_draft_decode_metadata",

@@ -18,11 +18,12 @@ Each answers one question about a function, with torch's own machinery:
 
 from __future__ import annotations
 
+import contextlib
 import os
 import re
 import traceback
 import warnings
-from typing import Callable, Optional
+from typing import Callable, Iterator, List, Optional
 
 import torch
 
@@ -170,10 +171,23 @@ def host_sync_sites(fn: Callable, *args, calls: int = 2, **kwargs) -> list:
     (`traceback.FrameSummary` or None) that made it."""
     fn(*args, **kwargs)
     torch.cuda.synchronize()
-    caught = []
+    with recording_host_syncs() as caught:
+        for _ in range(calls):
+            fn(*args, **kwargs)
+    return caught
+
+
+@contextlib.contextmanager
+def recording_host_syncs() -> Iterator[List[tuple]]:
+    """Record the synchronizing CUDA calls made inside the block.
+
+    Yields a list that fills with ``(message, frame)`` per synchronizing call
+    (torch's ``set_sync_debug_mode("warn")`` reports; its one-time "prototype
+    feature" notice is left out), ``frame`` being the user frame that made it.
+    """
+    caught: List[tuple] = []
 
     def record(message, category, filename, lineno, file=None, line=None):
-        # Only torch's per-call report counts, not its "prototype feature" notice.
         if "called a synchronizing" in str(message):
             caught.append((str(message), user_frame(traceback.extract_stack()[:-1])))
 
@@ -182,11 +196,9 @@ def host_sync_sites(fn: Callable, *args, calls: int = 2, **kwargs) -> list:
         warnings.showwarning = record
         torch.cuda.set_sync_debug_mode("warn")
         try:
-            for _ in range(calls):
-                fn(*args, **kwargs)
+            yield caught
         finally:
             torch.cuda.set_sync_debug_mode("default")
-    return caught
 
 
 def capture(fn: Callable, *args, warmup: int = 2, pool=None, **kwargs):

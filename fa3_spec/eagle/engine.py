@@ -24,7 +24,6 @@ from __future__ import annotations
 
 import dataclasses
 import time
-import warnings
 from typing import Callable, Dict, List, Optional, Sequence
 
 import torch
@@ -32,7 +31,7 @@ import torch
 from .. import build_decode_metadata
 from ..builders.prefill import build_prefill_metadata, extend_query_positions
 from ..config import SpecConfig
-from ..probes import capture
+from ..probes import capture, recording_host_syncs
 from .iteration import LoopConfig, State, eagle_iteration, empty_state, step_in_place
 from .models import KVCache, SpecModel
 from .pool import KVPool
@@ -273,14 +272,8 @@ class EagleEngine:
 
         start = time.perf_counter()
         if self.count_syncs:
-            with warnings.catch_warnings(record=True) as caught:
-                warnings.simplefilter("always")
-                torch.cuda.set_sync_debug_mode("warn")
-                try:
-                    go()
-                finally:
-                    torch.cuda.set_sync_debug_mode("default")
-            syncs = [w for w in caught if "called a synchronizing" in str(w.message)]
+            with recording_host_syncs() as syncs:
+                go()
             self.stats["host_syncs"].append(len(syncs))
         else:
             go()

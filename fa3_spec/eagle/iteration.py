@@ -51,7 +51,6 @@ import dataclasses
 from typing import Dict, Optional, Tuple
 
 import torch
-import torch.nn.functional as F
 
 from .._paged import BatchView, in_pool
 from ..batch import SpecBatch

@@ -13,7 +13,7 @@ error <= 1e-2 in bf16, 1e-4 in fp32). What each row checks is
 from __future__ import annotations
 
 import dataclasses
-from typing import Callable, Iterable, Optional, Union
+from typing import Callable, Iterable, Union
 
 import torch
 
