@@ -6,14 +6,23 @@ one process, over the same prefilled requests (``--context`` prompt tokens):
   a  this loop: the whole iteration (draft steps, tree, verify, accept,
      commit, draft extend, output) is one CUDA graph, its metadata built
      inside by fa3_spec builders (`fa3_spec.eagle.eagle_iteration`).
-  b  the same loop with every step's metadata built on the host the upstream
-     way and copied into static buffers before each replay: the iteration is
-     three graphs (draft phase, verify + accept + commit, extend + output)
-     because verify needs the drafted tree and extend the accepted lengths.
-     The metadata come from `fa3_spec.upstream.UpstreamStyleBuilder`, the
-     project's *upstream-style model* (host syncs on ``.item()``, in-place
-     buffers, the flat custom mask), NOT from sglang 0.5.23's own replay
-     functions (not installed here).
+  b  the same loop with every step's metadata filled on the host before each
+     replay: the iteration is three graphs (draft phase, verify + accept +
+     commit, extend + output) because verify needs the drafted tree and
+     extend the accepted lengths. ``--upstream`` picks the filler; every row
+     says which in ``b_metadata_source``:
+       "sglang-0.5.23 replay functions" (``sglang``; ``auto`` when it loads):
+         sglang's own ``FlashAttentionBackend._apply_cuda_graph_metadata``
+         (one backend per draft step, one target, one draft extend; run via
+         `fa3_spec.harness.sglang_upstream`, its Triton kernels native on
+         CUDA) fills sglang's own buffers, and the captured phases read
+         `fa3_spec.integrations.sglang.metadata_views` of those buffers, as
+         sglang's FA3 calls do; the flat tree-verify ``custom_mask`` is built
+         on the device, sized from host ``seq_lens`` (one sync);
+       "fa3_spec upstream-style model" (``model``; ``auto`` otherwise, with
+         ``b_metadata_note`` saying why): `UpstreamStyleBuilder`, the
+         project's model of upstream (``.item()`` syncs, in-place buffers,
+         the flat custom mask), its metadata copied into static buffers.
   c  plain greedy decoding without speculation: one decode step (metadata +
      target + argmax) per graph replay.
 
@@ -32,8 +41,13 @@ iteration (``time.process_time``), host syncs per iteration
     python3 benchmarks/eagle_bench.py --smoke --json /tmp/eagle_smoke.json   # CPU, tiny
 
 ``--smoke`` runs every code path on CPU with the tiny preset (eager calls
-instead of graphs; timings meaningless) and checks that (a) and (b) produce
-the same tokens.
+instead of graphs; timings meaningless; sglang's kernels in Triton's
+interpreter) and checks that (a) and (b) produce the same tokens and the
+same whole loop state, and that (b)'s metadata read, query by query, the
+keys fa3_spec's builders read (``b_metadata_mismatches``).
+
+Offline (the H200): ``FA3_SPEC_SGLANG_SRC=$PWD/.sglang_src`` names sglang's
+extracted sources (see `fa3_spec.harness.sglang_upstream.SOURCE_FILES`).
 """
 
 from __future__ import annotations
