@@ -480,7 +480,10 @@ def _resolve_upstream(args):
     Triton (on CPU sglang's kernels need Triton's interpreter mode)."""
     if args.upstream == "model":
         return None, ""
-    up, why = load_upstream_or_reason(device=args.device, fetch=args.upstream == "sglang")
+    # As sglang runs it: draft_decode_set_expand_metadata under torch.compile(dynamic=True)
+    # (eager in the CPU smoke run, as the other benchmarks do).
+    up, why = load_upstream_or_reason(device=args.device, fetch=args.upstream == "sglang",
+                                      compile_expand=not args.smoke)
     if up is None and args.upstream == "sglang":
         raise SystemExit(f"--upstream sglang: sglang {SGLANG_VERSION}'s code is unavailable: {why}")
     if up is None:
