@@ -6,14 +6,23 @@ one process, over the same prefilled requests (``--context`` prompt tokens):
   a  this loop: the whole iteration (draft steps, tree, verify, accept,
      commit, draft extend, output) is one CUDA graph, its metadata built
      inside by fa3_spec builders (`fa3_spec.eagle.eagle_iteration`).
-  b  the same loop with every step's metadata built on the host the upstream
-     way and copied into static buffers before each replay: the iteration is
-     three graphs (draft phase, verify + accept + commit, extend + output)
-     because verify needs the drafted tree and extend the accepted lengths.
-     The metadata come from `fa3_spec.upstream.UpstreamStyleBuilder`, the
-     project's *upstream-style model* (host syncs on ``.item()``, in-place
-     buffers, the flat custom mask), NOT from sglang 0.5.23's own replay
-     functions (not installed here).
+  b  the same loop with every step's metadata filled on the host before each
+     replay: the iteration is three graphs (draft phase, verify + accept +
+     commit, extend + output) because verify needs the drafted tree and
+     extend the accepted lengths. ``--upstream`` picks the filler; every row
+     says which in ``b_metadata_source``:
+       "sglang-0.5.23 replay functions" (``sglang``; ``auto`` when it loads):
+         sglang's own ``FlashAttentionBackend._apply_cuda_graph_metadata``
+         (one backend per draft step, one target, one draft extend; run via
+         `fa3_spec.harness.sglang_upstream`, its Triton kernels native on
+         CUDA) fills sglang's own buffers, and the captured phases read
+         `fa3_spec.integrations.sglang.metadata_views` of those buffers, as
+         sglang's FA3 calls do; the flat tree-verify ``custom_mask`` is built
+         on the device, sized from host ``seq_lens`` (one sync);
+       "fa3_spec upstream-style model" (``model``; ``auto`` otherwise, with
+         ``b_metadata_note`` saying why): `UpstreamStyleBuilder`, the
+         project's model of upstream (``.item()`` syncs, in-place buffers,
+         the flat custom mask), its metadata copied into static buffers.
   c  plain greedy decoding without speculation: one decode step (metadata +
      target + argmax) per graph replay.
 
@@ -32,8 +41,13 @@ iteration (``time.process_time``), host syncs per iteration
     python3 benchmarks/eagle_bench.py --smoke --json /tmp/eagle_smoke.json   # CPU, tiny
 
 ``--smoke`` runs every code path on CPU with the tiny preset (eager calls
-instead of graphs; timings meaningless) and checks that (a) and (b) produce
-the same tokens.
+instead of graphs; timings meaningless; sglang's kernels in Triton's
+interpreter) and checks that (a) and (b) produce the same tokens and the
+same whole loop state, and that (b)'s metadata read, query by query, the
+keys fa3_spec's builders read (``b_metadata_mismatches``).
+
+Offline (the H200): ``FA3_SPEC_SGLANG_SRC=$PWD/.sglang_src`` names sglang's
+extracted sources (see `fa3_spec.harness.sglang_upstream.SOURCE_FILES`).
 """
 
 from __future__ import annotations
@@ -44,6 +58,7 @@ import json
 import os
 import sys
 import time
+from functools import partial
 
 import torch
 import torch.utils._pytree as pytree
@@ -56,11 +71,15 @@ from fa3_spec.eagle.iteration import (
 from fa3_spec import SpecBatch
 from fa3_spec.probes import capture, recording_host_syncs
 from fa3_spec.harness.upstream import UpstreamStyleBuilder
+from fa3_spec.harness.sglang_upstream import SGLANG_VERSION, load_upstream_or_reason
+from fa3_spec.integrations import sglang
 
 #: (page_size, topk, num_steps, num_draft_tokens): the issue's three configs
 #: (the seed's P = 2, topk = 8 with its 5 steps and 16 draft tokens).
 CONFIGS = [(16, 1, 5, 6), (16, 4, 5, 8), (2, 8, 5, 16)]
 BATCHES = [1, 8, 32, 64]
+SGLANG_SOURCE = f"sglang-{SGLANG_VERSION} replay functions"
+MODEL_SOURCE = "fa3_spec upstream-style model"
 
 
 class Segment:
@@ -110,27 +129,23 @@ def flat_custom_mask(tree_mask: torch.Tensor, seq_lens_host: list) -> torch.Tens
 
 
 class HostMetadataLoop:
-    """Variant (b): three captured phases, metadata from the upstream-style builder."""
+    """Variant (b): three captured phases reading static metadata the host refills
+    before each replay. This class: the upstream-style model's metadata copied into
+    static clones (`SglangMetadataLoop`: sglang's own functions filling its buffers)."""
+
+    source = MODEL_SOURCE
 
     def __init__(self, engine: EagleEngine, bucket: int, graphs: bool):
         self.eng, self.bucket = engine, bucket
         lc, pool = engine.lc, engine.pool
         self.lc, self.spec = lc, lc.spec
         self.view = engine._view(bucket)
-        self.ref = UpstreamStyleBuilder(lc.spec, engine.device)
         st, m, r2t = self.view, engine.models, pool.req_to_token
-        batch = dict(req_to_token=r2t, req_pool_indices=st["req_pool_indices"],
-                     seq_lens=st["seq_lens"])
-        loc = draft_slots(lc, SpecBatch.create(lc.spec, **batch).view())
         n = lc.spec.num_draft_tokens
         tree_mask = torch.tril(torch.ones(bucket, n, n, dtype=torch.bool, device=engine.device))
-        # Static metadata buffers shaped like fa3_spec's (the values are overwritten).
-        self.md_draft = _static_clone(fa3_spec.build_draft_iteration_metadata(
-            lc.spec, **batch, out_cache_loc=loc))
-        self.md_verify = _static_clone(fa3_spec.build_target_verify_metadata(
-            lc.spec, **batch, tree_mask=None if lc.spec.topk == 1 else tree_mask))
-        self.md_extend = _static_clone(fa3_spec.build_draft_extend_metadata(
-            lc.spec, **batch, extend_seq_lens=torch.ones_like(st["seq_lens"])))
+        # Static metadata (values refilled before each replay), valid for the capture.
+        self.md_draft, self.md_verify, self.md_extend = self._static_metadata(
+            self._batch(), self._draft_slots(), tree_mask)
         saved = {k: v.clone() for k, v in st.items()}
         st["seq_lens"].zero_()  # capture on padding rows: nothing real is written
         gpool = torch.cuda.graph_pool_handle() if graphs else None
@@ -150,28 +165,150 @@ class HostMetadataLoop:
         for k, v in st.items():
             v.copy_(saved[k])
 
-    def iteration(self):
-        st, ref, spec = self.view, self.ref, self.spec
-        r2t = self.eng.pool.req_to_token
-        batch = dict(req_to_token=r2t, req_pool_indices=st["req_pool_indices"],
-                     seq_lens=st["seq_lens"])
-        loc = draft_slots(self.lc, SpecBatch.create(spec, **batch).view())
-        fresh = [ref.draft_decode(i, **batch, out_cache_loc=loc) for i in range(spec.num_steps - 1)]
+    def _batch(self) -> dict:
+        st = self.view
+        return dict(req_to_token=self.eng.pool.req_to_token,
+                    req_pool_indices=st["req_pool_indices"], seq_lens=st["seq_lens"])
+
+    def _draft_slots(self) -> torch.Tensor:
+        return draft_slots(self.lc, SpecBatch.create(self.spec, **self._batch()).view())
+
+    def _static_metadata(self, batch, loc, tree_mask):
+        spec = self.spec
+        self.ref = UpstreamStyleBuilder(spec, self.eng.device)
+        st = self.view
+        return (_static_clone(fa3_spec.build_draft_iteration_metadata(spec, **batch, out_cache_loc=loc)),
+                _static_clone(fa3_spec.build_target_verify_metadata(
+                    spec, **batch, tree_mask=None if spec.topk == 1 else tree_mask)),
+                _static_clone(fa3_spec.build_draft_extend_metadata(
+                    spec, **batch, extend_seq_lens=torch.ones_like(st["seq_lens"]))))
+
+    def fill_draft(self, batch, loc):
+        fresh = [self.ref.draft_decode(i, **batch, out_cache_loc=loc)
+                 for i in range(self.spec.num_steps - 1)]
         _copy_leaves(self.md_draft, tuple(fresh))
-        self.a.run()
-        if spec.topk == 1:
-            verify = ref.target_verify(**batch)
+
+    def fill_verify(self, batch, tree_mask):
+        if self.spec.topk == 1:
+            verify = self.ref.target_verify(**batch)
         else:
-            seq_host = st["seq_lens"].tolist()  # host sync, as upstream engines hold seq_lens on the CPU
-            verify = ref.target_verify(**batch, custom_mask=flat_custom_mask(
-                self.a.out["tree_mask"], seq_host))
+            seq_host = batch["seq_lens"].tolist()  # host sync, as upstream engines hold seq_lens on the CPU
+            verify = self.ref.target_verify(**batch, custom_mask=flat_custom_mask(tree_mask, seq_host))
         _copy_leaves(self.md_verify, verify)
-        self.b.run()
-        ext = ref.draft_extend(req_to_token=r2t, req_pool_indices=st["req_pool_indices"],
-                               seq_lens=self.b.out["new_seq_lens"],
-                               extend_seq_lens=self.b.out["extend_seq_lens"])
+
+    def fill_extend(self, batch, new_seq_lens, extend_seq_lens):
+        ext = self.ref.draft_extend(req_to_token=batch["req_to_token"],
+                                    req_pool_indices=batch["req_pool_indices"],
+                                    seq_lens=new_seq_lens, extend_seq_lens=extend_seq_lens)
         _copy_leaves(self.md_extend, ext)
+
+    def iteration(self):
+        batch = self._batch()
+        self.fill_draft(batch, self._draft_slots())
+        self.a.run()
+        self.fill_verify(batch, self.a.out["tree_mask"])
+        self.b.run()
+        self.fill_extend(batch, self.b.out["new_seq_lens"], self.b.out["extend_seq_lens"])
         self.c.run()
+
+
+class SglangMetadataLoop(HostMetadataLoop):
+    """Variant (b) on sglang 0.5.23's own replay functions.
+
+    One ``FlashAttentionBackend`` per draft step (sglang's multi-step draft
+    backend), one for the target, one for draft extend, each with the buffers
+    of its ``init_cuda_graph_state``. Before each phase's replay the host calls
+    that backend's ``_apply_cuda_graph_metadata`` (`fa3_spec.harness.
+    sglang_upstream`; the sync-free path, ``seq_lens_cpu=None``), which fills
+    its buffers in place; the captured phases read `metadata_views` of those
+    buffers, as sglang's FA3 calls do: no copy sglang would not make.
+
+    Padding rows: the loop's are ``seq_len = 0`` (finished requests, anywhere
+    in the bucket); sglang never pads with 0, so they reach its functions with
+    its padding ``seq_len = 1`` (``SglangConfig.pad_seq_len``) and their
+    request index unchanged: they read one key of a pool row and write nothing
+    (the loop writes by its own state, where they stay at 0). The flat
+    tree-verify mask is built over those same lengths, every row counted real
+    (``num_real_rows = bucket``). Not reproduced: sglang re-runs the draft-extend
+    metadata kernel inside its graph (equal values); (b) only fills out of graph.
+    """
+
+    def __init__(self, engine: EagleEngine, bucket: int, graphs: bool, upstream):
+        self.upstream = upstream
+        super().__init__(engine, bucket, graphs)
+
+    @property
+    def source(self):
+        return SGLANG_SOURCE
+
+    def _sglang_lens(self, seq_lens):
+        return torch.where(seq_lens > 0, seq_lens, self.cfg.pad_seq_len)
+
+    def _static_metadata(self, batch, loc, tree_mask):
+        spec, up, r2t = self.spec, self.upstream, batch["req_to_token"]
+        self.cfg = sglang.SglangConfig(
+            page_size=spec.page_size, topk=spec.topk, num_steps=spec.num_steps,
+            num_draft_tokens=spec.num_draft_tokens, max_bs=self.bucket,
+            context_len=spec.max_context_len)
+        self.draft = [up.backend(self.cfg, r2t, step=i) for i in range(spec.num_steps - 1)]
+        self.target = up.backend(self.cfg, r2t, is_draft_runner=False)
+        self.extend = up.backend(self.cfg, r2t)
+        # Fill once on the live state (valid values while capturing), as sglang does.
+        self.fill_draft(batch, loc)
+        self.fill_verify(batch, tree_mask)
+        self.fill_extend(batch, batch["seq_lens"], torch.ones_like(batch["seq_lens"]))
+        views = partial(sglang.metadata_views, self.cfg, bs=self.bucket)
+        return (tuple(views(be.buffers, "draft_decode", step=i) for i, be in enumerate(self.draft)),
+                views(self.target.buffers, "target_verify"),
+                views(self.extend.buffers, "draft_extend"))
+
+    def fill_draft(self, batch, loc):
+        seq = self._sglang_lens(batch["seq_lens"])
+        for be in self.draft:
+            be.draft_decode(req_pool_indices=batch["req_pool_indices"], seq_lens=seq,
+                            out_cache_loc=loc.reshape(-1))
+
+    def fill_verify(self, batch, tree_mask):
+        seq = self._sglang_lens(batch["seq_lens"])
+        mask = None
+        if self.spec.topk > 1:  # sglang's flat custom mask; its size needs host seq_lens (a sync)
+            mask = flat_custom_mask(tree_mask, seq.tolist())
+        self.target.target_verify(req_pool_indices=batch["req_pool_indices"], seq_lens=seq,
+                                  custom_mask=mask, num_real_rows=self.bucket)
+
+    def fill_extend(self, batch, new_seq_lens, extend_seq_lens):
+        self.extend.draft_extend(req_pool_indices=batch["req_pool_indices"],
+                                 seq_lens=self._sglang_lens(new_seq_lens),
+                                 extend_seq_lens=extend_seq_lens)
+
+
+def metadata_reads_as_builders(host: HostMetadataLoop) -> list:
+    """Smoke check: refill (b)'s metadata on the current state; the modes whose
+    static metadata read other keys (per query) than fa3_spec's builders' ([] if none).
+    The tiny models' tokens barely depend on the draft's attention; this does."""
+    from fa3_spec.harness.oracle import key_slots_read
+
+    spec, batch, loc = host.spec, host._batch(), host._draft_slots()
+    tree = host.a.out["tree_mask"]
+    ones = torch.ones_like(batch["seq_lens"])
+    host.fill_draft(batch, loc)
+    host.fill_verify(batch, tree)
+    host.fill_extend(batch, batch["seq_lens"], ones)
+    want = dict(
+        draft=fa3_spec.build_draft_iteration_metadata(spec, **batch, out_cache_loc=loc),
+        verify=fa3_spec.build_target_verify_metadata(
+            spec, **batch, tree_mask=None if spec.topk == 1 else tree),
+        extend=fa3_spec.build_draft_extend_metadata(spec, **batch, extend_seq_lens=ones))
+    got = dict(draft=host.md_draft, verify=host.md_verify, extend=host.md_extend)
+    q = dict(draft=host.bucket * spec.topk, verify=host.bucket * spec.num_draft_tokens,
+             extend=host.bucket)
+    bad = []
+    for mode in want:
+        w = want[mode] if mode == "draft" else (want[mode],)
+        g = got[mode] if mode == "draft" else (got[mode],)
+        if any(key_slots_read(a, q[mode]) != key_slots_read(b, q[mode]) for a, b in zip(g, w)):
+            bad.append(mode)
+    return bad
 
 
 def _greedy_segment(engine: EagleEngine, bucket: int, graphs: bool):
@@ -306,18 +443,25 @@ def bench_point(cfg_tuple, batch, args, models) -> dict:
     row["capture_a_s"] = round(time.perf_counter() - t0, 2)
     restore()
     row["a_in_graph"] = _measure(lambda: eng._launch(batch), out_tokens, args.iters, cuda)
-    a_tokens = st["out_tokens"].clone()
+    a_state = {key: v.clone() for key, v in st.items()}
     restore()
 
     # (b) host-built metadata, three graphs.
     t0 = time.perf_counter()
-    host = HostMetadataLoop(eng, batch, cuda)
+    host = (SglangMetadataLoop(eng, batch, cuda, args.upstream_code) if args.upstream_code
+            else HostMetadataLoop(eng, batch, cuda))
     row["capture_b_s"] = round(time.perf_counter() - t0, 2)
     restore()
     row["b_host_metadata"] = _measure(host.iteration, out_tokens, args.iters, cuda)
-    row["b_metadata_source"] = "fa3_spec.upstream.UpstreamStyleBuilder (upstream-style model)"
+    row["b_metadata_source"] = host.source
+    if args.upstream_note:
+        row["b_metadata_note"] = args.upstream_note
     if args.smoke:
-        row["a_equals_b"] = bool(torch.equal(a_tokens, st["out_tokens"]))
+        row["a_equals_b"] = bool(torch.equal(a_state["out_tokens"], st["out_tokens"]))
+        # The whole loop state (draft features, candidate scores, ...), bitwise:
+        # the same attention calls on the same keys give the same floats on CPU.
+        row["a_state_equals_b"] = sorted(k for k, v in st.items() if not torch.equal(a_state[k], v)) or True
+        row["b_metadata_mismatches"] = metadata_reads_as_builders(host)
     restore()
 
     # (c) plain greedy decoding.
@@ -329,6 +473,23 @@ def bench_point(cfg_tuple, batch, args, models) -> dict:
     row["a_over_b"] = round(a["tokens_per_s"] / b["tokens_per_s"], 3)
     row["a_over_c"] = round(a["tokens_per_s"] / c["tokens_per_s"], 3)
     return row
+
+
+def _resolve_upstream(args):
+    """``(UpstreamSglang or None, note)`` for ``--upstream``; before anything imports
+    Triton (on CPU sglang's kernels need Triton's interpreter mode)."""
+    if args.upstream == "model":
+        return None, ""
+    # As sglang runs it: draft_decode_set_expand_metadata under torch.compile(dynamic=True)
+    # (eager in the CPU smoke run, as the other benchmarks do).
+    up, why = load_upstream_or_reason(device=args.device, fetch=args.upstream == "sglang",
+                                      compile_expand=not args.smoke)
+    if up is None and args.upstream == "sglang":
+        raise SystemExit(f"--upstream sglang: sglang {SGLANG_VERSION}'s code is unavailable: {why}")
+    if up is None:
+        print(f"(b) falls back to the {MODEL_SOURCE}: {why}", file=sys.stderr)
+        return None, f"sglang {SGLANG_VERSION} unavailable ({why})"
+    return up, ""
 
 
 def main(argv=None) -> int:
@@ -344,6 +505,10 @@ def main(argv=None) -> int:
     ap.add_argument("--max-new-tokens", type=int, default=None)
     ap.add_argument("--compile", default=None, help="torch.compile backend for (a) (default none)")
     ap.add_argument("--real-acceptance", action="store_true")
+    ap.add_argument("--upstream", choices=("auto", "sglang", "model"), default="auto",
+                    help="metadata of (b): sglang 0.5.23's own replay functions (sglang; "
+                         "FA3_SPEC_SGLANG_SRC names its sources offline), the project's "
+                         "upstream-style model (model), or sglang when it loads (auto)")
     ap.add_argument("--json", metavar="PATH")
     ap.add_argument("--append", action="store_true",
                     help="add rows to an existing --json file (split a long run over calls)")
@@ -361,6 +526,7 @@ def main(argv=None) -> int:
         args.context, args.iters = args.context or 1024, args.iters or 20
     if args.configs:
         configs = [tuple(int(x) for x in c.split(",")) for c in args.configs]
+    args.upstream_code, args.upstream_note = _resolve_upstream(args)
     models = make_models(args.preset, draft="random", device=args.device,
                          num_layers=args.num_layers)
     rows = []

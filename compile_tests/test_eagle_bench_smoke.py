@@ -1,9 +1,12 @@
 """benchmarks/eagle_bench.py runs end to end in its CPU smoke mode.
 
 The smoke run's timings mean nothing; what it checks is that every variant
-runs and that (a) metadata built in the iteration and (b) the upstream-style
-host-built metadata copied into static buffers drive the loop to the same
-tokens.
+runs and that (a) metadata built in the iteration and (b) host-filled
+metadata read by the captured phases drive the loop to the same tokens and
+the same whole state, and that (b)'s metadata read the same keys as
+fa3_spec's builders. (b) runs on sglang 0.5.23's own replay functions when
+they load here (``--upstream auto``), and on the project's upstream-style
+model (``--upstream model``).
 """
 
 import json
@@ -11,18 +14,45 @@ import pathlib
 import subprocess
 import sys
 
+
+from fa3_spec.harness.sglang_upstream import SGLANG_VERSION
+
 ROOT = pathlib.Path(__file__).resolve().parents[1]
+SGLANG = f"sglang-{SGLANG_VERSION} replay functions"
+MODEL = "fa3_spec upstream-style model"
 
 
-def test_eagle_bench_smoke(tmp_path):
+def _smoke(tmp_path, *extra):
     out = tmp_path / "eagle.json"
     subprocess.run([sys.executable, str(ROOT / "benchmarks" / "eagle_bench.py"), "--smoke",
-                    "--json", str(out)], check=True, cwd=ROOT, capture_output=True, timeout=600)
+                    "--json", str(out), *extra], check=True, cwd=ROOT, capture_output=True,
+                   timeout=600)
     rows = json.loads(out.read_text())["rows"]
     assert len(rows) == 2
     for row in rows:
         assert row["acceptance"].startswith("SCRIPTED")
         assert row["a_equals_b"] is True
+        assert row["a_state_equals_b"] is True
+        assert row["b_metadata_mismatches"] == []
         for variant in ("a_in_graph", "b_host_metadata", "c_greedy"):
             assert row[variant]["tokens"] > 0 and row[variant]["tokens_per_s"] > 0
         assert row["a_in_graph"]["tokens"] == row["b_host_metadata"]["tokens"]
+    return rows
+
+
+def test_eagle_bench_smoke_auto(tmp_path):
+    """auto: sglang's own functions when they load here, else the model, labelled so."""
+    probe = subprocess.run(  # in a child: Triton's interpreter mode is fixed at import
+        [sys.executable, "-c", "from fa3_spec.harness.sglang_upstream import "
+         "load_upstream_or_reason as l; import sys; sys.exit(l(fetch=False)[0] is None)"],
+        cwd=ROOT, capture_output=True, timeout=300)
+    rows = _smoke(tmp_path)
+    want = SGLANG if probe.returncode == 0 else MODEL
+    assert {row["b_metadata_source"] for row in rows} == {want}
+    if want == MODEL:
+        assert all("unavailable" in row["b_metadata_note"] for row in rows)
+
+
+def test_eagle_bench_smoke_model(tmp_path):
+    rows = _smoke(tmp_path, "--upstream", "model")
+    assert {row["b_metadata_source"] for row in rows} == {MODEL}

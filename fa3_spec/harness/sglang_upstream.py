@@ -299,6 +299,7 @@ class UpstreamBackend:
             setattr(b, name, value)
         b.init_cuda_graph_state(cfg.max_bs, cfg.max_bs * max(cfg.topk, cfg.num_draft_tokens))
         self.backend, self.cfg, self.step = b, cfg, step
+        self._bound = set()  # (mode, bs, num_tokens) already bound, as at capture time
 
     @property
     def buffers(self) -> dict:
@@ -309,10 +310,18 @@ class UpstreamBackend:
         return {n: {k: v for k, v in getattr(self.backend, n).items() if isinstance(k, str)}
                 for n in names if hasattr(self.backend, n)}
 
+    def _bind(self, mode, bs, num_tokens, spec_info, device):
+        """``_bind_metadata_buffers`` once per (mode, bs, num_tokens): sglang binds
+        at capture time and replays only ``_apply_cuda_graph_metadata``."""
+        key = (mode.name, bs, num_tokens)
+        if key not in self._bound:
+            self.backend._bind_metadata_buffers(bs, num_tokens, None, mode, spec_info, device)
+            self._bound.add(key)
+
     def _apply(self, mode, bs, req_pool_indices, seq_lens, spec_info, out_cache_loc=None,
                num_tokens=None):
         b = self.backend
-        b._bind_metadata_buffers(bs, num_tokens or bs, None, mode, spec_info, seq_lens.device)
+        self._bind(mode, bs, num_tokens or bs, spec_info, seq_lens.device)
         b._apply_cuda_graph_metadata(
             plan=None, bs=bs, req_pool_indices=req_pool_indices, seq_lens=seq_lens,
             encoder_lens=None, forward_mode=mode, spec_info=spec_info, seq_lens_cpu=None,
@@ -347,8 +356,7 @@ class UpstreamBackend:
         (``init_forward_metadata_in_graph``: ``draft_extend_set_metadata``)."""
         bs = seq_lens.shape[0]
         spec_info = self._extend_spec_info(extend_seq_lens)
-        self.backend._bind_metadata_buffers(bs, bs * self.cfg.num_draft_tokens, None,
-                                            DRAFT_EXTEND_V2, spec_info, seq_lens.device)
+        self._bind(DRAFT_EXTEND_V2, bs, bs * self.cfg.num_draft_tokens, spec_info, seq_lens.device)
         fb = types.SimpleNamespace(forward_mode=DRAFT_EXTEND_V2, batch_size=bs,
                                    req_pool_indices=req_pool_indices, seq_lens=seq_lens,
                                    extend_seq_lens=extend_seq_lens, out_cache_loc=None)

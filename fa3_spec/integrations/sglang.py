@@ -48,7 +48,7 @@ every live request's block.
 from __future__ import annotations
 
 import dataclasses
-from typing import Dict, Optional, Sequence
+from typing import Dict, Optional, Sequence, Union
 
 import torch
 
@@ -58,9 +58,10 @@ from ..builders import (
     build_draft_iteration_metadata,
     build_target_verify_metadata,
 )
+from .._validate import int_in_range
 from ..checks import error_flags as _error_flags
 from ..config import SpecConfig, cdiv
-from ..metadata import FA3Metadata
+from ..metadata import CascadeMetadata, FA3Metadata
 from ..tree import tree_mask_from_flat
 
 Buffers = Dict[str, Dict[str, torch.Tensor]]
@@ -73,6 +74,8 @@ TARGET_VERIFY = "target_verify_metadata"
 TARGET_VERIFY_TOPK_NORMAL = "target_verify_metadata_topk_normal"
 TARGET_VERIFY_TOPK_EXPAND = "target_verify_metadata_topk_expand"
 DRAFT_EXTEND = "draft_extend_metadata"
+#: The modes `metadata_views` serves.
+VIEW_MODES = ("draft_decode", "target_verify", "draft_extend")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -316,6 +319,75 @@ def draft_extend(cfg: SglangConfig, buffers: Buffers, *, req_to_token: torch.Ten
     buf["cu_seqlens_q"][:bs + 1].copy_(md.cu_seqlens_q)
     buf["page_table"][:bs].copy_(_full_page_table(cfg, req_to_token, req_pool_indices,
                                                   cfg.max_num_pages))
+
+
+# ---------------------------------------------------------------- read views
+def metadata_views(cfg: SglangConfig, buffers: Buffers, mode: str, *, step: int = 0,
+                   bs: Optional[int] = None) -> Union[FA3Metadata, CascadeMetadata]:
+    """The metadata sglang's FA3 calls read, as views of sglang's own buffers.
+
+    What ``_bind_metadata_buffers`` binds for a captured batch of ``bs`` rows
+    (default ``cfg.max_bs``): every tensor is a slice of a tensor in
+    ``buffers`` (no copy), so whatever fills the buffers in place (sglang's
+    replay functions, or this module's fill functions) is what an attention
+    call on these views reads, captured in a CUDA graph or not. The static
+    ints (``max_seqlen_q``, ``max_seqlen_k``, ``page_size``, ``causal``) are
+    those of fa3_spec's builder for the mode, so the views drive the same
+    attention call as the builders' metadata::
+
+        mode            topk = 1                       topk > 1 (prefix, expand)
+        draft_decode    DECODE, page_table_draft_decode DRAFT_TOPK_NORMAL, DRAFT_TOPK_EXPAND
+        target_verify   TARGET_VERIFY                  TARGET_VERIFY_TOPK_NORMAL, _EXPAND
+        draft_extend    DRAFT_EXTEND                   DRAFT_EXTEND
+
+    Page tables keep sglang's widths (``ceil(context_len / P)`` columns; the
+    topk > 1 prefixes ``context_len``); FA3 reads ``ceil(cache_seqlens / P)``
+    of them. Not every buffer sglang binds is written by its replay: the
+    topk > 1 draft prefix's ``cu_seqlens_k`` keeps its init value (FA3's
+    paged call does not read it).
+
+    Args:
+        cfg: the backend's configuration.
+        buffers: one backend instance's buffers (`allocate_buffers` or
+            ``UpstreamBackend.buffers``); for ``draft_decode`` the set of
+            draft step ``step``.
+        mode: ``"draft_decode"``, ``"target_verify"`` or ``"draft_extend"``.
+        step: draft step (``draft_decode`` only).
+        bs: captured batch size, ``1 <= bs <= cfg.max_bs``.
+
+    Returns:
+        `FA3Metadata` (topk = 1, and ``draft_extend``) or `CascadeMetadata`.
+    """
+    bs = int_in_range("bs", cfg.max_bs if bs is None else bs, 1, cfg.max_bs, " (max_bs)")
+    if mode not in VIEW_MODES:
+        raise ValueError(f"mode must be one of {VIEW_MODES}, got {mode!r}")
+    spec, k, n, p, c = cfg.spec_config(), cfg.topk, cfg.num_draft_tokens, cfg.page_size, cfg.context_len
+    if mode == "draft_decode":
+        spec.check_step(step)
+
+    def view(name, rows, table="page_table", page_size=p, **statics):
+        buf = buffers[name]
+        return FA3Metadata(page_table=buf[table][:rows], cache_seqlens=buf["cache_seqlens"][:rows],
+                           cu_seqlens_q=buf["cu_seqlens_q"][:rows + 1],
+                           cu_seqlens_k=buf["cu_seqlens_k"][:rows + 1], page_size=page_size,
+                           **statics)
+
+    if mode == "draft_extend":
+        return view(DRAFT_EXTEND, bs, max_seqlen_q=n, max_seqlen_k=c, causal=True)
+    if mode == "draft_decode" and k == 1:
+        return view(DECODE, bs, table="page_table_draft_decode", max_seqlen_q=1,
+                    max_seqlen_k=c + spec.decode_length(step), causal=True)
+    if mode == "draft_decode":
+        prefix = view(DRAFT_TOPK_NORMAL, bs, max_seqlen_q=k, max_seqlen_k=c, causal=False)
+        expand = view(DRAFT_TOPK_EXPAND, bs * k, max_seqlen_q=1,
+                      max_seqlen_k=spec.expand_max_seqlen_k(step), causal=False)
+        return CascadeMetadata(prefix=prefix, expand=expand)
+    if k == 1:
+        return view(TARGET_VERIFY, bs, max_seqlen_q=n, max_seqlen_k=c + n, causal=True)
+    prefix = view(TARGET_VERIFY_TOPK_NORMAL, bs, max_seqlen_q=n, max_seqlen_k=c, causal=False)
+    expand = view(TARGET_VERIFY_TOPK_EXPAND, bs * n, page_size=1, max_seqlen_q=1, max_seqlen_k=n,
+                  causal=False)  # the expand table holds slots
+    return CascadeMetadata(prefix=prefix, expand=expand)
 
 
 # ------------------------------------------------------------------- padding
