@@ -202,35 +202,23 @@ def test_query_with_no_key_and_a_sink_gets_zero_output_and_the_sink_as_lse():
         assert torch.isfinite(out).all()
 
 
-def test_window_is_bottom_right_aligned_on_non_causal_rows():
-    """A hand-made non-causal call: query i of n sits at seqlen_k - n + i."""
+def test_window_is_refused_on_non_causal_multi_query_rows():
+    """A non-causal call with several queries per row: FA3 would align a window as if the
+    queries sat at consecutive positions, which fa3_spec's own such calls (cascade
+    prefixes) do not. Refused rather than silently wrong."""
     g = torch.Generator().manual_seed(3)
     kc, vc = torch.randn(6, 4, HKV, DIM, generator=g), torch.randn(6, 4, HKV, DIM, generator=g)
-    seqlens, n = [9, 3, 0], 3
     md = fa3_spec.FA3Metadata(
         page_table=torch.tensor([[4, 1, 3], [2, 0, 0], [0, 0, 0]], dtype=torch.int32),
-        cache_seqlens=torch.tensor(seqlens, dtype=torch.int32),
+        cache_seqlens=torch.tensor([9, 3, 0], dtype=torch.int32),
         cu_seqlens_q=torch.tensor([0, 3, 6, 6], dtype=torch.int32),
         cu_seqlens_k=torch.tensor([0, 9, 12, 12], dtype=torch.int32),
-        max_seqlen_q=n, max_seqlen_k=12, page_size=4, causal=False)
+        max_seqlen_q=3, max_seqlen_k=12, page_size=4, causal=False)
     q = torch.randn(9, HQ, DIM, generator=g)
-    table = md.page_table.tolist()
-    kf, vf = kc.reshape(-1, HKV, DIM), vc.reshape(-1, HKV, DIM)
-    for left, right in [(2, 1), (0, 0), (-1, 1), (1, -1), (5, 2)]:
-        out = fa3_spec.cascade_attention(q, kc, vc, md, backend="torch", window_size=(left, right))
-        for j in range(9):
-            b, i = divmod(j, n)
-            if b == 2:  # the query rows of no request
-                assert torch.equal(out[j], torch.zeros_like(out[j]))
-                continue
-            pos = seqlens[b] - n + i
-            keep = [t for t in range(seqlens[b])
-                    if (left < 0 or t >= pos - left) and (right < 0 or t <= pos + right)]
-            slots = [table[b][t // 4] * 4 + t % 4 for t in keep]
-            k = kf[slots].repeat_interleave(HQ // HKV, 1)
-            v = vf[slots].repeat_interleave(HQ // HKV, 1)
-            p = (torch.einsum("hd,lhd->hl", q[j], k) * DIM ** -0.5).softmax(-1)
-            torch.testing.assert_close(out[j], torch.einsum("hl,lhd->hd", p, v), atol=1e-5, rtol=1e-5)
+    for window in [(2, 1), (0, 0), (-1, 1), (1, -1)]:
+        with pytest.raises(ValueError, match="non-causal"):
+            fa3_spec.cascade_attention(q, kc, vc, md, backend="torch", window_size=window)
+    fa3_spec.cascade_attention(q, kc, vc, md, backend="torch", window_size=(-1, -1))  # no window: fine
 
 
 def test_window_on_a_cascade_asks_for_sliding_window_metadata():

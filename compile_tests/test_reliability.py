@@ -247,3 +247,72 @@ def test_padding_rows_with_a_negative_request_index_are_exempt():
         assert _flags(w, mode, req_pool_indices=rpi) == 0, mode
     rpi[1] = -1  # a live row: flagged
     assert _flags(w, "decode", req_pool_indices=rpi) & ErrorFlag.REQUEST_INDEX_OUT_OF_RANGE
+
+
+# Found by review: overlaps the first version of the layout check missed -----------------------
+def _one_request(loc_rows, *, p=4, k=2, s=5, seq=5):
+    cfg = fa3_spec.SpecConfig(page_size=p, topk=k, num_steps=s, num_draft_tokens=4, max_bs=4,
+                              max_context_len=16, num_pages=64)
+    r2t = (torch.arange(cfg.draft_row_len) + p).view(1, -1).to(torch.int32)  # identity, page + 1
+    loc = torch.tensor(loc_rows).view(1, k, s)
+    return [int(error_flags(cfg, "draft_decode", step=step, req_to_token=r2t,
+                            req_pool_indices=torch.tensor([0]), seq_lens=torch.tensor([seq]),
+                            out_cache_loc=loc)) for step in range(s - 1)]
+
+
+def test_branches_sharing_a_page_or_landing_on_the_prefix_are_flagged():
+    # seq 5, P 4: prefix slots 4..8 (page 1 whole, page 2 holds token 4 = slot 8); last = 1.
+    assert _one_request([[9, 10, 11, 12, 13], [21, 22, 23, 24, 25]]) == [0, 0, 0, 0]
+    # Branch 1's region starts on branch 0's second page: from step 3 on they share page 3
+    # (branch 0's d3 lands on the slot holding branch 1's tail copy).
+    flags = _one_request([[9, 10, 11, 12, 13], [13, 14, 15, 16, 17]])
+    assert flags[3] & ErrorFlag.DRAFT_LAYOUT
+    # Branch 1's drafts on the prefix's whole page 1 (slots 5..7 are prefix positions 1..3).
+    flags = _one_request([[9, 10, 11, 12, 13], [5, 6, 7, 8, 9]])
+    assert all(f & ErrorFlag.DRAFT_LAYOUT for f in flags)
+
+
+def test_tail_copies_of_padding_rows_touch_only_slot_zero():
+    cfg = fa3_spec.SpecConfig(page_size=4, topk=2, num_steps=3, num_draft_tokens=3, max_bs=4,
+                              max_context_len=16)
+    src, dst = fa3_spec.draft_tail_copy_slots(cfg, seq_lens=torch.tensor([0]),
+                                              out_cache_loc=torch.full((1, 2, 3), 10**9))
+    assert src.tolist() == dst.tolist() == [0] * 6
+
+
+def test_a_window_on_a_non_causal_multi_query_call_is_refused():
+    cfg = fa3_spec.SpecConfig(page_size=1, topk=4, num_steps=3, num_draft_tokens=4, max_bs=4,
+                              max_context_len=16)
+    w = make_world(cfg, 1, seq_lens=[10])
+    prefix = fa3_spec.build_draft_prefix_metadata(cfg, **w.batch())
+    kv = torch.randn(w.num_pages, 1, 1, 8)
+    with pytest.raises(ValueError, match="non-causal"):
+        fa3_spec.cascade_attention(torch.randn(4, 1, 8), kv, kv, prefix, backend="torch",
+                                   window_size=(3, -1))
+
+
+def test_runner_never_returns_a_negative_slice():
+    def step(x):
+        return (x[1:] - x[:-1],)  # B - 1 rows
+
+    runner = _runner(step, lambda bs: dict(x=torch.zeros(bs)), buckets=(4, 8))
+    assert runner(x=torch.zeros(0))[0].shape == (0,)
+    assert runner(x=torch.arange(3.0))[0].tolist() == [1.0, 1.0]
+
+
+def test_sinks_keep_float64():
+    cfg = fa3_spec.SpecConfig(page_size=2, topk=1, num_steps=2, num_draft_tokens=1, max_bs=4,
+                              max_context_len=16)
+    w = make_world(cfg, 2, seq_lens=[7, 3])
+    md = fa3_spec.build_decode_metadata(cfg, **w.batch())
+    g = torch.Generator().manual_seed(0)
+    k = torch.randn(w.num_pages, 2, 2, 8, generator=g, dtype=torch.float64)
+    v = torch.randn(w.num_pages, 2, 2, 8, generator=g, dtype=torch.float64)
+    q = torch.randn(2, 2, 8, generator=g, dtype=torch.float64)
+    sinks = torch.tensor([0.5, -1.0], dtype=torch.float64)
+    out, lse = fa3_spec.cascade_attention(q, k, v, md, backend="torch", sinks=sinks,
+                                          return_lse=True)
+    assert out.dtype == torch.float64
+    base, base_lse = fa3_spec.cascade_attention(q, k, v, md, backend="torch", return_lse=True)
+    want = base * torch.sigmoid(base_lse - sinks[:, None]).transpose(0, 1).unsqueeze(-1)
+    assert torch.allclose(out, want, atol=1e-12, rtol=1e-12)

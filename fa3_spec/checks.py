@@ -54,8 +54,9 @@ _MESSAGES = {
     "(its window would run past the req_to_token row)",
     ErrorFlag.DRAFT_LAYOUT: "draft slots are not in the topk > 1 layout of docs/semantics.md: "
     "draft token s of a branch must sit at in-page offset (seq_len % P + s) % P, on consecutive "
-    "slots within a page, on a new page exactly at each page boundary, with no slot shared "
-    "between branches, and branch 0 starting on the prefix's partial last page",
+    "slots within a page, on a new page exactly at each page boundary, with no page shared "
+    "between branches or with the prefix's whole pages, and branch 0 (only) starting on the "
+    "prefix's partial last page",
     ErrorFlag.TREE_MASK_NOT_A_TREE: "tree_mask is not the ancestor-or-self relation of a tree: "
     "row 0 must be {0}, and every other row must be its parent's row plus itself, its parent "
     "being its largest earlier attended token (no later token attended)",
@@ -184,9 +185,10 @@ def _draft_layout(cfg: SpecConfig, view: BatchView, loc: torch.Tensor) -> torch.
 
     Draft token ``s`` of a branch sits at in-page offset ``(last + s) % P``;
     within a page the slots are consecutive; at each page boundary a new page
-    starts that no earlier token of the branch used; no slot is shared by two
-    branches of a request; and (``last > 0``) branch 0's first page is the
-    prefix's partial last page while the other branches' are not.
+    starts that no earlier token of the branch used; no page is shared by two
+    branches of a request, nor with the prefix's whole pages; and (``last >
+    0``) branch 0's first page is the prefix's partial last page, which no
+    other branch touches.
     """
     p, k = cfg.page_size, cfg.topk
     rows, d = loc.shape
@@ -206,20 +208,30 @@ def _draft_layout(cfg: SpecConfig, view: BatchView, loc: torch.Tensor) -> torch.
     other_page = page_index.unsqueeze(2) != page_index.unsqueeze(1)
     clash = (pages.unsqueeze(2) == pages.unsqueeze(1)) & other_page
     bad = bad | clash.any(dim=2)
-    # No slot shared between the branches of one request.
-    per_request = loc.reshape(bs, k * d)
+    # No page shared between the branches of one request (a shared page would
+    # let one branch's drafts or tail copy overwrite keys another reads).
+    per_request = pages.reshape(bs, k * d)
     branch = torch.arange(k * d, device=loc.device) // d
     dup = (per_request.unsqueeze(2) == per_request.unsqueeze(1)) & (
         branch.unsqueeze(1) != branch.unsqueeze(0))
     bad = bad | dup.any(dim=2).reshape(rows, d)
-    # Branch 0 begins on the prefix's partial last page; the others do not.
+    # No draft on a page of the prefix's whole pages (the prefix call reads them).
+    j = torch.arange(cfg.max_pages, device=loc.device)
+    prefix_pages = torch.div(_raw_slots(view, (j * p).unsqueeze(0).expand(bs, -1)), p,
+                             rounding_mode="floor")  # [B, max_pages]
+    whole = j.unsqueeze(0) < torch.div(view.seq_lens - view.last_page_lens, p,
+                                       rounding_mode="floor").unsqueeze(1)
+    on_prefix = (per_request.unsqueeze(2) == prefix_pages.unsqueeze(1)) & whole.unsqueeze(1)
+    bad = bad | on_prefix.any(dim=2).reshape(rows, d)
+    # Branch 0 begins on the prefix's partial last page; no other branch touches it.
     tail_pos = (view.seq_lens - 1).clamp(min=0).unsqueeze(1)
     tail_page = torch.div(_raw_slots(view, tail_pos), p, rounding_mode="floor")  # [B, 1]
-    first = pages[:, :1].reshape(bs, k) == tail_page
-    is_branch0 = torch.arange(k, device=loc.device) == 0
-    has_tail = (view.last_page_lens > 0).unsqueeze(1)
-    first_bad = has_tail & (first != is_branch0)
-    bad = bad.any(dim=1) | first_bad.reshape(rows)
+    on_tail = pages.reshape(bs, k, d) == tail_page.unsqueeze(2)  # [B, K, d]
+    is_branch0 = (torch.arange(k, device=loc.device) == 0).view(1, k)
+    has_tail = (view.last_page_lens > 0).view(bs, 1)
+    first_bad = has_tail & (on_tail[:, :, 0] != is_branch0)
+    others_bad = has_tail.unsqueeze(2) & on_tail & ~is_branch0.unsqueeze(2)
+    bad = bad.any(dim=1) | first_bad.reshape(rows) | others_bad.any(dim=2).reshape(rows)
     return _flag(bad & repeat_rows(view.live, k), ErrorFlag.DRAFT_LAYOUT)
 
 

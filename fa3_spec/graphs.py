@@ -31,7 +31,7 @@ Outputs need not be batch-major row for row: at capture the runner learns,
 per output tensor, how its leading dimension grows with the batch
 (``rows = a * B + c``: ``B`` for per-request rows, ``B * K`` for per-branch
 expand rows, ``B + 1`` for ``cu_seqlens``, a constant for flags) and returns
-``[: a * bs + c]``. An output whose *other* dimensions grow with the batch
+``[: max(a * bs + c, 0)]``. An output whose *other* dimensions grow with the batch
 is refused at capture, as is one whose leading dimension is not affine in it.
 
 Engine-owned tensors (``req_to_token``, KV caches, weights) are not runner
@@ -281,7 +281,7 @@ class CUDAGraphRunner:
 
     def _live_outputs(self, out, bs: int):
         leaves, spec = pytree.tree_flatten(out)
-        live = [t[: a * bs + c] if t.dim() else t for t, (a, c) in zip(leaves, self._out_rows)]
+        live = [t[: max(a * bs + c, 0)] if t.dim() else t for t, (a, c) in zip(leaves, self._out_rows)]
         return pytree.tree_unflatten(live, spec)
 
     def _zero_padding(self, bucket: int, bs: int) -> None:

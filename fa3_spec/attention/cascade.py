@@ -116,6 +116,14 @@ def _check_window(window_size, metadata) -> tuple:
             f"window_size={window} given with sliding-window metadata, which already carries its "
             "window (build_metadata(..., window_left=W)); pass no window_size"
         )
+    if window != (-1, -1) and not isinstance(metadata, CascadeMetadata) and not (
+            metadata.causal or metadata.max_seqlen_q == 1):
+        raise ValueError(
+            f"window_size={window} cannot be applied to a non-causal call with up to "
+            f"{metadata.max_seqlen_q} queries per row (such as a draft prefix call, whose K branches "
+            "share one position): FA3 aligns the window as if the queries were consecutive. "
+            "A sliding-window layer needs sliding-window metadata from the builders."
+        )
     if window != (-1, -1) and isinstance(metadata, CascadeMetadata):
         raise ValueError(
             f"window_size={window} cannot be applied to a CascadeMetadata: the prefix call's queries "
@@ -135,7 +143,8 @@ def _check_softcap(softcap) -> float:
 
 
 def _check_vector(name: str, t, shape: tuple, q: torch.Tensor, meaning: str) -> Optional[torch.Tensor]:
-    """``t`` as float32 after checking it is a floating ``shape`` tensor on ``q``'s device."""
+    """``t`` as float32 (float64 beside a float64 ``q``) after checking it is a
+    floating ``shape`` tensor on ``q``'s device."""
     if t is None:
         return None
     if not isinstance(t, torch.Tensor):
@@ -146,7 +155,7 @@ def _check_vector(name: str, t, shape: tuple, q: torch.Tensor, meaning: str) -> 
         raise ValueError(f"{name} must be {meaning} = {list(shape)}, got {list(t.shape)}")
     if t.device != q.device:
         raise ValueError(f"{name} is on {t.device} but q is on {q.device}")
-    return t.float()
+    return t.to(torch.float64 if q.dtype == torch.float64 else torch.float32)
 
 
 def _check_out(out, shape: tuple, dtype: torch.dtype, q: torch.Tensor) -> None:

@@ -66,12 +66,14 @@ def add_attention_sink(
         sinks: ``[H]`` sink logits (gpt-oss's learnable per-head sinks).
 
     Returns:
-        ``(out', lse')``, ``out'`` float32. A query with no key gets output 0
+        ``(out', lse')``, ``out'`` float32 (float64 for float64 ``out``). A query with no key gets output 0
         and LSE ``s_h``. Apply it once, to the merged result of all calls: a
         sink merged from two calls would be counted twice.
     """
-    s = sinks.float()[:, None].expand_as(lse)
+    dtype = torch.float64 if out.dtype == torch.float64 else torch.float32
+    lse = lse.to(dtype)
+    s = sinks.to(dtype)[:, None].expand_as(lse)
     new_lse = torch.logaddexp(lse, s)
     # e^l / (e^l + e^s): 0 when l = -inf; 0, not NaN, when l = s = -inf.
     scale = torch.where(torch.isneginf(new_lse), 0.0, torch.exp(lse - new_lse))
-    return out.float() * scale.transpose(0, 1).unsqueeze(-1), new_lse
+    return out.to(dtype) * scale.transpose(0, 1).unsqueeze(-1), new_lse

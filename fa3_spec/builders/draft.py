@@ -264,6 +264,9 @@ def draft_tail_copy_slots(
     first = loc[:, :, :1] - last  # slot of offset 0 in each branch's first page
     src = (first[:, :1] + offset).expand(bs, k, p - 1)
     dst = first + offset
-    dst = torch.where((offset < last) & (sl.view(bs, 1, 1) > 0), dst, src)
+    live = sl.view(bs, 1, 1) > 0
+    dst = torch.where(offset < last, dst, src)
+    # Padding rows copy slot 0 onto itself, whatever their (stale) draft slots hold.
+    src, dst = torch.where(live, src, 0), torch.where(live, dst, 0)
     src, dst = src.clamp(min=0).reshape(-1), dst.clamp(min=0).reshape(-1)
     return in_pool(src, p, cfg.num_pages), in_pool(dst, p, cfg.num_pages)
