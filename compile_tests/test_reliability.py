@@ -316,3 +316,23 @@ def test_sinks_keep_float64():
     base, base_lse = fa3_spec.cascade_attention(q, k, v, md, backend="torch", return_lse=True)
     want = base * torch.sigmoid(base_lse - sinks[:, None]).transpose(0, 1).unsqueeze(-1)
     assert torch.allclose(out, want, atol=1e-12, rtol=1e-12)
+
+
+# Found on the H200 by the loop audit rows: provider discovery inside a compiled step -----------
+def test_provider_discovery_is_a_constant_after_one_eager_call(monkeypatch):
+    from fa3_spec.attention import providers
+    from fa3_spec.probes import graph_breaks
+
+    monkeypatch.setattr(providers, "_FOUND", {})
+
+    def uses_provider(x):
+        return x + (1 if providers.find_provider() is None else 2)
+
+    with pytest.raises(Exception, match="cannot happen inside torch.compile"):
+        torch.compile(uses_provider, fullgraph=True, backend="eager")(torch.zeros(2))
+    torch._dynamo.reset()
+    eager = uses_provider(torch.zeros(2))  # discovers (an import), outside any compiled region
+    breaks, reasons = graph_breaks(uses_provider, torch.zeros(2))
+    assert breaks == 0, reasons
+    assert torch.equal(torch.compile(uses_provider, fullgraph=True, backend="eager")(torch.zeros(2)),
+                       eager)

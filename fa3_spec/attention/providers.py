@@ -25,9 +25,30 @@ _CANDIDATES = (
 )
 
 
-@functools.lru_cache(maxsize=None)
+#: Discovery results, filled once, outside any compiled region. A plain dict
+#: (not ``lru_cache``): dynamo reads a filled dict as a constant, whereas it
+#: traces through ``lru_cache`` into the import, which it cannot trace.
+_FOUND: dict = {}
+
+
 def find_provider() -> Optional[tuple]:
-    """``(name, module)`` of the first importable FA3 provider, or None."""
+    """``(name, module)`` of the first importable FA3 provider, or None.
+
+    Discovery imports modules, which ``torch.compile`` cannot trace: it runs
+    on the first call outside a compiled region and is cached. Called first
+    while compiling, it raises a `RuntimeError` that says how to avoid it.
+    """
+    if "provider" not in _FOUND:
+        if torch.compiler.is_compiling():
+            raise RuntimeError(
+                "fa3_spec looks for its FA3 provider by importing it, which cannot happen "
+                "inside torch.compile: call fa3_spec.attention.fa3_available() once before "
+                "compiling (or run the step once eagerly), or pass backend='fa3' or 'torch'")
+        _FOUND["provider"] = _discover()
+    return _FOUND["provider"]
+
+
+def _discover() -> Optional[tuple]:
     for name, module in _CANDIDATES:
         try:
             mod = importlib.import_module(module)
@@ -55,11 +76,17 @@ def provider_version() -> str:
 
 
 def fa3_available(device: Optional[torch.device] = None) -> bool:
-    """True when CUDA is a Hopper GPU (sm90) and a provider imports."""
-    if not torch.cuda.is_available():
-        return False
-    major, _ = torch.cuda.get_device_capability(device)
-    return major == 9 and find_provider() is not None
+    """True when CUDA is a Hopper GPU (sm90) and a provider imports.
+
+    Cached per device after its first (eager) call, so that a compiled step
+    that resolves ``backend="auto"`` reads a constant."""
+    key = ("available", None if device is None else str(device))
+    if key not in _FOUND:
+        if not torch.cuda.is_available():
+            return False
+        major, _ = torch.cuda.get_device_capability(device)
+        _FOUND[key] = major == 9 and find_provider() is not None
+    return _FOUND[key]
 
 
 def kvcache_forward() -> Callable:
