@@ -307,7 +307,7 @@ class EagleEngine:
             if accept[slot] > 0:
                 self.stats["accept_lens"].append(int(accept[slot]))
             if seq[slot] == 0:  # finished (padding on the device already)
-                req.output = host["out_tokens"][slot, : int(out_len[slot])].tolist()
+                req.output = host["out_tokens"][slot, : int(out_len[slot])].tolist()  # ok-host
                 self.pool.release(req.row)
                 self._slots[slot] = None
                 self._done[req.rid] = req
@@ -345,7 +345,7 @@ class EagleEngine:
         for req in self._slots:
             if req is not None:
                 n = int(self.state["out_len"][req.slot])
-                out[req.rid] = self.state["out_tokens"][req.slot, :n].tolist()
+                out[req.rid] = self.state["out_tokens"][req.slot, :n].tolist()  # ok-host
         return out
 
 
@@ -391,7 +391,7 @@ def greedy_generate(models: SpecModel, prompts: Sequence[Sequence[int]],
         cur = logits.argmax(-1)
         tokens.append(cur)
         seq = seq + 1
-    table = torch.stack(tokens, 1).cpu().tolist()
+    table = torch.stack(tokens, 1).cpu().tolist()  # ok-host: host readback, between iterations
     eos_ids = list(eos_ids) if eos_ids is not None else [-1] * bs
     out = []
     for row, m, eos in zip(table, max_new_tokens, eos_ids):

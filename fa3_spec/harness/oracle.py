@@ -36,8 +36,8 @@ def expected_key_slots(world: World, mode: str, *, step: int = 0, tree: bool = T
     r2t = world.req_to_token.cpu()
     loc = world.out_cache_loc.cpu().view(-1, cfg.topk, cfg.num_steps)
     out = []
-    for b, (row, s) in enumerate(zip(world.req_pool_indices.tolist(), world.seq_lens.tolist())):
-        tokens = r2t[row].tolist()
+    for b, (row, s) in enumerate(zip(world.req_pool_indices.tolist(), world.seq_lens.tolist())):  # ok-host
+        tokens = r2t[row].tolist()  # ok-host: harness, never in a step
         live = s > 0
         if mode == "decode":
             out.append(tokens[:s])
@@ -52,7 +52,7 @@ def expected_key_slots(world: World, mode: str, *, step: int = 0, tree: bool = T
                     # the start of the branch's own region (docs/semantics.md).
                     start = int(world.draft_positions[b, t, 0]) - last
                     tail = [tokens[start + o] for o in range(last)]
-                    drafts = loc[b, t, :d].tolist()
+                    drafts = loc[b, t, :d].tolist()  # ok-host: harness, never in a step
                     out.append(tokens[: s - last] + tail + drafts if live else [])
         elif mode == "target_verify":
             n = cfg.num_draft_tokens
@@ -169,10 +169,10 @@ def key_slots_read(md, num_queries: int) -> list:
                 out[i] = out[i] + extra
         return out
     out = [[] for _ in range(num_queries)]
-    cu = md.cu_seqlens_q.tolist()
-    table = md.page_table.tolist()
+    cu = md.cu_seqlens_q.tolist()  # ok-host: harness, never in a step
+    table = md.page_table.tolist()  # ok-host: harness, never in a step
     p = md.page_size
-    for b, length in enumerate(md.cache_seqlens.tolist()):
+    for b, length in enumerate(md.cache_seqlens.tolist()):  # ok-host: harness, never in a step
         keys = [table[b][t // p] * p + t % p for t in range(length)]
         n = cu[b + 1] - cu[b]
         for i in range(n):

@@ -212,7 +212,7 @@ def fill_kv_cache(
     if p > 1 and cfg.topk > 1:
         kf, vf = k.view(-1, num_kv_heads, head_dim), v.view(-1, num_kv_heads, head_dim)
         r2t = world.req_to_token
-        for b, (row, s) in enumerate(zip(world.req_pool_indices.tolist(), world.seq_lens.tolist())):
+        for b, (row, s) in enumerate(zip(world.req_pool_indices.tolist(), world.seq_lens.tolist())):  # ok-host
             last = s % p
             for t in range(1, cfg.topk):
                 for o in range(last):
