@@ -34,4 +34,23 @@ def one_thread():
     torch.set_num_threads(before)
 
 
+#: Where the sglang parity tests run sglang's own code (its Triton kernels run
+#: in Triton's interpreter on CPU).
+SGLANG_DEVICE = os.environ.get("FA3_SPEC_SGLANG_DEVICE",
+                               "cuda" if torch.cuda.is_available() else "cpu")
+
+
+@pytest.fixture(scope="session")
+def upstream():
+    """sglang 0.5.23's own metadata code, obtained from its wheel at run time
+    (`fa3_spec.harness.sglang_upstream`); the test skips, with the reason,
+    when it cannot be had."""
+    from fa3_spec.harness.sglang_upstream import SGLANG_VERSION, load_upstream_or_reason
+
+    up, why = load_upstream_or_reason(device=SGLANG_DEVICE)
+    if up is None:
+        pytest.skip(f"sglang {SGLANG_VERSION}'s own code is unavailable here: {why}")
+    return up
+
+
 requires_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")

@@ -21,22 +21,15 @@ import torch
 
 from fa3_spec.probes import RecordingBackend, graph_breaks
 from fa3_spec.harness.sglang_upstream import (
-    SGLANG_VERSION, load_upstream_or_reason, make_req_to_token, sglang_batch,
+    make_req_to_token, sglang_batch,
 )
 from fa3_spec.integrations import sglang as sgl
 
 WORLDS = int(os.environ.get("FA3_SPEC_SGLANG_WORLDS", "200"))
-DEVICE = os.environ.get("FA3_SPEC_SGLANG_DEVICE", "cuda" if torch.cuda.is_available() else "cpu")
+from conftest import SGLANG_DEVICE as DEVICE  # noqa: E402
 SEED_CFG = dict(page_size=2, topk=8, num_steps=5, num_draft_tokens=6)  # the seed's (PR #27360)
 UNTOUCHED = ("strided_indices",)  # index constants sglang reads as inputs: never garbage them
 
-
-@pytest.fixture(scope="module")
-def upstream():
-    up, why = load_upstream_or_reason(device=DEVICE)
-    if up is None:
-        pytest.skip(f"sglang {SGLANG_VERSION}'s own code is unavailable here: {why}")
-    return up
 
 
 def _config(rng: random.Random, *, topk, world: int, **fixed) -> sgl.SglangConfig:

@@ -20,23 +20,16 @@ from fa3_spec import (
 )
 from fa3_spec.harness.oracle import key_slots_read
 from fa3_spec.harness.sglang_upstream import (
-    SGLANG_VERSION, load_upstream_or_reason, make_req_to_token, sglang_batch,
+    make_req_to_token, sglang_batch,
 )
 from fa3_spec.integrations import sglang as sgl
 from fa3_spec.metadata import CascadeMetadata
 from fa3_spec.tree import tree_mask_from_flat
 
 WORLDS = int(os.environ.get("FA3_SPEC_SGLANG_VIEW_WORLDS", "6"))
-DEVICE = os.environ.get("FA3_SPEC_SGLANG_DEVICE", "cuda" if torch.cuda.is_available() else "cpu")
+from conftest import SGLANG_DEVICE as DEVICE  # noqa: E402
 STATICS = ("max_seqlen_q", "max_seqlen_k", "page_size", "causal", "window_left")
 
-
-@pytest.fixture(scope="module")
-def upstream():
-    up, why = load_upstream_or_reason(device=DEVICE)
-    if up is None:
-        pytest.skip(f"sglang {SGLANG_VERSION}'s own code is unavailable here: {why}")
-    return up
 
 
 def _calls(md):

@@ -40,3 +40,24 @@ def request_call(
         page_size=cfg.page_size,
         causal=causal,
     )
+
+
+def slot_call(page_table: torch.Tensor, cache_seqlens: torch.Tensor, *,
+              max_seqlen_k: int) -> FA3Metadata:
+    """An expand call whose table lists token *slots*: page size 1, one query per row.
+
+    ``page_table`` int32 ``[rows, W]`` (slot ids, sentinel past each row's
+    ``cache_seqlens``), ``cache_seqlens`` int32 ``[rows]``. Not causal: each
+    row's one query attends exactly its listed slots.
+    """
+    rows = cache_seqlens.shape[0]
+    return FA3Metadata(
+        page_table=page_table,
+        cache_seqlens=cache_seqlens,
+        cu_seqlens_q=uniform_cu_seqlens(rows, 1, cache_seqlens.device),
+        cu_seqlens_k=cu_seqlens(cache_seqlens),
+        max_seqlen_q=1,
+        max_seqlen_k=max_seqlen_k,
+        page_size=1,
+        causal=False,
+    )

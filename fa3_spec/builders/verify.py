@@ -24,11 +24,11 @@ from typing import Optional, Union
 
 import torch
 
-from .._paged import BatchView, cu_seqlens, uniform_cu_seqlens
+from .._paged import BatchView
 from ..batch import SpecBatch
 from ..config import SpecConfig
 from ..metadata import PAGE_SENTINEL, CascadeMetadata, FA3Metadata
-from ._common import request_call
+from ._common import request_call, slot_call
 
 
 def build_target_verify_metadata(
@@ -102,14 +102,4 @@ def target_verify_metadata(batch: SpecBatch, step: int = 0) -> Union[FA3Metadata
 
     cache_seqlens = view.mask_padding(attended, 1).reshape(bs * n).to(torch.int32)
     table = view.mask_padding(table, 1).reshape(bs * n, n).to(torch.int32)
-    expand = FA3Metadata(
-        page_table=table,
-        cache_seqlens=cache_seqlens,
-        cu_seqlens_q=uniform_cu_seqlens(bs * n, 1, view.seq_lens.device),
-        cu_seqlens_k=cu_seqlens(cache_seqlens),
-        max_seqlen_q=1,
-        max_seqlen_k=n,
-        page_size=1,
-        causal=False,
-    )
-    return CascadeMetadata(prefix=prefix, expand=expand)
+    return CascadeMetadata(prefix=prefix, expand=slot_call(table, cache_seqlens, max_seqlen_k=n))

@@ -52,6 +52,7 @@ from .._paged import BatchView, cdiv_tensor, cu_seqlens, in_pool, repeat_rows, u
 from ..batch import SpecBatch
 from ..config import cdiv
 from ..metadata import PAGE_SENTINEL, CascadeMetadata, FA3Metadata
+from ._common import slot_call
 from .verify import attended_slots
 
 WindowMetadata = Union[FA3Metadata, CascadeMetadata]
@@ -164,14 +165,4 @@ def _cascade(view: BatchView, path: torch.Tensor, depth: torch.Tensor, q: int, m
     table = torch.where(cols < before.unsqueeze(1), prefix_slots, path_slots)
     table = torch.where(cols < keys.unsqueeze(1), table, PAGE_SENTINEL).to(torch.int32)
     cache_seqlens = keys.to(torch.int32)
-    expand = FA3Metadata(
-        page_table=table,
-        cache_seqlens=cache_seqlens,
-        cu_seqlens_q=uniform_cu_seqlens(rows, 1, s.device),
-        cu_seqlens_k=cu_seqlens(cache_seqlens),
-        max_seqlen_q=1,
-        max_seqlen_k=width,
-        page_size=1,
-        causal=False,
-    )
-    return CascadeMetadata(prefix=prefix, expand=expand)
+    return CascadeMetadata(prefix=prefix, expand=slot_call(table, cache_seqlens, max_seqlen_k=width))
