@@ -336,3 +336,15 @@ def test_provider_discovery_is_a_constant_after_one_eager_call(monkeypatch):
     assert breaks == 0, reasons
     assert torch.equal(torch.compile(uses_provider, fullgraph=True, backend="eager")(torch.zeros(2)),
                        eager)
+
+
+def test_extend_query_positions_checks_its_arguments():
+    cfg = fa3_spec.SpecConfig(page_size=2, topk=1, num_steps=2, num_draft_tokens=2, max_bs=4,
+                              max_context_len=16)
+    w = make_world(cfg, 3, seed=1)
+    md = fa3_spec.build_prefill_metadata(cfg, **w.batch(), extend_seq_lens=w.seq_lens,
+                                         max_seqlen_q=16)
+    with pytest.raises(ValueError, match="seq_lens"):
+        fa3_spec.extend_query_positions(md, w.seq_lens[:2], 48)
+    with pytest.raises(TypeError, match="metadata"):
+        fa3_spec.extend_query_positions(fa3_spec.CascadeMetadata(md, None), w.seq_lens, 48)

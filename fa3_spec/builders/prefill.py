@@ -104,6 +104,10 @@ def extend_query_positions(
         (int64, 0 where not owned) and whether a request owns the query
         (False past ``cu_seqlens_q[-1]``). Traceable, no host sync.
     """
+    if not isinstance(metadata, FA3Metadata):
+        raise TypeError(f"metadata must be an FA3Metadata, got {type(metadata).__name__}")
+    _validate.per_request("seq_lens", seq_lens, metadata.num_rows)
+    _validate.int_at_least("num_queries", num_queries, 0)
     cu = metadata.cu_seqlens_q.to(torch.int64)
     bs = cu.shape[0] - 1
     j = torch.arange(num_queries, device=cu.device)

@@ -85,7 +85,8 @@ class SglangConfig:
     Args:
         page_size: ``--page-size``.
         topk: ``--speculative-eagle-topk``.
-        num_steps: ``--speculative-num-steps`` (``>= 2``).
+        num_steps: ``--speculative-num-steps`` (``>= 1``; with 1 there is no
+            draft-decode step, and the draft-decode fills raise `ValueError`).
         num_draft_tokens: ``--speculative-num-draft-tokens`` (``N``).
         max_bs: the largest captured batch (``init_cuda_graph_state``'s).
         context_len: the backend's ``max_context_len`` (the model's context
