@@ -6,7 +6,7 @@ without page tables: it checks metadata and attention together.
 `key_slots_read` derives the same lists from any metadata by FA3's read
 rule; `metadata_mismatches` compares two metadata in what FA3 reads.
 
-Host-side code (loops, ``.tolist()``): never inside a builder or a captured step.
+Host-side code (loops, host reads of tensor values): never inside a builder or a captured step.
 """
 
 from __future__ import annotations

@@ -7,7 +7,7 @@ docs/semantics.md prescribes, random draft trees, and accepted-token counts
 for draft extend. `fill_kv_cache` writes random keys/values, including the
 copies of each prefix's partial last page into every branch's first page.
 
-Host-side code (loops, ``.tolist()``) is fine here; nothing in this module
+Host-side code (loops, host reads of tensor values) is fine here; nothing in this module
 runs inside a builder or a captured step.
 """
 
