@@ -348,3 +348,29 @@ def test_extend_query_positions_checks_its_arguments():
         fa3_spec.extend_query_positions(md, w.seq_lens[:2], 48)
     with pytest.raises(TypeError, match="metadata"):
         fa3_spec.extend_query_positions(fa3_spec.CascadeMetadata(md, None), w.seq_lens, 48)
+
+
+def test_a_window_past_the_key_bound_reaches_fa3_as_unbounded(monkeypatch):
+    import fa3_spec.attention.cascade as cascade_mod
+
+    seen = []
+
+    def fake_kernel(q, k, v, table, seqlens, cu_q, max_q, scale, causal, splits, softcap,
+                    left, right, *rest):
+        seen.append((left, right))
+        return torch.zeros(q.shape[0], q.shape[1], v.shape[-1]), torch.zeros(q.shape[1], q.shape[0])
+
+    monkeypatch.setattr(cascade_mod, "fa3_paged_attention", fake_kernel)
+    cfg = fa3_spec.SpecConfig(page_size=2, topk=1, num_steps=3, num_draft_tokens=3, max_bs=4,
+                              max_context_len=16)
+    w = make_world(cfg, 2, seq_lens=[9, 16], seed=3)
+    kv = torch.zeros(w.num_pages, 2, 1, 8)
+    q = torch.zeros(2, 1, 8)
+    for window, md in [((2**40, 0), fa3_spec.build_decode_metadata(cfg, **w.batch())),
+                       (None, fa3_spec.build_metadata("decode", cfg, **w.mode_kwargs("decode"),
+                                                      window_left=2**40)),
+                       ((3, 0), fa3_spec.build_decode_metadata(cfg, **w.batch()))]:
+        kw = {} if window is None else dict(window_size=window)
+        cascade_mod.attention_call(q, kv, kv, md, softmax_scale=1.0, backend="fa3", num_splits=1,
+                                   **kw)
+    assert seen == [(-1, 0), (-1, 0), (3, 0)]

@@ -255,10 +255,13 @@ def attention_call(
         return paged_attention_reference(q, k_view, v_view, md, softmax_scale,
                                          compute_dtype=compute, **extra)
     splits = num_splits or default_num_splits(md.num_rows, k_cache.shape[2], md.max_seqlen_k)
+    # A window side at least the call's key bound reads every key: pass "unbounded"
+    # (-1) so that FA3's int32 window arguments never see a huge value.
+    left, right = (-1 if side >= md.max_seqlen_k else side for side in window_size)
     out, lse = fa3_paged_attention(
         q, k_view, v_view, md.page_table, md.cache_seqlens, md.cu_seqlens_q,
         md.max_seqlen_q, softmax_scale, md.causal, splits,
-        softcap, window_size[0], window_size[1], q_descale, k_descale, v_descale,
+        softcap, left, right, q_descale, k_descale, v_descale,
     )
     owned = torch.arange(q.shape[0], device=q.device) < md.cu_seqlens_q[-1]
     has_keys = owned.unsqueeze(0) & torch.isfinite(lse)
