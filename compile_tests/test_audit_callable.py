@@ -166,3 +166,27 @@ def test_cli_audits_a_callable(tmp_path, capsys):
     assert "not measured on CPU" in text and "uses_nonzero" in text
     assert cli.main(["audit", "--callable", f"{__name__}:clean",
                      "--inputs", f"{__name__}:inputs_factory", "--device", "cpu"]) == 0
+
+
+def test_cli_loads_from_the_current_directory_audits_generator_variants_and_exits_2_on_bad_input(
+        tmp_path, monkeypatch):
+    """Found in review: a generator of variants was used up before the audit (a false
+    "clean"), and the installed command could not import modules of the current directory."""
+    from fa3_spec.harness import cli
+
+    (tmp_path / "gen_variants_mod.py").write_text(
+        "import torch\n"
+        "def scaled(x, k):\n"
+        "    return x * k\n"
+        "def inputs():\n"
+        "    x = torch.arange(4.0)\n"
+        "    return (x, 2), ((x + 1, k) for k in [3])\n")
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr("sys.path", [p for p in __import__("sys").path if p not in ("", str(tmp_path))])
+    rc = cli.main(["audit", "--callable", "gen_variants_mod:scaled",
+                   "--inputs", "gen_variants_mod:inputs", "--device", "cpu"])
+    assert rc == 1  # the int argument is guarded: a recompile on the variant
+    with pytest.raises(SystemExit) as exc:
+        cli.main(["audit", "--callable", "no_such_module_here:f",
+                  "--inputs", "gen_variants_mod:inputs", "--device", "cpu"])
+    assert exc.value.code == 2

@@ -22,6 +22,7 @@ from fa3_spec.harness.oracle import key_slots_read
 from fa3_spec.harness.sglang_upstream import (
     make_req_to_token, sglang_batch,
 )
+from fa3_spec.checks import ErrorFlag
 from fa3_spec.integrations import sglang as sgl
 from fa3_spec.metadata import CascadeMetadata
 from fa3_spec.tree import tree_mask_from_flat
@@ -132,3 +133,16 @@ def test_views_validate():
         sgl.metadata_views(cfg, buffers, "draft_decode", step=2)
     md = sgl.metadata_views(cfg, buffers, "target_verify", bs=1)
     assert md.page_table.shape == (1, cfg.max_num_pages) and md.max_seqlen_q == 4
+
+
+def test_error_flags_flag_chain_rows_past_sglangs_table():
+    """Found in review: sglang's tables are ceil(context_len / P) pages wide, so a chain
+    verify of seq_len + N keys can pass them; the adapter's checked mode says so."""
+    cfg = sgl.SglangConfig(page_size=2, topk=1, num_steps=3, num_draft_tokens=4, max_bs=2,
+                           context_len=40)
+    r2t = make_req_to_token(cfg, 4, torch.Generator().manual_seed(0))
+    kw = dict(req_to_token=r2t, req_pool_indices=torch.tensor([1, 2]))
+    ok = sgl.error_flags(cfg, "target_verify", seq_lens=torch.tensor([36, 5]), **kw)
+    bad = sgl.error_flags(cfg, "target_verify", seq_lens=torch.tensor([40, 5]), **kw)
+    assert int(ok) == 0
+    assert int(bad) & int(ErrorFlag.SEQ_LEN_OUT_OF_RANGE)

@@ -16,12 +16,23 @@ def _load(spec: str, flag: str):
     """``package.module:attribute`` -> the attribute (the module is imported)."""
     import importlib
 
+    import os
+    import sys
+
     module, sep, attr = spec.partition(":")
     if not sep or not module or not attr:
-        raise SystemExit(f"fa3-spec audit: {flag} must be package.module:name, got {spec!r}")
-    obj = importlib.import_module(module)
-    for part in attr.split("."):
-        obj = getattr(obj, part)
+        print(f"fa3-spec audit: {flag} must be package.module:name, got {spec!r}", file=sys.stderr)
+        raise SystemExit(2)
+    if os.getcwd() not in sys.path:  # as `python3 -m` would: modules of the current directory
+        sys.path.insert(0, os.getcwd())
+    try:
+        obj = importlib.import_module(module)
+        for part in attr.split("."):
+            obj = getattr(obj, part)
+    except (ImportError, AttributeError) as exc:
+        print(f"fa3-spec audit: cannot load {flag} {spec!r}: {type(exc).__name__}: {exc}",
+              file=sys.stderr)
+        raise SystemExit(2) from None
     return obj
 
 
@@ -32,7 +43,8 @@ def _audit_callable(args: argparse.Namespace, device: str) -> int:
     from ..audit import audit_callable, format_findings
 
     if not args.inputs:
-        raise SystemExit("fa3-spec audit: --callable needs --inputs package.module:factory")
+        print("fa3-spec audit: --callable needs --inputs package.module:factory", file=sys.stderr)
+        raise SystemExit(2)
     fn, factory = _load(args.callable, "--callable"), _load(args.inputs, "--inputs")
     try:
         takes_device = "device" in inspect.signature(factory).parameters
@@ -40,9 +52,11 @@ def _audit_callable(args: argparse.Namespace, device: str) -> int:
         takes_device = False
     made = factory(device=device) if takes_device else factory()
     if not (isinstance(made, tuple) and len(made) == 2):
-        raise SystemExit(f"fa3-spec audit: {args.inputs} must return (example, variants)")
+        print(f"fa3-spec audit: {args.inputs} must return (example, variants)", file=sys.stderr)
+        raise SystemExit(2)
     example, variants = made
-    print(f"fa3-spec audit: {args.callable}, {len(list(variants))} variants, torch "
+    variants = list(variants)  # a generator would be used up by the count below
+    print(f"fa3-spec audit: {args.callable}, {len(variants)} variants, torch "
           f"{torch.__version__}, device {device}, backend {args.backend}", flush=True)
     row = audit_callable(fn, example, variants=variants, backend=args.backend, device=device,
                          writable=args.writable, name=args.callable)

@@ -59,6 +59,7 @@ from ..builders import (
     build_target_verify_metadata,
 )
 from .._validate import int_in_range
+from ..checks import ErrorFlag
 from ..checks import error_flags as _error_flags
 from ..config import SpecConfig, cdiv
 from ..metadata import CascadeMetadata, FA3Metadata
@@ -441,6 +442,8 @@ def error_flags(cfg: SglangConfig, mode: str, *, req_to_token: torch.Tensor,
     ``seq_len = 0``, fa3_spec's own padding convention, which every value
     check exempts; their draft slots (0) and masks would otherwise be
     flagged. ``custom_mask`` is sglang's flat tree-verify mask (topk > 1).
+    Also flags (``SEQ_LEN_OUT_OF_RANGE``) a live chain row (topk = 1) whose
+    verify or draft keys pass sglang's ``ceil(context_len / P)``-page tables.
     """
     if live_rows is None:
         live_rows = real_rows(cfg, req_pool_indices)
@@ -451,9 +454,19 @@ def error_flags(cfg: SglangConfig, mode: str, *, req_to_token: torch.Tensor,
             raise ValueError("custom_mask is required when topk > 1 (tree verify)")
         tree_mask = tree_mask_from_flat(custom_mask, seq_lens, cfg.num_draft_tokens)
     masked = torch.where(live_rows, seq_lens, torch.zeros_like(seq_lens))
-    return _error_flags(spec, mode, req_to_token=req_to_token, req_pool_indices=req_pool_indices,
-                        seq_lens=masked, step=step, out_cache_loc=out_cache_loc,
-                        tree_mask=tree_mask, extend_seq_lens=extend_seq_lens)
+    flags = _error_flags(spec, mode, req_to_token=req_to_token, req_pool_indices=req_pool_indices,
+                         seq_lens=masked, step=step, out_cache_loc=out_cache_loc,
+                         tree_mask=tree_mask, extend_seq_lens=extend_seq_lens)
+    # sglang's request tables are ceil(context_len / P) pages wide: a chain call
+    # (topk = 1) reading seq_len + N (verify) or seq_len + step + 1 (draft) keys
+    # must fit in them, or FA3 would read past the row.
+    reach = 0
+    if cfg.topk == 1 and mode == "target_verify":
+        reach = cfg.num_draft_tokens
+    elif cfg.topk == 1 and mode == "draft_decode":
+        reach = step + 1
+    over = live_rows & (seq_lens.to(torch.int64) + reach > cfg.max_num_pages * cfg.page_size)
+    return flags | over.any().to(torch.int32) * int(ErrorFlag.SEQ_LEN_OUT_OF_RANGE)
 
 
 # ------------------------------------------------------------------- helpers
