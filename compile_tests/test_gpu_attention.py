@@ -4,17 +4,16 @@ Skipped without CUDA or without an FA3 provider. Run on the H200 (see
 compile_tests/GPU_RESULTS.md for the command and the last summary).
 """
 
-import json
-import os
 
 import pytest
 import torch
 
 import fa3_spec
-from fa3_spec.attention import fa3_available, provider_version
+from fa3_spec.attention import fa3_available
 from fa3_spec import MODES, build_metadata as build
 from fa3_spec.harness.oracle import dense_attention, expected_key_slots, num_queries
 from fa3_spec.harness.worlds import fill_kv_cache, make_world
+from gpu_results import ResultsFile, rel_err as _rel_err
 
 pytestmark = [
     pytest.mark.gpu,
@@ -22,20 +21,11 @@ pytestmark = [
 ]
 
 HEADS, KV_HEADS = 8, 2
-RESULTS = []  # (test, case, max rel err) gathered for the summary file
+RESULTS = ResultsFile("FA3_SPEC_GPU_RESULTS")  # (test, case, max rel err) for the summary file
 
 
 def _record(kind, case, err):
-    RESULTS.append(dict(kind=kind, case=case, rel_err=err))
-    path = os.environ.get("FA3_SPEC_GPU_RESULTS")
-    if path:
-        with open(path, "w") as fh:
-            json.dump(dict(fa3=provider_version(), torch=torch.__version__,
-                           device=torch.cuda.get_device_name(), rows=RESULTS), fh, indent=1)
-
-
-def _rel_err(out, ref):
-    return float((out.float() - ref).norm() / ref.norm().clamp(min=1e-6))
+    RESULTS.record(kind, case, rel_err=err)
 
 
 def _case(p, k, head_dim=128, n=8, steps=5, ctx=300):

@@ -14,8 +14,6 @@ Skipped without CUDA sm90 and an FA3 provider. On the H200::
 """
 
 import dataclasses
-import json
-import os
 
 import pytest
 import torch
@@ -24,6 +22,7 @@ import fa3_spec
 from fa3_spec.attention import fa3_available, fa3_paged_attention, providers, provider_version
 from fa3_spec.harness.worlds import fill_kv_cache, make_world, rebase_world
 from fa3_spec.harness.oracle import num_queries
+from gpu_results import ResultsFile, rel_err as _rel_err
 
 pytestmark = [
     pytest.mark.gpu,
@@ -32,21 +31,7 @@ pytestmark = [
 
 FP8 = torch.float8_e4m3fn
 HEADS, KV_HEADS, DIM = 8, 2, 128
-RESULTS = []
-
-
-def _record(kind, case, **values):
-    RESULTS.append(dict(kind=kind, case=case, **values))
-    print(kind, case, values)
-    path = os.environ.get("FA3_SPEC_ATTN_ARGS_RESULTS")
-    if path:
-        with open(path, "w") as fh:
-            json.dump(dict(fa3=provider_version(), torch=torch.__version__,
-                           device=torch.cuda.get_device_name(), rows=RESULTS), fh, indent=1)
-
-
-def _rel_err(out, ref):
-    return float((out.float() - ref.float()).norm() / ref.float().norm().clamp(min=1e-6))
+_record = ResultsFile("FA3_SPEC_ATTN_ARGS_RESULTS").record
 
 
 def _world(p, k, seq_lens=(1, 77, 300, 0, 19), seed=0):

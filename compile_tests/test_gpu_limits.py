@@ -11,6 +11,7 @@ import torch
 
 import fa3_spec
 from fa3_spec.attention import fa3_available
+from gpu_results import rel_err as _rel
 from fa3_spec.config import cdiv
 from fa3_spec.graphs import CUDAGraphRunner
 from fa3_spec.probes import capture
@@ -62,8 +63,6 @@ def _batch(cfg, r2t, seq_lens, model, seed):
     return dict(req_pool_indices=rpi, seq_lens=seq_lens, out_cache_loc=loc, hidden=hidden)
 
 
-def _rel(a, b):
-    return float((a.float() - b.float()).norm() / b.float().norm().clamp(min=1e-6))
 
 
 @pytest.mark.parametrize("p", [1, 64])

@@ -9,6 +9,7 @@ import torch
 
 import fa3_spec
 from fa3_spec.attention import fa3_available
+from gpu_results import rel_err as _rel
 from fa3_spec.graphs import CUDAGraphRunner
 from fa3_spec.harness.toy import STEP_VARIANTS, ToyModel, example_batch, make_step, world_batch
 from fa3_spec.harness.worlds import make_world, rebase_world
@@ -42,8 +43,6 @@ def _batch(mode, cfg, base, model, bs, seed, tree=True):
     return world_batch(mode, world, hidden, tree=tree and cfg.topk > 1)
 
 
-def _rel(a, b):
-    return float((a.float() - b.float()).norm() / b.float().norm().clamp(min=1e-6))
 
 
 @pytest.mark.parametrize("p, k", [(2, 8), (16, 1), (1, 4)])
