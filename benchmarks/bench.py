@@ -51,7 +51,7 @@ import torch
 import fa3_spec
 from fa3_spec import builders
 from fa3_spec.attention import provider_version
-from fa3_spec.graphs import CUDAGraphRunner
+from fa3_spec.graphs import CUDAGraphRunner, compile_fullgraph
 from fa3_spec.probes import capture
 from fa3_spec.harness.toy import ToyModel, example_batch, make_step, verify_slots, world_batch
 from fa3_spec.harness.worlds import make_world
@@ -120,6 +120,11 @@ def _graph_times(graph, iters):
 
 
 def _kernels(fn):
+    return len(_kernel_names(fn))
+
+
+def _kernel_names(fn):
+    """Names of the kernels one call of ``fn`` launches (profiler, after a warm-up call)."""
     from torch.profiler import ProfilerActivity, profile
 
     fn()
@@ -127,7 +132,7 @@ def _kernels(fn):
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
         fn()
         torch.cuda.synchronize()
-    return sum(1 for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA)
+    return [e.name for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
 
 
 def _print_profile(label, fn, top=12):
@@ -186,7 +191,7 @@ def metadata_row(cfg, world, bs, args):
                 builders.build_target_verify_metadata(cfg, **kw, tree_mask=mask),
                 builders.build_draft_extend_metadata(cfg, **kw, extend_seq_lens=world.extend_seq_lens))
 
-    ours_c = torch.compile(iteration_metadata, fullgraph=True, backend=backend)
+    ours_c = compile_fullgraph(iteration_metadata, backend=backend)
 
     def ours():
         return ours_c(**batch)
@@ -276,14 +281,16 @@ def draft_loop_row(cfg, world, bs, args):
            for s in range(cfg.num_steps - 1)]
     tails = fa3_spec.draft_tail_copy_slots(cfg, seq_lens=world.seq_lens, out_cache_loc=loc)
 
-    def floor_fn():
+    def floor_fn():  # returns what the step returns: every step's output, stacked
         model.copy_slots(*tails)
         x = hidden.reshape(bs * cfg.topk, -1)
+        outs = []
         for s, md in enumerate(mds):
             x = model.forward(x, loc[:, s], attend_with(md))
-        return x
+            outs.append(x)
+        return torch.stack(outs, dim=1)
 
-    floor_c = torch.compile(floor_fn, fullgraph=True, backend=args.backend)
+    floor_c = compile_fullgraph(floor_fn, backend=args.backend)
 
     # a: host metadata per step, then per-step attention graphs reading it.
     ref = UpstreamStyleBuilder(cfg, device)
@@ -332,8 +339,12 @@ def draft_loop_row(cfg, world, bs, args):
             _print_profile("upstream-style loop", upstream_loop)
             _print_profile("floor graph", floor_graph.replay)
         static = runner.static_inputs(bs)
-        row["fa3_spec_kernels"] = _kernels(lambda: runner.compiled_step(**static))
-        row["floor_kernels"] = _kernels(floor_c)
+        loop_names = _kernel_names(lambda: runner.compiled_step(**static))
+        floor_names = _kernel_names(floor_c)
+        row["fa3_spec_kernels"], row["floor_kernels"] = len(loop_names), len(floor_names)
+        if getattr(args, "kernel_names", False):
+            row["fa3_spec_kernel_names"] = [n[:100] for n in loop_names]
+            row["floor_kernel_names"] = [n[:100] for n in floor_names]
         row["metadata_kernels_per_step"] = round(
             (row["fa3_spec_kernels"] - row["floor_kernels"]) / (cfg.num_steps - 1), 2)
     else:
@@ -372,11 +383,11 @@ def verify_row(cfg, world, bs, args):
             x_flat, slots, lambda q, k, v: fa3_spec.cascade_attention(q, k, v, md, backend=backend_attn))
 
     md = builders.build_target_verify_metadata(cfg, **kw, tree_mask=mask)
-    floor_c = torch.compile(forward_with(md), fullgraph=True, backend=args.backend)
+    floor_c = compile_fullgraph(forward_with(md), backend=args.backend)
     ref = UpstreamStyleBuilder(cfg, device)
     flat = flat_from_tree_mask(world.tree_mask, world.seq_lens) if tree else None
     static_md = ref.target_verify(**kw, custom_mask=flat)
-    upstream_c = torch.compile(forward_with(static_md), fullgraph=True, backend=args.backend)
+    upstream_c = compile_fullgraph(forward_with(static_md), backend=args.backend)
 
     row = dict(kind="verify", page_size=cfg.page_size, topk=cfg.topk, num_steps=cfg.num_steps,
                num_draft_tokens=n, batch=bs, context=cfg.max_context_len, layers=layers,

@@ -3,17 +3,28 @@
     python3 benchmarks/compile_capture.py --json OUT.json
 
 For each step mode (draft iteration, tree verify, chain verify, draft extend)
-it builds a `CUDAGraphRunner` over 16 batch-size buckets with inductor and
-the batch dimension marked dynamic, and reports the compiled frames and the
-capture time: *cold* (fresh inductor cache directory, first runner in the
-process) and *warm* (dynamo reset, a second runner: inductor's FX-graph
-cache hits). It also checks one replay against eager (relative error).
-Needs CUDA + FA3; `--smoke` runs a tiny CPU version with strategy="eager".
+it builds a `CUDAGraphRunner` over 16 batch-size buckets with inductor
+(`INDUCTOR_OPTIONS`) and the batch dimension marked dynamic, and reports the
+compiled frames, why each recompile happened (dynamo's guard failures), and
+the capture time in three phases:
+
+* *cold*: a fresh inductor cache directory, the first runner in the process;
+  it writes PyTorch's compile artifacts to a file (``cache_path=``);
+* *warm*: the same process after ``torch._dynamo.reset()``, a second runner
+  (inductor's in-process and on-disk caches hit);
+* *restart*: a new process with another fresh inductor cache directory that
+  loads only the artifact file (``CUDAGraphRunner(cache_path=...)``): an
+  engine restarting on the same machine with the file kept.
+
+It also checks one replay against eager (relative error). Needs CUDA + FA3;
+`--smoke` runs a tiny CPU version with strategy="eager" (no restart phase).
 """
 
 import argparse
+import contextlib
 import json
 import os
+import subprocess
 import sys
 import tempfile
 import time
@@ -31,7 +42,7 @@ from fa3_spec.harness.worlds import make_world, rebase_world  # noqa: E402
 BUCKETS = [1, 2, 3, 4, 5, 6, 7, 8, 12, 16, 20, 24, 32, 40, 48, 64]
 
 
-def measure(mode, tree, smoke):
+def measure(mode, tree, smoke, cache_file=None):
     device = "cpu" if smoke else "cuda"
     buckets = BUCKETS[:3] if smoke else BUCKETS
     cfg = fa3_spec.SpecConfig(page_size=2, topk=8, num_steps=5, num_draft_tokens=16,
@@ -45,16 +56,22 @@ def measure(mode, tree, smoke):
                      tree=tree)
     row = dict(kind="compile", mode=mode, tree=tree if mode == "target_verify" else None, buckets=len(buckets), page_size=2, topk=8,
                num_steps=5, num_draft_tokens=16)
-    for phase in ("cold", "warm"):
+    phases = ("restart",) if cache_file and os.path.exists(cache_file) else ("cold", "warm")
+    for phase in phases:
         torch._dynamo.reset()
         runner = CUDAGraphRunner(step, buckets=buckets, strategy="eager" if smoke else "manual",
-                                 backend="inductor",
+                                 backend="inductor", cache_path=cache_file if phase != "warm" else None,
                                  example=lambda bs: example_batch(mode, cfg, model, bs, device=device,
                                                                   tree=tree))
-        start = time.perf_counter()
-        runner.capture()
-        row[f"{phase}_capture_s"] = round(time.perf_counter() - start, 2)
+        with recompile_reasons() as reasons:
+            start = time.perf_counter()
+            runner.capture()
+            row[f"{phase}_capture_s"] = round(time.perf_counter() - start, 2)
         row[f"{phase}_compiles"] = runner.compile_counter.frame_count
+        row[f"{phase}_recompile_reasons"] = reasons
+        seconds = runner.capture_seconds  # the first (largest) bucket carries the compile
+        row[f"{phase}_first_bucket_s"] = round(seconds[max(buckets)], 2)
+        row[f"{phase}_bucket_1_s"] = round(seconds[min(buckets)], 2)
     row["max_bucket_capture_s"] = round(max(runner.capture_seconds.values()), 3)
     initial = (model.k_cache.clone(), model.v_cache.clone())
     bs = min(5, max(buckets))
@@ -69,17 +86,61 @@ def measure(mode, tree, smoke):
     return row
 
 
+@contextlib.contextmanager
+def recompile_reasons():
+    """Collect dynamo's "recompiling ... triggered by" messages (its
+    ``recompiles`` log artifact) while the block runs."""
+    import logging
+
+    reasons = []
+
+    class Grab(logging.Handler):
+        def emit(self, record):
+            reasons.append(record.getMessage().strip()[:600])
+
+    logger = logging.getLogger("torch._dynamo.guards.__recompiles")
+    handler = Grab()
+    torch._logging.set_logs(recompiles=True)
+    logger.addHandler(handler)
+    try:
+        yield reasons
+    finally:
+        logger.removeHandler(handler)
+        torch._logging.set_logs()
+
+
+def restart(mode, tree, cache_file):
+    """The *restart* phase of one mode in a new process with a fresh inductor cache."""
+    env = dict(os.environ, TORCHINDUCTOR_CACHE_DIR=tempfile.mkdtemp(prefix="fa3spec-inductor-"))
+    cmd = [sys.executable, os.path.abspath(__file__), "--json", "-", "--modes", mode,
+           "--tree", str(tree), "--cache-file", cache_file]
+    out = subprocess.run(cmd, check=True, capture_output=True, text=True, env=env).stdout
+    return json.loads(out.strip().splitlines()[-1])["rows"][0]
+
+
 def main():
     parser = argparse.ArgumentParser()
     parser.add_argument("--json")
     parser.add_argument("--smoke", action="store_true")
     parser.add_argument("--modes", nargs="+", default=sorted({m for m, _ in STEP_VARIANTS}))
+    parser.add_argument("--tree", choices=("True", "False", "None"),
+                        help="only this tree variant (with one --modes)")
+    parser.add_argument("--cache-file", help=argparse.SUPPRESS)  # the restart phase's child
     args = parser.parse_args()
     rows = []
     for mode, tree in STEP_VARIANTS:
-        if mode not in args.modes:
+        if mode not in args.modes or (args.tree is not None and str(tree) != args.tree):
             continue
-        rows.append(measure(mode, tree, args.smoke))
+        if args.cache_file:  # child process of `restart`
+            rows.append(measure(mode, tree, args.smoke, args.cache_file))
+            continue
+        cache_file = None if args.smoke else tempfile.mktemp(prefix="fa3spec-artifacts-")
+        row = measure(mode, tree, args.smoke, cache_file)
+        if cache_file and os.path.exists(cache_file):
+            child = restart(mode, tree, cache_file)
+            row.update({k: v for k, v in child.items() if k.startswith("restart_")})
+            row["artifact_bytes"] = os.path.getsize(cache_file)
+        rows.append(row)
         print(json.dumps(rows[-1]), flush=True)
     if args.json == "-":  # one JSON line on stdout, for benchmarks/bench.py --kinds compile
         print(json.dumps(dict(torch=torch.__version__, rows=rows)), flush=True)

@@ -8,7 +8,12 @@ One row per scenario point (1-layer draft loop, FA3, 32/8 heads, D = 128):
 * ``runner_staging_us``: host median of ``runner(**batch)`` minus
   ``graph.replay()`` (`runner_staging.py`);
 * ``metadata_device_us``: one draft iteration's metadata alone
-  (`build_draft_iteration_metadata`, compiled, captured), device time;
+  (`build_draft_iteration_metadata`, compiled with `INDUCTOR_OPTIONS`),
+  device time per iteration of a graph that captures ``REPEAT`` iterations
+  back to back (CUDA events around its replay, divided by ``REPEAT``: the
+  graph's launch latency is not charged), and ``metadata_kernels``: its launches with their
+  device times (profiler, one replay); the ``*_inductor_defaults`` twins are
+  the same without the options (combo kernels off), in the same process;
 * ``metadata_kernels_per_step``: (kernels of the captured loop - kernels of
   the floor) / draft steps;
 * ``loop_over_floor_device_pct``: the runner's graph over the floor (same
@@ -37,6 +42,7 @@ import torch
 
 import fa3_spec
 from fa3_spec import builders
+from fa3_spec.graphs import INDUCTOR_OPTIONS, compile_fullgraph
 from fa3_spec.harness.worlds import make_world
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
@@ -52,24 +58,45 @@ POINTS = [
     ("scale-topk", 8, 2, 10, 5, 16, 4096),
 ]
 SMOKE = [("smoke", 2, 2, 4, 3, 4, 64)]
+#: Target-verify points (the 1-layer verify step through the runner against its floor).
+VERIFY_POINTS = [("verify-tree", 64, 16, 4, 5, 8, 4096), ("verify-seed", 64, 2, 8, 5, 16, 4096)]
+VERIFY_SMOKE = [("verify-smoke", 2, 2, 4, 3, 4, 64)]
 
 
-def metadata_device_us(cfg, world, args):
-    """Device time of one draft iteration's metadata, compiled and captured (None on CPU)."""
+#: Iterations captured back to back in one graph to time the metadata alone:
+#: a graph of a few 1-µs kernels is otherwise mostly its own launch latency.
+REPEAT = 20
+
+
+def metadata_profile(cfg, world, args, options=None):
+    """One draft iteration's metadata alone, compiled (inductor ``options``,
+    default `INDUCTOR_OPTIONS`) and captured: ``(device_us, kernels)`` with
+    ``kernels`` the profiler's ``[name, device_us]`` per launch of one
+    replay. ``(None, None)`` on CPU."""
     batch, loc = world.batch(), world.out_cache_loc
 
     def iteration():
         return builders.build_draft_iteration_metadata(cfg, **batch, out_cache_loc=loc)
 
-    compiled = torch.compile(iteration, fullgraph=True, backend=args.backend)
+    torch._dynamo.reset()
+    compiled = compile_fullgraph(iteration, backend=args.backend, options=options)
     if args.device != "cuda":
         compiled()
-        return None
+        return None, None
+    from torch.profiler import ProfilerActivity, profile
+
     from fa3_spec.probes import capture
 
     graph, _ = capture(compiled)
-    _, (device_us, _) = bench._graph_times(graph, args.iters)
-    return device_us
+    repeated, _ = capture(lambda: [compiled() for _ in range(REPEAT)])
+    _, (device_us, _) = bench._graph_times(repeated, args.iters)
+    device_us = round(device_us / REPEAT, 2)
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        graph.replay()
+        torch.cuda.synchronize()
+    kernels = [[e.name[:120], round(e.device_time, 2)] for e in prof.events()
+               if e.device_type == torch.autograd.DeviceType.CUDA]
+    return device_us, kernels
 
 
 def compile_times(smoke):
@@ -90,48 +117,94 @@ def main():
     parser.add_argument("--smoke", action="store_true", help="tiny CPU run of every code path")
     parser.add_argument("--upstream", choices=("auto", "model"), default="auto")
     parser.add_argument("--no-compile", action="store_true", help="skip cold/warm capture")
+    parser.add_argument("--points", type=int, nargs="*",
+                        help="indices into POINTS + VERIFY_POINTS (default: all)")
+    parser.add_argument("--inductor-options", type=json.loads,
+                        help="JSON that replaces fa3_spec.graphs.INDUCTOR_OPTIONS for this run")
+    parser.add_argument("--kernel-names", action="store_true",
+                        help="record the loop's and the floor's kernel names")
+    parser.add_argument("--append", action="store_true",
+                        help="add to the rows already in --json (a run split over calls)")
     args = parser.parse_args()
+    if args.inductor_options is not None:
+        INDUCTOR_OPTIONS.clear()
+        INDUCTOR_OPTIONS.update(args.inductor_options)
     args.device = "cpu" if args.smoke else "cuda"
     args.backend = "aot_eager" if args.smoke else "inductor"
     args.profile = False
+    args.layers = 1
     if args.smoke:
         args.iters = min(args.iters, 3)
     args.upstream = bench.load_sglang(args)
+    command = "python3 benchmarks/perf.py " + " ".join(sys.argv[1:])
     doc = dict(device=torch.cuda.get_device_name() if args.device == "cuda" else "cpu",
                torch=torch.__version__, fa3=fa3_spec.attention.provider_version(),
-               command="python3 benchmarks/perf.py " + " ".join(sys.argv[1:]),
+               commands=[], inductor_options=INDUCTOR_OPTIONS,
                cold_capture_s=None, warm_capture_s=None, rows=[])
+    if args.append and os.path.exists(args.json):
+        with open(args.json) as fh:
+            doc = json.load(fh)
+    doc["commands"].append(command)
     if not args.no_compile:
         doc["cold_capture_s"], doc["warm_capture_s"], doc["compile_rows"] = compile_times(args.smoke)
-    for name, bs, p, k, steps, n, context in (SMOKE if args.smoke else POINTS):
+        _write(doc, args.json)
+    points = (SMOKE + VERIFY_SMOKE) if args.smoke else (POINTS + VERIFY_POINTS)
+    for index, point in enumerate(points):
+        if args.points is not None and index not in args.points:
+            continue
+        name, bs, p, k, steps, n, context = point
         cfg = fa3_spec.SpecConfig(page_size=p, topk=k, num_steps=steps, num_draft_tokens=n,
                                   max_bs=bs, max_context_len=context)
         g = torch.Generator().manual_seed(bs)
         seqs = torch.randint(max(1, context * 3 // 4), context + 1, (bs,), generator=g).tolist()
         world = make_world(cfg, bs, seq_lens=seqs, seed=1, device=args.device)
         cfg = dataclasses.replace(cfg, num_pages=world.num_pages)
-        torch._dynamo.reset()
         start = time.perf_counter()
-        loop = bench.draft_loop_row(cfg, world, bs, args)
-        torch._dynamo.reset()
-        over = loop.get("fa3_spec_over_floor_minus_1")
-        row = dict(scenario=name, batch=bs, page_size=p, topk=k, num_steps=steps, context=context,
-                   runner_staging_us=loop["runner_staging_us"],
-                   zero_copy_staging_us=loop.get("zero_copy_staging_us"),
-                   metadata_device_us=metadata_device_us(cfg, world, args),
-                   metadata_kernels_per_step=loop.get("metadata_kernels_per_step"),
-                   loop_over_floor_device_pct=None if over is None else round(100 * over, 2),
-                   upstream_baseline=loop["upstream_baseline"],
-                   draft_loop=loop, bench_s=round(time.perf_counter() - start, 1))
+        row = (verify_point if name.startswith("verify") else draft_point)(cfg, world, bs, args)
+        row = dict(scenario=name, batch=bs, page_size=p, topk=k, num_steps=steps,
+                   num_draft_tokens=n, context=context, **row,
+                   bench_s=round(time.perf_counter() - start, 1))
         doc["rows"].append(row)
-        print(json.dumps({k: v for k, v in row.items() if k != "draft_loop"}), flush=True)
-        os.makedirs(os.path.dirname(os.path.abspath(args.json)), exist_ok=True)
-        with open(args.json, "w") as fh:  # after every row: a cut-off run keeps its rows
-            json.dump(doc, fh, indent=1)
+        print(json.dumps({k: v for k, v in row.items() if k not in ("draft_loop", "verify")}),
+              flush=True)
+        _write(doc, args.json)  # after every row: a cut-off run keeps its rows
         del world
         if args.device == "cuda":
             torch.cuda.empty_cache()
 
+
+def draft_point(cfg, world, bs, args):
+    """The issue's fields for one draft-loop point."""
+    torch._dynamo.reset()
+    loop = bench.draft_loop_row(cfg, world, bs, args)
+    over = loop.get("fa3_spec_over_floor_minus_1")
+    meta = metadata_profile(cfg, world, args)
+    plain = metadata_profile(cfg, world, args, options={})  # combo kernels off
+    return dict(runner_staging_us=loop["runner_staging_us"],
+                zero_copy_staging_us=loop.get("zero_copy_staging_us"),
+                metadata_device_us=meta[0], metadata_kernels=meta[1],
+                metadata_device_us_inductor_defaults=plain[0],
+                metadata_kernels_inductor_defaults=plain[1],
+                metadata_kernels_per_step=loop.get("metadata_kernels_per_step"),
+                loop_over_floor_device_pct=None if over is None else round(100 * over, 2),
+                upstream_baseline=loop["upstream_baseline"], draft_loop=loop)
+
+
+def verify_point(cfg, world, bs, args):
+    """A target-verify point: the runner's graph against its floor and the model."""
+    torch._dynamo.reset()
+    verify = bench.verify_row(cfg, world, bs, args)
+    over = verify.get("fa3_spec_over_floor_minus_1")
+    return dict(runner_staging_us=None, metadata_device_us=None, metadata_kernels_per_step=None,
+                loop_over_floor_device_pct=None if over is None else round(100 * over, 2),
+                upstream_over_fa3_spec=verify.get("upstream_over_fa3_spec"),
+                upstream_baseline=verify["upstream_baseline"], verify=verify)
+
+
+def _write(doc, path):
+    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+    with open(path, "w") as fh:
+        json.dump(doc, fh, indent=1)
 
 if __name__ == "__main__":
     main()

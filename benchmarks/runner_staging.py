@@ -99,7 +99,45 @@ def staging_row(runner, batch, bs, iters, device):
     if device == "cuda":
         row["call_device_us"] = _device_us(lambda: runner(**batch), iters)
         row["replay_device_us"] = _device_us(replay_only, iters)
+    row.update(staging_parts(runner, batch, bucket, bs, iters, sync))
     return row
+
+
+def staging_parts(runner, batch, bucket, bs, iters, sync):
+    """Host medians of the pieces of staging, outside the runner: the
+    signature lookup, and three ways to copy the live rows (one
+    ``_foreach_copy_`` over the mixed-dtype list, one per dtype as the
+    runner does, one ``copy_`` per tensor)."""
+    static = runner.static_inputs(bucket)
+    names = list(static)
+    dst = [static[n][:bs] for n in names]
+    src = [batch[n] for n in names]
+    groups = {}
+    for d, x in zip(dst, src):
+        groups.setdefault(d.dtype, ([], []))
+        groups[d.dtype][0].append(d)
+        groups[d.dtype][1].append(x)
+
+    def per_dtype():
+        for d, x in groups.values():
+            torch._foreach_copy_(d, x)
+
+    def per_tensor():
+        for d, x in zip(dst, src):
+            d.copy_(x)
+
+    dst_bytes = [d.view(torch.uint8) for d in dst]
+
+    def as_bytes():  # one launch: every pair viewed as uint8 (contiguous sources)
+        torch._foreach_copy_(dst_bytes, [x.view(torch.uint8) for x in src])
+
+    return dict(
+        inputs=len(names), input_dtypes=len(groups),
+        copy_bytes_foreach_us=_median_us(as_bytes, iters, sync),
+        route_lookup_us=_median_us(lambda: runner._route(batch), iters, sync),
+        copy_mixed_foreach_us=_median_us(lambda: torch._foreach_copy_(dst, src), iters, sync),
+        copy_per_dtype_foreach_us=_median_us(per_dtype, iters, sync),
+        copy_per_tensor_us=_median_us(per_tensor, iters, sync))
 
 
 def smoke_setup(bs, k=4, s=5, hidden=64):

@@ -34,6 +34,7 @@ import torch
 from fa3_spec.harness.sglang_upstream import (
     SGLANG_VERSION, load_upstream_or_reason, make_req_to_token, sglang_batch,
 )
+from fa3_spec.graphs import compile_fullgraph
 from fa3_spec.integrations import sglang as sgl
 
 
@@ -78,8 +79,7 @@ def run_row(upstream, cfg, bs, iters, device, smoke):
     def adapter_iteration():
         sgl.draft_iteration(cfg, mine, req_to_token=r2t, **static)
 
-    compiled = torch.compile(adapter_iteration, fullgraph=True,
-                             backend="aot_eager" if smoke else "inductor")
+    compiled = compile_fullgraph(adapter_iteration, backend="aot_eager" if smoke else "inductor")
     if device.type == "cuda":
         from fa3_spec.probes import capture
 

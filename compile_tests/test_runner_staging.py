@@ -80,6 +80,21 @@ def test_checks_run_once_per_signature_and_still_refuse(monkeypatch):
     assert len(calls) == 6
 
 
+def test_strided_sources_take_the_per_dtype_copy_and_give_the_same_rows():
+    runner, ref = _runner(), _runner()
+    batch = _batch(3, 7)
+    wide = torch.zeros(3, 3, 4, dtype=torch.int64)
+    wide[:, :, ::2] = batch["out_cache_loc"]
+    strided = {**batch, "out_cache_loc": wide[:, :, ::2]}  # last-dimension stride 2: no byte view
+    assert not strided["out_cache_loc"].is_contiguous()
+    got, want = runner(**strided), ref(**batch)  # ref: contiguous, one byte-view copy
+    assert all(torch.equal(g, w) for g, w in zip(got, want))
+    assert len(runner._routes) == len(ref._routes) == 1
+    copy_strided = next(iter(runner._routes.values()))[2]
+    copy_bytes = next(iter(ref._routes.values()))[2]
+    assert copy_strided.__code__ is not copy_bytes.__code__  # the two copy paths
+
+
 def test_zero_copy_replay_matches_the_call():
     runner, ref = _runner(), _runner()
     for i, bs in enumerate([2, 8, 7, 6, 0]):

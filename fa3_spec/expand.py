@@ -154,8 +154,9 @@ def _distinct_pages(live: torch.Tensor, page_size: int) -> tuple[torch.Tensor, t
     """
     n, d = live.shape
     pages = torch.div(live, page_size, rounding_mode="floor")
-    opens = torch.cat([torch.ones_like(pages[:, :1], dtype=torch.bool),
-                       pages[:, 1:] != pages[:, :-1]], dim=1)  # [n, d]
+    j = torch.arange(d, device=live.device)
+    previous = pages[:, (j - 1).clamp(min=0)]  # elementwise, unlike a cat (a kernel per input)
+    opens = (j == 0) | (pages != previous)  # [n, d]
     upto = torch.ones(d, d, dtype=torch.bool, device=live.device).tril()  # [j, j']: j' <= j
     runs = (opens.unsqueeze(1) & upto).sum(dim=2)  # [n, d]
     columns = torch.arange(d + 1, device=live.device)

@@ -14,9 +14,12 @@ Host cost per call (the "staging" between the engine and ``replay()``):
 * the checks run **once per shape signature** (`_signature`): they read only
   the keys, each value's type, dtype, shape and device, all of which are in
   the signature, against buffers fixed at capture; a signature that passed
-  once passes again, so later calls with it skip them;
-* all live rows move with one ``torch._foreach_copy_`` (one multi-tensor
-  launch per dtype on CUDA, instead of one ``copy_`` per input);
+  once passes again, so later calls with it skip them (`_route`);
+* all live rows move with **one** ``torch._foreach_copy_`` over byte views
+  of every (buffer, input) pair: its multi-tensor path is one launch on
+  CUDA but needs one dtype across the list, and a list of mixed dtypes falls
+  back to one ``copy_`` per input (inputs whose last dimension is strided
+  are copied with one call per dtype instead);
 * zero-filling is skipped when the bucket's previous call had ``<= bs`` live
   rows: the runner tracks, per bucket, the high-water mark of rows that may
   be non-zero and zeroes only ``[bs, mark)`` (the step must not write its
@@ -69,6 +72,30 @@ from .probes import RecordingBackend, capture
 
 STRATEGIES = ("manual", "reduce-overhead", "eager")
 
+#: Inductor settings for a compiled step that builds this library's metadata
+#: (the runner's default; `compile_fullgraph` applies them too).
+#: ``combo_kernels`` turns on inductor's *horizontal* fusion: kernels with no
+#: data dependence between them (each draft step's page table, lengths,
+#: offsets and expand table are such kernels: they differ in size, so
+#: inductor's ordinary vertical fusion keeps them apart) are launched as one
+#: kernel. Without it a draft iteration's metadata is about 11 launches;
+#: with it, the dependence depth of the graph (`benchmarks/RESULTS.md`).
+INDUCTOR_OPTIONS: Dict[str, object] = {"combo_kernels": True}
+
+
+def compile_fullgraph(fn: Callable, *, backend="inductor", options: Optional[dict] = None,
+                      **kwargs) -> Callable:
+    """``torch.compile(fn, fullgraph=True, backend=backend, **kwargs)`` with
+    `INDUCTOR_OPTIONS` (or ``options``) when the backend is inductor.
+
+    The way to compile an engine step that calls the builders, so its
+    metadata kernels fuse as the benchmarks measure them. Any other backend
+    (``"aot_eager"``, a callable) is passed through untouched.
+    """
+    if backend == "inductor":
+        kwargs["options"] = dict(INDUCTOR_OPTIONS if options is None else options)
+    return torch.compile(fn, fullgraph=True, backend=backend, **kwargs)
+
 
 class CUDAGraphRunner:
     """Capture ``step(**batch)`` per bucket; replay it with fresh batches.
@@ -88,6 +115,9 @@ class CUDAGraphRunner:
         cache_path: a file for PyTorch's compile caches: loaded (if it
             exists) before the first compile, written after `capture`, so a
             second process skips most of inductor's work (`load_compile_cache`).
+        inductor_options: inductor config applied while compiling the step
+            (default `INDUCTOR_OPTIONS`; ``{}`` for inductor's defaults).
+            Ignored by other backends.
 
     Attributes: ``compiled_step`` (the step as the strategy compiles it; what
     each bucket captures). After `capture`: ``capture_seconds`` per bucket and
@@ -97,7 +127,8 @@ class CUDAGraphRunner:
 
     def __init__(self, step: Callable, *, example: Callable[[int], Dict[str, torch.Tensor]],
                  buckets: Sequence[int], strategy: str = "manual", backend: str = "inductor",
-                 dynamic_batch: bool = True, warmup: int = 2, cache_path: Optional[str] = None):
+                 dynamic_batch: bool = True, warmup: int = 2, cache_path: Optional[str] = None,
+                 inductor_options: Optional[dict] = None):
         if strategy not in STRATEGIES:
             raise ValueError(f"strategy must be one of {STRATEGIES}, got {strategy!r}")
         if not buckets or min(buckets) < 1:
@@ -108,7 +139,8 @@ class CUDAGraphRunner:
         self.strategy = strategy
         self.dynamic_batch = dynamic_batch
         self.warmup = warmup
-        self.compile_counter = RecordingBackend(backend)
+        options = dict(INDUCTOR_OPTIONS if inductor_options is None else inductor_options)
+        self.compile_counter = RecordingBackend(backend, options=options)
         self.capture_seconds: Dict[int, float] = {}
         self._static: Dict[int, Dict[str, torch.Tensor]] = {}
         self._outputs: Dict[int, object] = {}
@@ -116,13 +148,16 @@ class CUDAGraphRunner:
         self._out_rows: Optional[List[Tuple[int, int]]] = None  # per output leaf: (a, c)
         self._pool = None
         self.cache_path = cache_path
-        self._passed: Dict[tuple, int] = {}  # signature -> bs, for signatures that passed the checks
+        self._routes: Dict[tuple, tuple] = {}  # signature -> (bucket, bs, copy, plan), checked
         self._dirty: Dict[int, int] = {}  # bucket -> rows [mark:] of its inputs are known zero
         self._live: Dict[Tuple[int, int], tuple] = {}  # (bucket, bs) -> (names, dst views, outputs)
         if strategy == "eager":
             self.compiled_step = step
         elif strategy == "reduce-overhead":
-            self.compiled_step = torch.compile(step, fullgraph=True, mode="reduce-overhead")
+            # mode="reduce-overhead" is inductor with cudagraph trees on; spelled as
+            # options so that the inductor options can join it.
+            self.compiled_step = torch.compile(step, fullgraph=True, backend="inductor",
+                                               options={"triton.cudagraphs": True, **options})
         else:
             self.compiled_step = torch.compile(step, fullgraph=True, backend=self.compile_counter)
 
@@ -131,7 +166,7 @@ class CUDAGraphRunner:
         """Allocate buffers and capture every bucket (largest first)."""
         if self.cache_path is not None and self.strategy != "eager":
             load_compile_cache(self.cache_path)
-        self._passed.clear()
+        self._routes.clear()
         self._live.clear()
         for bucket in reversed(self.buckets):
             start = time.perf_counter()
@@ -238,44 +273,84 @@ class CUDAGraphRunner:
 
     @staticmethod
     def _signature(batch: Dict[str, torch.Tensor]) -> Optional[tuple]:
-        """Everything `_check_batch` reads from ``batch``: keys (in order), and
-        per value its type, dtype, shape and device. None if a value is not
-        tensor-like (the full checks then raise)."""
+        """Everything the checks and the copy plan read from ``batch``: keys
+        (in order), and per value its type, dtype, shape, strides and device.
+        None if a value is not tensor-like (the full checks then raise)."""
         try:
-            return tuple((name, type(x), x.dtype, x.shape, x.device) for name, x in batch.items())
-        except AttributeError:
+            return tuple((name, type(x), x.dtype, x.shape, x.stride(), x.device)
+                         for name, x in batch.items())
+        except (AttributeError, TypeError):
             return None
 
     def _checked_bs(self, batch: Dict[str, torch.Tensor]) -> int:
-        """``bs`` of ``batch``, checking it only the first time its signature is seen.
-
-        `_check_batch` is a pure function of the signature and of the bucket's
-        buffers (fixed from `capture` on; `capture` clears this cache), and the
-        bucket is itself chosen from the signature (the first value's leading
-        dimension): a signature that passed once passes every time.
-        """
-        sig = self._signature(batch)
-        bs = self._passed.get(sig) if sig is not None else None
-        if bs is not None:
-            return bs
+        """``bs`` of ``batch`` after the full checks (`_check_batch`)."""
         if not batch:
             raise ValueError("the batch is empty: pass the step's batch tensors")
         first = next(iter(batch.values()))
         bs = first.shape[0] if isinstance(first, torch.Tensor) and first.dim() else 0
-        bs = self._check_batch(batch, self._static[self.bucket_for(bs)])
+        return self._check_batch(batch, self._static[self.bucket_for(bs)])
+
+    def _route(self, batch: Dict[str, torch.Tensor]) -> tuple:
+        """``(bucket, bs, copy, plan)`` for ``batch``, built once per signature.
+
+        The checks (`_check_batch`) are a pure function of the signature and
+        of the bucket's buffers (fixed from `capture` on; `capture` clears
+        this cache), and the bucket is itself chosen from the signature (the
+        first value's leading dimension): a signature that passed once passes
+        every time, so later calls with it skip them. ``copy(batch)`` moves
+        the live rows: when every source can be viewed as bytes (its last
+        dimension has stride 1, which the signature's strides decide) it is
+        **one** ``torch._foreach_copy_`` over uint8 views of every pair (the
+        multi-tensor path needs one dtype across the list; a mixed list falls
+        back to one copy per tensor); otherwise one per dtype.
+        """
+        sig = self._signature(batch)
+        route = self._routes.get(sig) if sig is not None else None
+        if route is not None:
+            return route
+        bs = self._checked_bs(batch)
+        bucket = self.bucket_for(bs)
+        plan = self._plan(bucket, bs)
+        names = list(self._static[bucket])
+        try:
+            for name in names:
+                batch[name].view(torch.uint8)
+            as_bytes = True
+        except RuntimeError:
+            as_bytes = False
+        if as_bytes:
+            dst = [self._static[bucket][name][:bs].view(torch.uint8) for name in names]
+
+            def copy(batch):
+                torch._foreach_copy_(dst, [batch[name].view(torch.uint8) for name in names])
+        else:
+            groups = plan[0]
+
+            def copy(batch):
+                for group, views in groups:
+                    torch._foreach_copy_(views, [batch[name] for name in group])
+        route = (bucket, bs, copy, plan)
         if sig is not None:
-            self._passed[sig] = bs
-        return bs
+            self._routes[sig] = route
+        return route
 
     def _plan(self, bucket: int, bs: int) -> tuple:
-        """(input names, their live-row views, live outputs or None), once per (bucket, bs)."""
+        """(copy groups, live outputs or None), once per (bucket, bs).
+
+        A copy group is ``(input names, their live-row views)`` for the inputs
+        of one dtype.
+        """
         plan = self._live.get((bucket, bs))
         if plan is None:
-            static = self._static[bucket]
+            groups: Dict[torch.dtype, Tuple[list, list]] = {}
+            for name, buf in self._static[bucket].items():
+                names, views = groups.setdefault(buf.dtype, ([], []))
+                names.append(name)
+                views.append(buf[:bs])
             live_out = None
             if self.strategy == "manual":
                 live_out = self._live_outputs(self._outputs[bucket], bs)
-            plan = (list(static), [buf[:bs] for buf in static.values()], live_out)
+            plan = (tuple(groups.values()), live_out)
             self._live[(bucket, bs)] = plan
         return plan
 
@@ -295,7 +370,7 @@ class CUDAGraphRunner:
         self._zero_padding(bucket, bs)
         if self.strategy == "manual":
             self._graphs[bucket].replay()
-            return plan[2]
+            return plan[1]
         static = self._static[bucket]
         if self.strategy == "reduce-overhead":
             torch.compiler.cudagraph_mark_step_begin()
@@ -312,10 +387,8 @@ class CUDAGraphRunner:
         """
         if not self._static:
             self.capture()
-        bs = self._checked_bs(batch)
-        bucket = self.bucket_for(bs)
-        plan = self._plan(bucket, bs)
-        torch._foreach_copy_(plan[1], [batch[name] for name in plan[0]])
+        bucket, bs, copy, plan = self._route(batch)
+        copy(batch)
         return self._run(bucket, bs, plan)
 
     def replay(self, bucket: int, bs: int):

@@ -114,8 +114,9 @@ class RecordingBackend:
     under ``fullgraph=True`` by capturing it as an unbacked symbol.
     """
 
-    def __init__(self, backend: str = "aot_eager"):
+    def __init__(self, backend: str = "aot_eager", options: Optional[dict] = None):
         self.backend = backend
+        self.options = dict(options or {})  # inductor config patches (inductor backend only)
         self.frame_count = 0
         self.data_dependent: list = []  # "op_kind:op" per data-dependent node
         self.data_dependent_sites: list = []  # (op, (file, line, code) or None)
@@ -145,7 +146,13 @@ class RecordingBackend:
                     root = root.args[0]  # through views: x[0].add_(1), x.view(-1).copy_(y)
                 if hasattr(root, "op") and root.op == "placeholder":
                     self.inplace_on_inputs.append((str(root.target), op, where))
-        return torch._dynamo.lookup_backend(self.backend)(gm, example_inputs)
+        compiler = torch._dynamo.lookup_backend(self.backend)
+        if self.options and self.backend == "inductor":
+            from torch._inductor import config as inductor_config
+
+            with inductor_config.patch(self.options):
+                return compiler(gm, example_inputs)
+        return compiler(gm, example_inputs)
 
 
 def _writes_in_place(node, op: str) -> bool:

@@ -6,7 +6,7 @@ from typing import Optional
 
 import torch
 
-from .._paged import BatchView, cu_seqlens, uniform_cu_seqlens
+from .._paged import BatchView, cu_seqlens, scan_cu_seqlens, uniform_cu_seqlens
 from ..metadata import FA3Metadata
 
 
@@ -55,7 +55,7 @@ def slot_call(page_table: torch.Tensor, cache_seqlens: torch.Tensor, *,
         page_table=page_table,
         cache_seqlens=cache_seqlens,
         cu_seqlens_q=uniform_cu_seqlens(rows, 1, cache_seqlens.device),
-        cu_seqlens_k=cu_seqlens(cache_seqlens),
+        cu_seqlens_k=scan_cu_seqlens(cache_seqlens),  # per-token rows
         max_seqlen_q=1,
         max_seqlen_k=max_seqlen_k,
         page_size=1,

@@ -28,7 +28,8 @@ import torch
 import torch.nn.functional as F
 
 from .. import _validate
-from .._paged import BatchView, cdiv_tensor, in_pool, repeat_rows, uniform_cu_seqlens
+from .._paged import (BatchView, cdiv_tensor, cu_seqlens, exclusive_sums, in_pool, repeat_rows,
+                      uniform_cu_seqlens)
 from ..batch import SpecBatch
 from ..config import SpecConfig
 from ..expand import draft_expand_tables
@@ -183,7 +184,7 @@ def _tree_steps(view: BatchView, loc: torch.Tensor, count: int,
     live = repeat_rows(view.live, k)
     cache_seqlens = torch.where(live, cache_seqlens, 0)
     tables = torch.where(live.view(1, -1, 1), tables, PAGE_SENTINEL)
-    cu_k = _stacked_cu_seqlens(cache_seqlens)
+    cu_k = _branch_cu_seqlens(cache_seqlens.view(count, bs, k)[:, :, 0], k)
     cu_q = uniform_cu_seqlens(bs * k, 1, loc.device)
     return tuple(
         CascadeMetadata(prefix=prefix, expand=FA3Metadata(
@@ -215,7 +216,7 @@ def _chain_steps(view: BatchView, count: int) -> Tuple[FA3Metadata, ...]:
     used = torch.arange(cfg.max_pages, device=d.device) < cdiv_tensor(lengths, cfg.page_size).unsqueeze(2)
     tables = torch.where(used, pages.unsqueeze(0), PAGE_SENTINEL)
     cache_seqlens = lengths.to(torch.int32)
-    cu_k = _stacked_cu_seqlens(cache_seqlens)
+    cu_k = cu_seqlens(cache_seqlens)  # [count, B + 1]
     cu_q = uniform_cu_seqlens(view.batch_size, 1, d.device)
     return tuple(
         FA3Metadata(
@@ -232,9 +233,22 @@ def _chain_steps(view: BatchView, count: int) -> Tuple[FA3Metadata, ...]:
     )
 
 
-def _stacked_cu_seqlens(cache_seqlens: torch.Tensor) -> torch.Tensor:
-    """int32 ``[steps, n + 1]`` exclusive prefix sums of each row of ``[steps, n]``."""
-    return F.pad(torch.cumsum(cache_seqlens, 1, dtype=torch.int32), (1, 0))
+def _branch_cu_seqlens(per_request: torch.Tensor, topk: int) -> torch.Tensor:
+    """int32 ``[steps, B*K + 1]`` ``cu_seqlens_k`` of expand calls whose ``K``
+    branch rows of request ``b`` all read ``per_request[:, b]`` keys.
+
+    Row ``m = r*K + t`` starts after ``r`` whole requests and ``t`` branches
+    of request ``r``: ``K * sum(per_request[:, :r]) + t * per_request[:, r]``.
+    The prefix sum runs over requests (``[steps, B + 1]``, a comparison-sum,
+    `exclusive_sums`) instead of a scan over all ``B*K`` rows; bitwise equal
+    to ``pad(cumsum(cache_seqlens, 1, dtype=int32), (1, 0))``.
+    """
+    steps, bs = per_request.shape
+    whole = exclusive_sums(per_request)  # int64 [steps, B + 1]
+    own = F.pad(per_request.to(torch.int64), (0, 1))  # row B (t = 0 there) reads 0
+    m = torch.arange(bs * topk + 1, device=per_request.device)
+    r, t = torch.div(m, topk, rounding_mode="floor"), torch.remainder(m, topk)
+    return (topk * whole[:, r] + t * own[:, r]).to(torch.int32)
 
 
 def draft_tail_copy_slots(

@@ -31,6 +31,7 @@ import torch
 from .. import build_decode_metadata
 from ..builders.prefill import build_prefill_metadata, extend_query_positions
 from ..config import SpecConfig
+from ..graphs import compile_fullgraph
 from ..probes import capture, recording_host_syncs
 from .iteration import LoopConfig, State, eagle_iteration, empty_state, step_in_place
 from .models import KVCache, SpecModel
@@ -147,8 +148,7 @@ class EagleEngine:
         self._iteration = iteration
         self._fn = iteration
         if compile_backend is not None:
-            self._fn = torch.compile(iteration, fullgraph=True, backend=compile_backend,
-                                     dynamic=False)
+            self._fn = compile_fullgraph(iteration, backend=compile_backend, dynamic=False)
         self._graphs: Dict[int, torch.cuda.CUDAGraph] = {}
         self._views: Dict[int, State] = {}
         self._waiting: List[Request] = []
