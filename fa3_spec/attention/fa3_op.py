@@ -85,24 +85,30 @@ def _fa3_paged_attention_fake(
     softcap=0.0, window_left=-1, window_right=-1,
     q_descale=None, k_descale=None, v_descale=None,
 ):
-    if num_splits < 1:
-        raise ValueError(f"num_splits must be a static int >= 1, got {num_splits}")
+    if isinstance(num_splits, int) and num_splits < 1:  # a symbolic count is >= 1 by construction
+        raise ValueError(f"num_splits must be an int >= 1, got {num_splits}")
     total_q, heads = q.shape[0], q.shape[1]
     out = q.new_empty((total_q, heads, v_cache.shape[-1]), dtype=attention_out_dtype(q.dtype))
     lse = q.new_empty((heads, total_q), dtype=torch.float32)
     return out, lse
 
 
-def default_num_splits(num_rows: int, num_kv_heads: int, max_seqlen_k: int,
-                       num_sms: int = 132) -> int:
-    """A static split count from static bounds (FA3's fake rejects 0).
+def default_num_splits(num_rows, num_kv_heads: int, max_seqlen_k: int, num_sms: int = 132):
+    """A split count from the call's bounds: ``max(1, min(16, sms // items,
+    keys // 512))`` with ``items = rows * kv_heads`` (FA3's fake rejects 0).
 
     Split the keys only when the call has too few (row, KV head) work items to
-    fill the GPU and enough keys to split: ``min(16, sms / items, keys / 512)``,
-    at least 1. Measured on the H200: a topk > 1 prefix call at batch 1 ran in
-    110 µs unsplit and 83 µs at 16 splits; at batch 64 splitting moved little.
+    fill the GPU and enough keys to split; from ``items >= sms`` on it is 1
+    (``sms // items <= 1``). Measured on the H200: a topk > 1 prefix call at
+    batch 1 ran in 110 µs unsplit and 83 µs at 16 splits; at batch 64
+    splitting moved little.
+
+    Written with ``torch.sym_min`` / ``torch.sym_max`` and no comparison, so
+    that with a batch dimension marked dynamic ``num_rows`` may be symbolic:
+    the count is then an expression of the batch that the compiled graph
+    evaluates per call (each captured bucket gets its own value) instead of a
+    guard that splits the batch range into several compiled frames.
     """
-    items = max(1, num_rows * num_kv_heads)
-    if items >= num_sms:
-        return 1
-    return max(1, min(16, num_sms // items, max_seqlen_k // 512))
+    items = torch.sym_max(1, num_rows * num_kv_heads)
+    return torch.sym_max(1, torch.sym_min(torch.sym_min(16, num_sms // items),
+                                          max_seqlen_k // 512))
