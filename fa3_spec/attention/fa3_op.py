@@ -95,7 +95,8 @@ def _fa3_paged_attention_fake(
 
 def default_num_splits(num_rows, num_kv_heads: int, max_seqlen_k: int, num_sms: int = 132):
     """A split count from the call's bounds: ``max(1, min(16, sms // items,
-    keys // 512))`` with ``items = rows * kv_heads`` (FA3's fake rejects 0).
+    keys // 512))`` with ``items = max(1, rows * kv_heads)`` (FA3's fake
+    rejects 0).
 
     Split the keys only when the call has too few (row, KV head) work items to
     fill the GPU and enough keys to split; from ``items >= sms`` on it is 1
@@ -103,12 +104,30 @@ def default_num_splits(num_rows, num_kv_heads: int, max_seqlen_k: int, num_sms: 
     batch 1 ran in 110 µs unsplit and 83 µs at 16 splits; at batch 64
     splitting moved little.
 
-    Written with ``torch.sym_min`` / ``torch.sym_max`` and no comparison, so
-    that with a batch dimension marked dynamic ``num_rows`` may be symbolic:
-    the count is then an expression of the batch that the compiled graph
-    evaluates per call (each captured bucket gets its own value) instead of a
-    guard that splits the batch range into several compiled frames.
+    Written without a comparison (`_min_static`, `_at_least_one`: integer
+    floor divisions only), so that with a batch dimension marked dynamic
+    ``num_rows`` may be symbolic: the count is then an expression of the
+    batch that the compiled graph evaluates per call (each captured bucket
+    gets its own value) instead of a guard that splits the batch range into
+    several compiled frames. With plain ints it is plain integer arithmetic.
     """
-    items = torch.sym_max(1, num_rows * num_kv_heads)
-    return torch.sym_max(1, torch.sym_min(torch.sym_min(16, num_sms // items),
-                                          max_seqlen_k // 512))
+    work = num_rows * num_kv_heads
+    items = work + 1 // (work + 1)  # max(1, work) for work >= 0
+    per_sm = num_sms // items
+    key_blocks = max_seqlen_k // 512  # static
+    if key_blocks == 0:
+        return 1
+    return _at_least_one(_min_static(_min_static(per_sm, 16), key_blocks))
+
+
+def _min_static(x, bound: int):
+    """``min(x, bound)`` for an int (or SymInt) ``x >= 0`` and a static
+    ``bound >= 1``, without a comparison: ``x >= bound`` exactly when
+    ``x // bound >= 1``, and ``1 - 1 // (q + 1)`` is that indicator for ``q >= 0``."""
+    reached = 1 - 1 // (x // bound + 1)
+    return x - (x - bound) * reached
+
+
+def _at_least_one(x):
+    """``max(x, 1)`` for ``x >= 0`` without a comparison."""
+    return x + 1 // (x + 1)
