@@ -118,8 +118,8 @@ def exclusive_sums(values: torch.Tensor) -> torch.Tensor:
     Eagerly this is a ``cumsum``. Under ``torch.compile`` it is a
     comparison-sum, ``sum_j values[..., j] * (j < m)``: a scan is a kernel of
     its own on CUDA that nothing fuses across, while this is elementwise code
-    when ``n`` is a static ``n <= UNROLLED_SUMS`` (``n`` terms written out;
-    inductor itself only unrolls reductions shorter than 8) and otherwise an
+    when ``n <= UNROLLED_SUMS`` is known at trace time (``UNROLLED_SUMS`` terms
+    written out; inductor itself only unrolls reductions shorter than 8) and otherwise an
     ordinary reduction over ``n``, which inductor fuses into one kernel with
     its neighbours (no ``[n + 1, n]`` temporary). A symbolic ``n`` (a batch
     dimension marked dynamic) takes the reduction, so no guard is added on
@@ -131,10 +131,14 @@ def exclusive_sums(values: torch.Tensor) -> torch.Tensor:
     if not torch.compiler.is_compiling():
         return F.pad(torch.cumsum(values, -1), (1, 0))
     m = torch.arange(n + 1, device=values.device)
-    if statically_known_true(n <= UNROLLED_SUMS):  # a static n: n elementwise terms
+    if statically_known_true(n <= UNROLLED_SUMS):  # UNROLLED_SUMS elementwise terms
+        # Padded to a static width, so the loop never depends on n: a symbolic n
+        # whose range is known to be small (a batch bounded by max_bs <= 16) is
+        # not specialised to its current value.
+        padded = F.pad(values, (0, UNROLLED_SUMS - n))
         out = torch.zeros(values.shape[:-1] + (n + 1,), dtype=torch.int64, device=values.device)
-        for j in range(n):
-            out = out + values[..., j:j + 1] * (m > j)
+        for j in range(UNROLLED_SUMS):
+            out = out + padded[..., j:j + 1] * (m > j)
         return out
     before = torch.arange(n, device=values.device) < m.unsqueeze(1)  # [n + 1, n]
     return (values.unsqueeze(-2) * before).sum(-1)
