@@ -95,7 +95,8 @@ def test_the_draft_step_compiles_two_frames_across_buckets_with_a_small_max_bs()
     counter = RecordingBackend("eager")
     compiled = torch.compile(step, fullgraph=True, backend=counter)
     for bs in (8, 6, 4, 3, 2, 1):
-        batch = {k: v.clone() for k, v in example_batch("draft_decode", cfg, model, bs).items()}
+        batch = {k: v.clone() for k, v in example_batch("draft_decode", cfg, model, bs,
+                                                          device="cpu").items()}
         for t in batch.values():
             torch._dynamo.maybe_mark_dynamic(t, 0)
         compiled(**batch)
