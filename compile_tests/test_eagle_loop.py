@@ -242,3 +242,12 @@ def test_cli_check_greedy_json_and_exit_status(tmp_path, monkeypatch):
     monkeypatch.setattr(cli, "greedy_generate",
                         lambda *a, **k: [[t + 1 for t in o] for o in real(*a, **k)])
     assert cli.main(argv) == 1
+
+
+@pytest.mark.parametrize("flag", ["--requests", "--batch", "--page-size", "--topk", "--num-steps",
+                                  "--num-draft-tokens", "--max-new-tokens", "--prompt-len"])
+def test_cli_refuses_non_positive_sizes_as_a_usage_error(flag, capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        cli.main([flag, "0", "--device", "cpu"])
+    assert exit_info.value.code == 2
+    assert flag in capsys.readouterr().err

@@ -38,17 +38,28 @@ DTYPES = {"float64": torch.float64, "float32": torch.float32, "bfloat16": torch.
           "float16": torch.float16}
 
 
+def _positive(text: str) -> int:
+    """argparse type: an int >= 1 (a usage error otherwise, not a crash later)."""
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected an integer, got {text!r}") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be >= 1, got {value}")
+    return value
+
+
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--preset", default="tiny", choices=["tiny", "llama3-8b"])
     p.add_argument("--device", default="auto", help="cpu, cuda or auto")
-    p.add_argument("--batch", type=int, default=8, help="batch rows (max_bs)")
-    p.add_argument("--requests", type=int, default=None, help="requests (default 2 * batch)")
-    p.add_argument("--page-size", type=int, default=2)
-    p.add_argument("--topk", type=int, default=4)
-    p.add_argument("--num-steps", type=int, default=5)
-    p.add_argument("--num-draft-tokens", type=int, default=8)
-    p.add_argument("--max-new-tokens", type=int, default=32)
-    p.add_argument("--prompt-len", type=int, default=40, help="longest prompt")
+    p.add_argument("--batch", type=_positive, default=8, help="batch rows (max_bs)")
+    p.add_argument("--requests", type=_positive, default=None, help="requests (default 2 * batch)")
+    p.add_argument("--page-size", type=_positive, default=2)
+    p.add_argument("--topk", type=_positive, default=4)
+    p.add_argument("--num-steps", type=_positive, default=5)
+    p.add_argument("--num-draft-tokens", type=_positive, default=8)
+    p.add_argument("--max-new-tokens", type=_positive, default=32)
+    p.add_argument("--prompt-len", type=_positive, default=40, help="longest prompt")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--dtype", default=None, choices=sorted(DTYPES),
                    help="default float64 on CPU, bfloat16 on CUDA")
