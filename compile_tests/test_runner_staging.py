@@ -95,6 +95,28 @@ def test_strided_sources_take_the_per_dtype_copy_and_give_the_same_rows():
     assert copy_strided.__code__ is not copy_bytes.__code__  # the two copy paths
 
 
+def test_a_buffer_without_a_byte_view_takes_the_per_dtype_copy():
+    # capture() clones the example: a transposed example keeps a strided last dimension.
+    def example(bs):
+        return dict(a=torch.zeros(bs, 5, 3).transpose(1, 2))
+
+    runner = CUDAGraphRunner(lambda a: a.sum((1, 2)), example=example, buckets=[4],
+                             strategy="eager")
+    runner.capture()
+    a = torch.randn(3, 3, 5)
+    assert torch.allclose(runner(a=a), a.sum((1, 2)))  # summation order follows the layout
+    assert torch.equal(runner.static_inputs(4)["a"][:3], a)
+
+
+def test_neg_bit_views_after_a_plain_call_still_copy():
+    runner, ref = _runner(), _runner()
+    batch = _batch(3, 1)
+    runner(**batch)  # caches the byte-view route for this signature
+    neg = {**batch, "hidden": torch._neg_view(batch["hidden"])}  # same signature, no byte view
+    got, want = runner(**neg), ref(**{**batch, "hidden": -batch["hidden"]})
+    assert all(torch.equal(g, w) for g, w in zip(got, want))
+
+
 def test_zero_copy_replay_matches_the_call():
     runner, ref = _runner(), _runner()
     for i, bs in enumerate([2, 8, 7, 6, 0]):

@@ -89,11 +89,19 @@ def compile_fullgraph(fn: Callable, *, backend="inductor", options: Optional[dic
     `INDUCTOR_OPTIONS` (or ``options``) when the backend is inductor.
 
     The way to compile an engine step that calls the builders, so its
-    metadata kernels fuse as the benchmarks measure them. Any other backend
-    (``"aot_eager"``, a callable) is passed through untouched.
+    metadata kernels fuse as the benchmarks measure them. ``mode=`` is
+    accepted (turned into its options). Any other backend (``"aot_eager"``,
+    a callable, including a `RecordingBackend` wrapping inductor, which takes
+    its own ``options=``) is passed through untouched.
     """
     if backend == "inductor":
-        kwargs["options"] = dict(INDUCTOR_OPTIONS if options is None else options)
+        merged = dict(INDUCTOR_OPTIONS if options is None else options)
+        mode = kwargs.pop("mode", None)
+        if mode is not None:  # torch.compile takes mode or options, not both: spell mode as options
+            from torch._inductor import list_mode_options
+
+            merged = {**list_mode_options(mode), **merged}
+        kwargs["options"] = merged
     return torch.compile(fn, fullgraph=True, backend=backend, **kwargs)
 
 
@@ -312,23 +320,27 @@ class CUDAGraphRunner:
         bucket = self.bucket_for(bs)
         plan = self._plan(bucket, bs)
         names = list(self._static[bucket])
-        try:
+        groups = plan[0]
+
+        def copy_per_dtype(batch):
+            for group, views in groups:
+                torch._foreach_copy_(views, [batch[name] for name in group])
+
+        try:  # buffers and sources must both have a byte view (last-dimension stride 1)
+            dst = [self._static[bucket][name][:bs].view(torch.uint8) for name in names]
             for name in names:
                 batch[name].view(torch.uint8)
-            as_bytes = True
         except RuntimeError:
-            as_bytes = False
-        if as_bytes:
-            dst = [self._static[bucket][name][:bs].view(torch.uint8) for name in names]
-
-            def copy(batch):
-                torch._foreach_copy_(dst, [batch[name].view(torch.uint8) for name in names])
+            dst = None
+        if dst is None:
+            copy = copy_per_dtype
         else:
-            groups = plan[0]
-
             def copy(batch):
-                for group, views in groups:
-                    torch._foreach_copy_(views, [batch[name] for name in group])
+                try:  # a conj/neg-bit view has no byte view: the signature does not see those bits
+                    src = [batch[name].view(torch.uint8) for name in names]
+                except RuntimeError:
+                    return copy_per_dtype(batch)
+                torch._foreach_copy_(dst, src)
         route = (bucket, bs, copy, plan)
         if sig is not None:
             self._routes[sig] = route
