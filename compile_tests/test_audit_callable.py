@@ -112,6 +112,19 @@ def test_value_dependent_guard_is_a_recompile_at_its_line():
     assert audit_callable(guards_on_a_python_int, (lens, out, 2)).clean
 
 
+def _scaled(x, scale):
+    return x * scale
+
+
+def test_a_changing_python_float_is_a_recompile_not_a_data_dependent_read():
+    # Dynamo makes the float dynamic after one recompile, passing it as a tensor
+    # and reading it with .item(): that read is the caller's number, not device data.
+    x = torch.randn(4)
+    row = audit_callable(_scaled, (x, 0.5), variants=[(x + 1, 0.7), (x + 2, 0.9)])
+    assert row.data_dependent == 0 and row.recompiles == 1
+    assert [f.column for f in row.findings] == ["recompiles"]
+
+
 def test_clean_function_is_clean_with_keyword_arguments():
     lens, out = _example()
     row = audit_callable(clean, {"lens": lens, "out": out},

@@ -136,7 +136,9 @@ class RecordingBackend:
             # Count the node that introduces an unbacked symbol, not every
             # node that merely carries it on (sym_size, comparisons, asserts).
             inherited = set().union(*(unbacked(a) for a in node.all_input_nodes))
-            if (node.op == "call_method" and node.target in ("item", "tolist")) or (
+            if _reads_a_python_scalar(node):
+                pass  # dynamo's own unwrapping of a dynamic Python float/int argument
+            elif (node.op == "call_method" and node.target in ("item", "tolist")) or (
                     unbacked(node) - inherited):
                 self.data_dependent.append(f"{node.op}:{op}")
                 self.data_dependent_sites.append((op, where))
@@ -153,6 +155,20 @@ class RecordingBackend:
             with inductor_config.patch(self.options):
                 return compiler(gm, example_inputs)
         return compiler(gm, example_inputs)
+
+
+def _reads_a_python_scalar(node) -> bool:
+    """``x.item()`` where ``x`` is a Python number that dynamo passes as a
+    tensor (a float argument that changed between calls is made dynamic that
+    way): the value comes from the caller's arguments, not from device data,
+    so it is no host sync. (Under CUDA-graph replay such a value is frozen at
+    capture; the audit's replay parity on the variants catches that.)"""
+    if not (node.op == "call_method" and node.target == "item" and node.args):
+        return False
+    source = node.args[0]
+    grapharg = getattr(source, "meta", {}).get("grapharg")
+    return getattr(source, "op", None) == "placeholder" and bool(
+        getattr(grapharg, "pass_arg_as_tensor", False))
 
 
 def _writes_in_place(node, op: str) -> bool:
