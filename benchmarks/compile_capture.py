@@ -21,7 +21,6 @@ It also checks one replay against eager (relative error). Needs CUDA + FA3;
 """
 
 import argparse
-import contextlib
 import json
 import os
 import subprocess
@@ -36,6 +35,7 @@ import torch  # noqa: E402
 
 import fa3_spec  # noqa: E402
 from fa3_spec.graphs import CUDAGraphRunner  # noqa: E402
+from fa3_spec.probes import recompile_reasons  # noqa: E402
 from fa3_spec.harness.toy import STEP_VARIANTS, ToyModel, example_batch, make_step, world_batch  # noqa: E402
 from fa3_spec.harness.worlds import make_world, rebase_world  # noqa: E402
 
@@ -63,12 +63,12 @@ def measure(mode, tree, smoke, cache_file=None):
                                  backend="inductor", cache_path=cache_file if phase != "warm" else None,
                                  example=lambda bs: example_batch(mode, cfg, model, bs, device=device,
                                                                   tree=tree))
-        with recompile_reasons() as reasons:
-            start = time.perf_counter()
-            runner.capture()
-            row[f"{phase}_capture_s"] = round(time.perf_counter() - start, 2)
+        start = time.perf_counter()
+        runner.capture()
+        row[f"{phase}_capture_s"] = round(time.perf_counter() - start, 2)
         row[f"{phase}_compiles"] = runner.compile_counter.frame_count
-        row[f"{phase}_recompile_reasons"] = reasons
+        row[f"{phase}_recompile_reasons"] = [  # since the reset above: this phase's
+            f"{guard} ({file}:{line})" for guard, file, line, _ in recompile_reasons()]
         seconds = runner.capture_seconds  # the first (largest) bucket carries the compile
         row[f"{phase}_first_bucket_s"] = round(seconds[max(buckets)], 2)
         row[f"{phase}_bucket_1_s"] = round(seconds[min(buckets)], 2)
@@ -84,29 +84,6 @@ def measure(mode, tree, smoke, cache_file=None):
     want = step(**batch)
     row["replay_rel_err"] = float((got.float() - want.float()).norm() / want.float().norm())
     return row
-
-
-@contextlib.contextmanager
-def recompile_reasons():
-    """Collect dynamo's "recompiling ... triggered by" messages (its
-    ``recompiles`` log artifact) while the block runs."""
-    import logging
-
-    reasons = []
-
-    class Grab(logging.Handler):
-        def emit(self, record):
-            reasons.append(record.getMessage().strip()[:600])
-
-    logger = logging.getLogger("torch._dynamo.guards.__recompiles")
-    handler = Grab()
-    torch._logging.set_logs(recompiles=True)
-    logger.addHandler(handler)
-    try:
-        yield reasons
-    finally:
-        logger.removeHandler(handler)
-        torch._logging.set_logs()
 
 
 def restart(mode, tree, cache_file):

@@ -11,9 +11,10 @@ One row per scenario point (1-layer draft loop, FA3, 32/8 heads, D = 128):
   (`build_draft_iteration_metadata`, compiled with `INDUCTOR_OPTIONS`),
   device time per iteration of a graph that captures ``REPEAT`` iterations
   back to back (CUDA events around its replay, divided by ``REPEAT``: the
-  graph's launch latency is not charged), and ``metadata_kernels``: its launches with their
-  device times (profiler, one replay); the ``*_inductor_defaults`` twins are
-  the same without the options (combo kernels off), in the same process;
+  graph's launch latency is not charged), and ``metadata_kernels``: its
+  launches with their device times (profiler, the first of the ``REPEAT``
+  iterations); the ``*_inductor_defaults`` twins are the same without the
+  options (combo kernels off), in the same process;
 * ``metadata_kernels_per_step``: (kernels of the captured loop - kernels of
   the floor) / draft steps;
 * ``loop_over_floor_device_pct``: the runner's graph over the floor (same
@@ -87,16 +88,15 @@ def metadata_profile(cfg, world, args, options=None):
 
     from fa3_spec.probes import capture
 
-    graph, _ = capture(compiled)
     repeated, _ = capture(lambda: [compiled() for _ in range(REPEAT)])
     _, (device_us, _) = bench._graph_times(repeated, args.iters)
     device_us = round(device_us / REPEAT, 2)
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
-        graph.replay()
+        repeated.replay()
         torch.cuda.synchronize()
-    kernels = [[e.name[:120], round(e.device_time, 2)] for e in prof.events()
-               if e.device_type == torch.autograd.DeviceType.CUDA]
-    return device_us, kernels
+    launches = [[e.name[:120], round(e.device_time, 2)] for e in prof.events()
+                if e.device_type == torch.autograd.DeviceType.CUDA]
+    return device_us, launches[: len(launches) // REPEAT]  # the first iteration's
 
 
 def compile_times(smoke):

@@ -112,15 +112,11 @@ def staging_parts(runner, batch, bucket, bs, iters, sync):
     names = list(static)
     dst = [static[n][:bs] for n in names]
     src = [batch[n] for n in names]
-    groups = {}
-    for d, x in zip(dst, src):
-        groups.setdefault(d.dtype, ([], []))
-        groups[d.dtype][0].append(d)
-        groups[d.dtype][1].append(x)
+    groups = runner._plan(bucket, bs)[0]  # the runner's own per-dtype groups
 
     def per_dtype():
-        for d, x in groups.values():
-            torch._foreach_copy_(d, x)
+        for group, views in groups:
+            torch._foreach_copy_(views, [batch[n] for n in group])
 
     def per_tensor():
         for d, x in zip(dst, src):

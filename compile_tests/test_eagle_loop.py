@@ -52,13 +52,17 @@ def workload(n, p, max_new=40, seed=0, min_new=32):
                         min_new=min(min_new, max_new))
 
 
+def submit_all(eng, prompts, news, **kw):
+    """Submit every request of a workload; their ids, in order."""
+    return [eng.submit(prompt, m, **kw) for prompt, m in zip(prompts, news)]
+
+
 def run_both(p, k, s, n, draft="derived", requests=14, max_bs=8, eos=-1):
     """Speculative and plain greedy outputs of the same workload, and the engine."""
     models = models_for(draft)
     prompts, news = workload(requests, p)
     eng = make_engine(models, p, k, s, n, max_bs=max_bs)
-    for prompt, m in zip(prompts, news):
-        eng.submit(prompt, m, eos_id=eos)
+    submit_all(eng, prompts, news, eos_id=eos)
     out = eng.run()
     ref = greedy_generate(models, prompts, news, eos_ids=[eos] * requests, page_size=p,
                           backend="torch")
@@ -107,8 +111,7 @@ def test_a_request_that_joins_gives_the_same_tokens_as_alone():
     models = models_for()
     prompts, news = workload(7, 16)
     eng = make_engine(models, 16, 4, 5, 8, max_bs=3)
-    for prompt, m in zip(prompts, news):
-        eng.submit(prompt, m)
+    submit_all(eng, prompts, news)
     together = eng.run()
     alone = make_engine(models, 16, 4, 5, 8, max_bs=1)
     rid = alone.submit(prompts[6], news[6])  # request 6 joined once others had finished
@@ -119,8 +122,7 @@ def test_device_output_buffer_matches_host_readback():
     models = models_for()
     prompts, news = workload(4, 2)
     eng = make_engine(models, 2, 4, 5, 8, max_bs=4)
-    for prompt, m in zip(prompts, news):
-        eng.submit(prompt, m)
+    submit_all(eng, prompts, news)
     for _ in range(4):
         eng.step()
     device = eng.device_outputs()
@@ -132,8 +134,7 @@ def test_tree_and_path_are_consistent():
     models = models_for()
     prompts, news = workload(4, 2)
     eng = make_engine(models, 2, 8, 5, 8, max_bs=4)
-    for prompt, m in zip(prompts, news):
-        eng.submit(prompt, m)
+    submit_all(eng, prompts, news)
     eng.step()
     eng.step()
     st = eng.state
@@ -163,8 +164,7 @@ def test_scripted_acceptance_follows_the_sequence():
     models = models_for("random")
     prompts, news = workload(4, 2, max_new=30)
     eng = make_engine(models, 2, 4, 5, 8, max_new=30, scripted=(3, 4, 2, 5, 3, 4))
-    for prompt, m in zip(prompts, news):
-        eng.submit(prompt, m)
+    submit_all(eng, prompts, news)
     eng.run()
     acc = eng.stats["accept_lens"]
     assert set(acc) <= {2, 3, 4, 5} and abs(sum(acc) / len(acc) - 3.5) < 0.4
@@ -174,8 +174,7 @@ def test_iteration_compiles_fullgraph_with_no_data_dependent_ops():
     models = models_for()
     prompts, news = workload(3, 2)
     eng = make_engine(models, 2, 4, 2, 4, max_bs=4)
-    for prompt, m in zip(prompts, news):
-        eng.submit(prompt, m)
+    submit_all(eng, prompts, news)
     eng.step()  # admitted and one iteration in: a mid-run state with a padding row
     pool = eng.pool
     saved = (pool.target_kv.k.clone(), pool.target_kv.v.clone(), pool.draft_kv.k.clone(),

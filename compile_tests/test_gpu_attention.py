@@ -13,6 +13,7 @@ from fa3_spec.attention import fa3_available
 from fa3_spec import MODES, build_metadata as build
 from fa3_spec.harness.oracle import dense_attention, expected_key_slots, num_queries
 from fa3_spec.harness.worlds import fill_kv_cache, make_world
+from fa3_spec.probes import capture
 from gpu_results import ResultsFile, rel_err as _rel_err
 
 pytestmark = [
@@ -106,14 +107,7 @@ def test_whole_step_compiles_captures_and_replays(mode):
         for a in args[:2]:
             torch.testing.assert_close(compiled(*a), step(*a), atol=2e-2, rtol=2e-2)
     static = [t.clone() for t in args[0]]
-    s = torch.cuda.Stream()
-    s.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(s):
-        compiled(*static)
-    torch.cuda.current_stream().wait_stream(s)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        out = compiled(*static)
+    graph, out = capture(compiled, *static, warmup=1)
     ptr = out.data_ptr()
     for a in args[1:]:
         for dst, src in zip(static, a):

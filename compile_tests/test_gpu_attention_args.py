@@ -22,6 +22,7 @@ import fa3_spec
 from fa3_spec.attention import fa3_available, fa3_paged_attention, providers, provider_version
 from fa3_spec.harness.worlds import fill_kv_cache, make_world, rebase_world
 from fa3_spec.harness.oracle import num_queries
+from fa3_spec.probes import capture
 from gpu_results import ResultsFile, rel_err as _rel_err
 
 pytestmark = [
@@ -217,14 +218,7 @@ def test_step_with_sinks_and_fp8_compiles_captures_and_replays():
     static = [t.clone() for t in batches[0]]
     buf = torch.full_like(static[0], float("nan"))  # the caller's output buffer
     static.append(buf)
-    s = torch.cuda.Stream()
-    s.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(s):
-        compiled(*static)
-    torch.cuda.current_stream().wait_stream(s)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        out = compiled(*static)
+    graph, out = capture(compiled, *static, warmup=1)
     worst = 0.0
     for batch in batches[1:]:
         for dst, src in zip(static, batch):

@@ -103,6 +103,8 @@ def cu_seqlens(lengths: torch.Tensor) -> torch.Tensor:
 
     Example: ``cu_seqlens(tensor([3, 0, 5])) -> tensor([0, 3, 3, 8], dtype=int32)``.
     """
+    if not torch.compiler.is_compiling():  # eagerly a scan is one kernel, and the fastest
+        return scan_cu_seqlens(lengths)
     return exclusive_sums(lengths).to(torch.int32)
 
 

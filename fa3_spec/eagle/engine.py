@@ -298,16 +298,18 @@ class EagleEngine:
     def _consume(self, host, event, iteration: int, on_iteration=None) -> None:
         if event is not None:
             event.synchronize()  # waits for that iteration only; the next one is queued
-        seq = host["seq_lens"]
-        out_len, accept = host["out_len"], host["accept_len"]
-        for slot in range(seq.shape[0]):
+        # Host copies (synced by the event above): read each into Python once,
+        # not one tensor index per slot.
+        seq = host["seq_lens"].tolist()  # ok-host
+        out_len, accept = host["out_len"].tolist(), host["accept_len"].tolist()  # ok-host
+        for slot in range(len(seq)):
             req = self._slots[slot]
             if req is None or req.since > iteration:  # admitted after this copy was taken
                 continue
             if accept[slot] > 0:
-                self.stats["accept_lens"].append(int(accept[slot]))
+                self.stats["accept_lens"].append(accept[slot])
             if seq[slot] == 0:  # finished (padding on the device already)
-                req.output = host["out_tokens"][slot, : int(out_len[slot])].tolist()  # ok-host
+                req.output = host["out_tokens"][slot, : out_len[slot]].tolist()  # ok-host
                 self.pool.release(req.row)
                 self._slots[slot] = None
                 self._done[req.rid] = req
