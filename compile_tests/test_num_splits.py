@@ -11,13 +11,13 @@ def branchy(rows, kv_heads, keys, sms=132):
     items = max(1, rows * kv_heads)
     if items >= sms:
         return 1
-    return max(1, min(16, sms // items, keys // 512))
+    return max(1, min(16, sms // items, keys // 128))
 
 
 def test_default_num_splits_matches_the_branchy_heuristic():
     for rows in range(0, 400, 7):
         for kv_heads in (1, 2, 8, 32):
-            for keys in (1, 511, 512, 4096, 9000, 131072):
+            for keys in (1, 127, 128, 511, 512, 4096, 9000, 131072):
                 got = default_num_splits(rows, kv_heads, keys)
                 assert got == branchy(rows, kv_heads, keys) and isinstance(got, int)
 

@@ -93,16 +93,23 @@ def _fa3_paged_attention_fake(
     return out, lse
 
 
+#: Fewest keys per split in `default_num_splits`.
+KEYS_PER_SPLIT = 128
+
+
 def default_num_splits(num_rows, num_kv_heads: int, max_seqlen_k: int, num_sms: int = 132):
     """A split count from the call's bounds: ``max(1, min(16, sms // items,
-    keys // 512))`` with ``items = max(1, rows * kv_heads)`` (FA3's fake
-    rejects 0).
+    keys // KEYS_PER_SPLIT))`` with ``items = max(1, rows * kv_heads)`` (FA3's
+    fake rejects 0).
 
     Split the keys only when the call has too few (row, KV head) work items to
     fill the GPU and enough keys to split; from ``items >= sms`` on it is 1
     (``sms // items <= 1``). Measured on the H200: a topk > 1 prefix call at
     batch 1 ran in 110 µs unsplit and 83 µs at 16 splits; at batch 64
-    splitting moved little.
+    splitting moved little. A decode call at batch 1 (8 KV heads, 1024 keys,
+    page size 16 or 2; `benchmarks/model_roofline.py`) ran in 33.4 / 29.4 /
+    26.5 / 25.3 µs at 1 / 2 / 4 / 8 splits (with the output normalisation),
+    hence splits of at least 128 keys (`KEYS_PER_SPLIT`).
 
     Written without a comparison (`_min_static`, `_at_least_one`: integer
     floor divisions only), so that with a batch dimension marked dynamic
@@ -114,7 +121,7 @@ def default_num_splits(num_rows, num_kv_heads: int, max_seqlen_k: int, num_sms: 
     work = num_rows * num_kv_heads
     items = work + 1 // (work + 1)  # max(1, work) for work >= 0
     per_sm = num_sms // items
-    key_blocks = max_seqlen_k // 512  # static
+    key_blocks = max_seqlen_k // KEYS_PER_SPLIT  # static
     if key_blocks == 0:
         return 1
     return _at_least_one(_min_static(_min_static(per_sm, 16), key_blocks))

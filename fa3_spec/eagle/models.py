@@ -31,7 +31,7 @@ independent draft weights: almost every draft token is rejected.
 from __future__ import annotations
 
 import dataclasses
-from typing import List, Optional, Protocol
+from typing import List, Optional, Protocol, Tuple
 
 import torch
 import torch.nn.functional as F
@@ -54,6 +54,7 @@ class ModelShape:
     rope_theta: float = 10000.0
     rms_eps: float = 1e-6
     logit_scale: float = 1.0  # lm_head init scale: > 1 sharpens the draft's scores
+    max_position_embeddings: int = 8192  # rows of the RoPE table
 
 
 #: ``tiny``: CPU tests (float64 on CPU); head_dim 64 so that FA3 runs it on
@@ -88,10 +89,6 @@ class KVCache:
     def slots_per_layer(self) -> int:
         return self.k.shape[1] * self.k.shape[2]
 
-    def flat_slots(self, layer: int, slots: torch.Tensor) -> torch.Tensor:
-        """Slots of one layer (clamped into the pool) as flat indices into all layers."""
-        return slots.to(torch.int64).clamp(0, self.slots_per_layer - 1) + layer * self.slots_per_layer
-
     def copy_slots(self, src: torch.Tensor, dst: torch.Tensor) -> None:
         """Copy K/V of slots ``src [T]`` to ``dst [T]`` in every layer.
 
@@ -110,33 +107,87 @@ class KVCache:
 
 @dataclasses.dataclass
 class LayerWeights:
-    """One Llama decoder layer. Matrices are ``[in, out]`` (``x @ w``)."""
+    """One Llama decoder layer, matrices ``[in, out]`` (``x @ w``), with the
+    projections that read the same input fused into one matrix each.
+
+    ``wqkv`` columns: the ``H_q`` query heads, then the ``H_kv`` key heads,
+    then the ``H_kv`` value heads (``D`` columns each). ``w_gate_up``
+    columns: the ``I`` gate columns, then the ``I`` up columns. Why ``[in,
+    out]``: on the H200 the 8B shapes' GEMMs stream 1.5% (M = 1) to 4%
+    (M = 64) faster as ``x @ w`` than as ``F.linear`` on ``[out, in]``
+    (``benchmarks/model_roofline.py``). Build one with `from_projections`,
+    the one conversion from Hugging Face's separate ``[out, in]``
+    projections (random presets and checkpoint loaders both go through it).
+    """
 
     attn_norm: torch.Tensor  # [H]
-    wq: torch.Tensor  # [H, H_q * D]
-    wk: torch.Tensor  # [H, H_kv * D]
-    wv: torch.Tensor  # [H, H_kv * D]
+    wqkv: torch.Tensor  # [H, (H_q + 2 H_kv) * D]
     wo: torch.Tensor  # [H_q * D, H]
     mlp_norm: torch.Tensor  # [H]
-    w_gate: torch.Tensor  # [H, I]
-    w_up: torch.Tensor  # [H, I]
+    w_gate_up: torch.Tensor  # [H, 2 I]
     w_down: torch.Tensor  # [I, H]
+
+    @classmethod
+    def from_projections(cls, *, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                         o: torch.Tensor, gate: torch.Tensor, up: torch.Tensor,
+                         down: torch.Tensor, attn_norm: torch.Tensor,
+                         mlp_norm: torch.Tensor) -> "LayerWeights":
+        """Fuse and transpose separate ``[out, in]`` projections (``q_proj`` ...
+        ``down_proj`` of a Hugging Face Llama layer) into this layout (new,
+        contiguous tensors; the inputs are not modified)."""
+        return cls(attn_norm.clone(), torch.cat([q, k, v], 0).t().contiguous(),
+                   o.t().contiguous(), mlp_norm.clone(), torch.cat([gate, up], 0).t().contiguous(),
+                   down.t().contiguous())
 
     @classmethod
     def random(cls, shape: ModelShape, g: torch.Generator, *, dtype, device) -> "LayerWeights":
         h, d, i = shape.hidden_size, shape.head_dim, shape.intermediate_size
 
-        def w(n_in, n_out):
-            x = torch.randn(n_in, n_out, generator=g, device=device, dtype=torch.float32)
+        def w(n_out, n_in):
+            x = torch.randn(n_out, n_in, generator=g, device=device, dtype=torch.float32)
             return (x * n_in ** -0.5).to(dtype)
 
         ones = torch.ones(h, device=device, dtype=dtype)
-        return cls(ones, w(h, shape.num_heads * d), w(h, shape.num_kv_heads * d),
-                   w(h, shape.num_kv_heads * d), w(shape.num_heads * d, h), ones.clone(),
-                   w(h, i), w(h, i), w(i, h))
+        return cls.from_projections(
+            q=w(shape.num_heads * d, h), k=w(shape.num_kv_heads * d, h),
+            v=w(shape.num_kv_heads * d, h), o=w(h, shape.num_heads * d),
+            gate=w(i, h), up=w(i, h), down=w(h, i), attn_norm=ones, mlp_norm=ones)
 
     def clone(self) -> "LayerWeights":
         return LayerWeights(*(t.clone() for t in dataclasses.astuple(self)))
+
+
+@dataclasses.dataclass
+class RopeTable:
+    """RoPE's ``cos`` and ``sin`` per position, ``[max_positions, D / 2]`` each
+    (float64 for float64 models, else float32), computed once per model.
+
+    `at` gathers the rows of the given positions once per forward; every
+    layer then rotates with those rows instead of recomputing them.
+    Positions are clamped into the table (memory safety; the engine refuses
+    a context longer than the table).
+    """
+
+    cos: torch.Tensor
+    sin: torch.Tensor
+
+    @classmethod
+    def create(cls, shape: ModelShape, *, dtype, device) -> "RopeTable":
+        compute = torch.float64 if dtype == torch.float64 else torch.float32
+        d = shape.head_dim
+        inv_freq = shape.rope_theta ** -(torch.arange(0, d, 2, device=device, dtype=compute) / d)
+        pos = torch.arange(shape.max_position_embeddings, device=device, dtype=compute)
+        angles = pos.unsqueeze(-1) * inv_freq  # [max_positions, D/2]
+        return cls(angles.cos(), angles.sin())
+
+    @property
+    def max_positions(self) -> int:
+        return self.cos.shape[0]
+
+    def at(self, positions: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
+        """``positions [T]`` (any int dtype) -> ``(cos, sin)`` ``[T, D/2]``."""
+        idx = positions.to(torch.int64).clamp(0, self.max_positions - 1)
+        return self.cos[idx], self.sin[idx]
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -145,50 +196,86 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     return xf.to(x.dtype) * weight
 
 
-def apply_rope(x: torch.Tensor, positions: torch.Tensor, theta: float) -> torch.Tensor:
-    """Rotate-half RoPE (Llama) of ``x [T, H, D]`` at int ``positions [T]``."""
-    d = x.shape[-1]
-    compute = torch.promote_types(x.dtype, torch.float32)
-    inv_freq = theta ** -(torch.arange(0, d, 2, device=x.device, dtype=compute) / d)
-    angles = positions.to(compute).unsqueeze(-1) * inv_freq  # [T, D/2]
-    cos = torch.cat([angles.cos(), angles.cos()], -1).unsqueeze(1)
-    sin = torch.cat([angles.sin(), angles.sin()], -1).unsqueeze(1)
-    xf = x.to(compute)
-    rotated = torch.cat([-xf[..., d // 2:], xf[..., : d // 2]], -1)
-    return (xf * cos + rotated * sin).to(x.dtype)
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotate-half RoPE (Llama) of ``x [T, H, D]`` with the ``[T, D/2]`` rows of
+    `RopeTable.at`: ``(x1, x2) -> (x1 cos - x2 sin, x2 cos + x1 sin)``."""
+    half = x.shape[-1] // 2
+    xf = x.to(cos.dtype)
+    x1, x2 = xf[..., :half], xf[..., half:]
+    c, s = cos.unsqueeze(1), sin.unsqueeze(1)
+    return torch.cat([x1 * c - x2 * s, x2 * c + x1 * s], -1).to(x.dtype)
 
 
-def decoder_layer(shape: ModelShape, w: LayerWeights, layer: int, x: torch.Tensor,
-                  positions: torch.Tensor, slots: torch.Tensor, metadata, kv: KVCache,
-                  backend: str, num_splits: Optional[int]) -> torch.Tensor:
-    """One layer on ``x [T, H]``: write K/V of the T tokens at ``slots``, then attend.
-
-    ``metadata`` (an `fa3_spec.FA3Metadata` or `fa3_spec.CascadeMetadata`)
-    says which keys each query reads; the K/V just written are among them.
-    """
+@torch.compiler.nested_compile_region
+def attention_inputs(shape: ModelShape, w: LayerWeights, x: torch.Tensor, cos: torch.Tensor,
+                     sin: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``x [T, H]`` -> ``q [T, H_q, D]``, ``k, v [T, H_kv, D]`` (RMSNorm, fused
+    QKV, RoPE with the tokens' ``cos, sin [T, D/2]``)."""
     t = x.shape[0]
     hq, hkv, d = shape.num_heads, shape.num_kv_heads, shape.head_dim
     h = rms_norm(x, w.attn_norm, shape.rms_eps)
-    q = apply_rope((h @ w.wq).view(t, hq, d), positions, shape.rope_theta)
-    k = apply_rope((h @ w.wk).view(t, hkv, d), positions, shape.rope_theta)
-    v = (h @ w.wv).view(t, hkv, d)
-    store_kv(kv.k, kv.v, kv.flat_slots(layer, slots), k, v)
-    attn = cascade_attention(q, kv.k[layer], kv.v[layer], metadata, backend=backend,
-                             num_splits=num_splits)
-    x = x + attn.reshape(t, hq * d) @ w.wo
+    q, k, v = (h @ w.wqkv).split([hq * d, hkv * d, hkv * d], dim=-1)
+    return (apply_rope(q.reshape(t, hq, d), cos, sin), apply_rope(k.reshape(t, hkv, d), cos, sin),
+            v.reshape(t, hkv, d))
+
+
+@torch.compiler.nested_compile_region
+def attention_output_and_mlp(shape: ModelShape, w: LayerWeights, x: torch.Tensor,
+                             attn: torch.Tensor) -> torch.Tensor:
+    """The rest of the layer: ``x + attn @ wo``, then RMSNorm and the SwiGLU MLP
+    with its residual. ``attn [T, H_q, D]`` -> ``[T, H]``."""
+    x = x + attn.reshape(x.shape[0], -1) @ w.wo
     h = rms_norm(x, w.mlp_norm, shape.rms_eps)
-    return x + (F.silu(h @ w.w_gate) * (h @ w.w_up)) @ w.w_down
+    gate, up = (h @ w.w_gate_up).chunk(2, dim=-1)
+    return x + (F.silu(gate) * up) @ w.w_down
+
+
+def decoder_layer(shape: ModelShape, w: LayerWeights, x: torch.Tensor, cos: torch.Tensor,
+                  sin: torch.Tensor, slots: torch.Tensor, metadata, k_cache: torch.Tensor,
+                  v_cache: torch.Tensor, backend: str, num_splits: Optional[int]) -> torch.Tensor:
+    """One layer on ``x [T, H]``: write K/V of the T tokens at ``slots``, then attend.
+
+    ``cos, sin [T, D/2]``: the tokens' RoPE rows (`RopeTable.at`).
+    ``k_cache, v_cache``: this layer's ``[num_pages, P, H_kv, D]``.
+    ``slots [T]``: int64, already clamped into the layer's slots.
+    ``metadata`` (an `fa3_spec.FA3Metadata` or `fa3_spec.CascadeMetadata`)
+    says which keys each query reads; the K/V just written are among them.
+
+    The two dense parts are nested compile regions (`attention_inputs`,
+    `attention_output_and_mlp`): under ``torch.compile`` every layer of the
+    model, and the draft's layer of the same shapes, reuses one compiled body
+    of each, so compile time does not grow with depth. The cache write and
+    the attention sit between them, traced inline: a region must not mutate
+    its inputs (torch 2.11's functionalization refuses a mutating custom op
+    inside one), and the metadata differs per forward. Eagerly all of it is
+    plain calls.
+    """
+    q, k, v = attention_inputs(shape, w, x, cos, sin)
+    store_kv(k_cache, v_cache, slots, k, v)
+    attn = cascade_attention(q, k_cache, v_cache, metadata, backend=backend,
+                             num_splits=num_splits)
+    return attention_output_and_mlp(shape, w, x, attn)
+
+
+def _layer_slots(kv: "KVCache", slots: torch.Tensor) -> torch.Tensor:
+    return slots.to(torch.int64).clamp(0, kv.slots_per_layer - 1)
 
 
 @dataclasses.dataclass
 class LlamaTarget:
-    """Llama-architecture target model (see the module docstring)."""
+    """Llama-architecture target model (see the module docstring).
+
+    ``embed [V, H]``; ``lm_head [H, V]`` (``x @ w``, as the layers: a tied
+    checkpoint gets a transposed copy of its embedding); ``rope``: the
+    model's table.
+    """
 
     shape: ModelShape
     embed: torch.Tensor  # [V, H]
     layers: List[LayerWeights]
     norm: torch.Tensor  # [H]
     lm_head: torch.Tensor  # [H, V]
+    rope: RopeTable
 
     @classmethod
     def random(cls, shape: ModelShape, *, seed: int = 0, dtype=torch.float32,
@@ -201,16 +288,19 @@ class LlamaTarget:
                   for _ in range(shape.num_layers)]
         lm_head = (torch.randn(h, vocab, generator=g, device=device, dtype=torch.float32)
                    * shape.logit_scale * h ** -0.5).to(dtype)
-        return cls(shape, embed, layers, torch.ones(h, device=device, dtype=dtype), lm_head)
+        return cls(shape, embed, layers, torch.ones(h, device=device, dtype=dtype), lm_head,
+                   RopeTable.create(shape, dtype=dtype, device=device))
 
     def forward(self, tokens: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor,
                 metadata, kv: KVCache, *, backend: str = "auto",
                 num_splits: Optional[int] = None) -> torch.Tensor:
         """``tokens, positions, slots [T]`` -> last layer output ``[T, H]`` (pre-norm)."""
         x = self.embed[tokens.to(torch.int64).clamp(0, self.shape.vocab_size - 1)]
+        cos, sin = self.rope.at(positions)
+        slots = _layer_slots(kv, slots)
         for i, w in enumerate(self.layers):
-            x = decoder_layer(self.shape, w, i, x, positions, slots, metadata, kv, backend,
-                              num_splits)
+            x = decoder_layer(self.shape, w, x, cos, sin, slots, metadata, kv.k[i], kv.v[i],
+                              backend, num_splits)
         return x
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
@@ -221,7 +311,7 @@ class LlamaTarget:
 @dataclasses.dataclass
 class EagleDraft:
     """EAGLE draft head: ``fc`` ``[2H, H]``, one decoder layer, its own final norm;
-    embedding and lm_head are the target's tensors (shared, not copied)."""
+    embedding, lm_head and RoPE table are the target's tensors (shared, not copied)."""
 
     shape: ModelShape
     fc: torch.Tensor  # [2H, H]: rows 0..H-1 take embed(token), rows H..2H-1 the hidden
@@ -229,6 +319,7 @@ class EagleDraft:
     norm: torch.Tensor  # [H]
     embed: torch.Tensor  # shared with the target
     lm_head: torch.Tensor  # shared with the target
+    rope: RopeTable  # shared with the target
 
     @classmethod
     def random(cls, target: LlamaTarget, *, seed: int = 1) -> "EagleDraft":
@@ -239,7 +330,8 @@ class EagleDraft:
         fc = (torch.randn(2 * h, h, generator=g, device=dev, dtype=torch.float32)
               * (2 * h) ** -0.5).to(dtype)
         return cls(shape, fc, LayerWeights.random(shape, g, dtype=dtype, device=dev),
-                   torch.ones(h, device=dev, dtype=dtype), target.embed, target.lm_head)
+                   torch.ones(h, device=dev, dtype=dtype), target.embed, target.lm_head,
+                   target.rope)
 
     @classmethod
     def derived(cls, target: LlamaTarget, *, mix: float = 0.0, noise: float = 0.0,
@@ -252,11 +344,12 @@ class EagleDraft:
         layer = target.layers[0].clone()
         if noise > 0:
             g = torch.Generator(device=dev).manual_seed(seed)
-            for name in ("wq", "wk", "wv", "wo", "w_gate", "w_up", "w_down"):
+            for name in ("wqkv", "wo", "w_gate_up", "w_down"):
                 t = getattr(layer, name)
                 eps = torch.randn(t.shape, generator=g, device=dev, dtype=torch.float32)
                 setattr(layer, name, t + (noise * t.float().std() * eps).to(dtype))
-        return cls(shape, fc, layer, target.norm.clone(), target.embed, target.lm_head)
+        return cls(shape, fc, layer, target.norm.clone(), target.embed, target.lm_head,
+                   target.rope)
 
     def forward(self, tokens: torch.Tensor, hidden: torch.Tensor, positions: torch.Tensor,
                 slots: torch.Tensor, metadata, kv: KVCache, *, backend: str = "auto",
@@ -264,8 +357,9 @@ class EagleDraft:
         """``tokens [T]``, ``hidden [T, H]`` (target or previous draft feature) -> ``[T, H]``."""
         e = self.embed[tokens.to(torch.int64).clamp(0, self.shape.vocab_size - 1)]
         x = torch.cat([e, hidden.to(e.dtype)], -1) @ self.fc
-        return decoder_layer(self.shape, self.layer, 0, x, positions, slots, metadata, kv,
-                             backend, num_splits)
+        cos, sin = self.rope.at(positions)
+        return decoder_layer(self.shape, self.layer, x, cos, sin, _layer_slots(kv, slots),
+                             metadata, kv.k[0], kv.v[0], backend, num_splits)
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return rms_norm(hidden, self.norm, self.shape.rms_eps) @ self.lm_head
@@ -287,6 +381,7 @@ class SpecModel(Protocol):
     num_target_layers: int
     num_draft_layers: int
     dtype: torch.dtype
+    max_positions: int  # longest context the model's RoPE covers
 
     def target_forward(self, tokens, positions, slots, metadata, kv, *, backend,
                        num_splits=None) -> torch.Tensor: ...
@@ -333,6 +428,10 @@ class EagleModels:
     @property
     def dtype(self) -> torch.dtype:
         return self.target.embed.dtype
+
+    @property
+    def max_positions(self) -> int:
+        return self.target.rope.max_positions
 
     def target_forward(self, tokens, positions, slots, metadata, kv, *, backend="auto",
                        num_splits=None):
