@@ -69,7 +69,8 @@ from fa3_spec.eagle.iteration import (
     DEFAULT_SCRIPT, draft_phase, draft_slots, extend_phase, verify_phase,
 )
 from fa3_spec import SpecBatch
-from fa3_spec.probes import capture, recording_host_syncs
+from fa3_spec.graphs import capture
+from fa3_spec.probes import recording_host_syncs
 from fa3_spec.harness.upstream import UpstreamStyleBuilder
 from fa3_spec.harness.sglang_upstream import SGLANG_VERSION, load_upstream_or_reason
 from fa3_spec.integrations import sglang

@@ -31,8 +31,8 @@ import torch
 from .. import build_decode_metadata
 from ..builders.prefill import build_prefill_metadata, extend_query_positions
 from ..config import SpecConfig
-from ..graphs import compile_fullgraph
-from ..probes import capture, recording_host_syncs
+from ..graphs import capture, compile_fullgraph
+from ..probes import recording_host_syncs
 from .iteration import LoopConfig, State, eagle_iteration, empty_state, step_in_place
 from .models import KVCache, SpecModel
 from .pool import KVPool
