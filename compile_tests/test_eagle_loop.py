@@ -174,7 +174,8 @@ def test_iteration_compiles_fullgraph_with_no_data_dependent_ops():
     models = models_for()
     prompts, news = workload(3, 2)
     eng = make_engine(models, 2, 4, 2, 4, max_bs=4)
-    submit_all(eng, prompts, news)
+    for i, (prompt, m) in enumerate(zip(prompts, news)):  # request 1 samples, in the same graph
+        eng.submit(prompt, m, **(dict(temperature=1.0, top_p=0.9, seed=3) if i == 1 else {}))
     eng.step()  # admitted and one iteration in: a mid-run state with a padding row
     pool = eng.pool
     saved = (pool.target_kv.k.clone(), pool.target_kv.v.clone(), pool.draft_kv.k.clone(),

@@ -6,6 +6,7 @@ A Llama-style target and an EAGLE draft head (`models`), a paged KV pool
 batch bucket and asynchronous readback (`engine`), and the ``fa3-spec eagle``
 command (`cli`). Exactness contract: with greedy acceptance the output equals
 plain greedy decoding of the target (`greedy_generate`), token for token.
+Sampled requests (`sampling`) follow the target's sampling law exactly.
 """
 
 from .engine import EagleEngine, greedy_generate

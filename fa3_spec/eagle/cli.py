@@ -11,6 +11,12 @@ boundaries (1, P-1, P, P+1, 2P, ...) and random ones, each with its own
 the target and compared token for token; any mismatch makes the exit status 1.
 ``--scripted`` forces the accepted length of each iteration (benchmarks with
 random weights): its output is not the model's and is never checked.
+
+Sampling: ``--temperature T`` (> 0 builds the loop with lossless speculative
+sampling, docs/semantics.md), ``--top-p P``, ``--sampling-top-k K`` and
+``--sampling-seed S`` (request ``i`` gets seed ``S + i``) apply to every
+request. ``--topk`` is the draft tree's branching and ``--seed`` the
+workload's seed (prompts, weights, page shuffle), not sampling parameters.
 """
 
 from __future__ import annotations
@@ -49,18 +55,55 @@ def _positive(text: str) -> int:
     return value
 
 
+def _non_negative(kind):
+    """argparse type: a finite ``kind`` >= 0."""
+    def parse(text: str):
+        try:
+            value = kind(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected a number, got {text!r}") from None
+        if not 0 <= value < float("inf"):
+            raise argparse.ArgumentTypeError(f"must be a finite number >= 0, got {text}")
+        return value
+    return parse
+
+
+def _top_p(text: str) -> float:
+    """argparse type: a float in (0, 1]."""
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number, got {text!r}") from None
+    if not 0 < value <= 1:
+        raise argparse.ArgumentTypeError(f"must be in (0, 1], got {text}")
+    return value
+
+
+def usage_problem(args: argparse.Namespace) -> Optional[str]:
+    """A combination of flags that is a usage error (exit 2), or None."""
+    if args.temperature > 0 and args.check_greedy:
+        return "--check-greedy compares with greedy decoding: it needs --temperature 0"
+    if args.temperature > 0 and args.scripted:
+        return "--scripted forces acceptance and ignores sampling: it needs --temperature 0"
+    return None
+
+
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--preset", default="tiny", choices=["tiny", "llama3-8b"])
     p.add_argument("--device", default="auto", help="cpu, cuda or auto")
     p.add_argument("--batch", type=_positive, default=8, help="batch rows (max_bs)")
     p.add_argument("--requests", type=_positive, default=None, help="requests (default 2 * batch)")
     p.add_argument("--page-size", type=_positive, default=2)
-    p.add_argument("--topk", type=_positive, default=4)
+    p.add_argument("--topk", type=_positive, default=4,
+                   help="the draft's branching (tree width); not the sampling top-k "
+                        "(--sampling-top-k)")
     p.add_argument("--num-steps", type=_positive, default=5)
     p.add_argument("--num-draft-tokens", type=_positive, default=8)
     p.add_argument("--max-new-tokens", type=_positive, default=32)
     p.add_argument("--prompt-len", type=_positive, default=40, help="longest prompt")
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--seed", type=int, default=0,
+                   help="the workload's seed (prompts, weights, page shuffle); not the "
+                        "sampling seed (--sampling-seed)")
     p.add_argument("--dtype", default=None, choices=sorted(DTYPES),
                    help="default float64 on CPU, bfloat16 on CUDA")
     p.add_argument("--draft", default="derived", choices=["derived", "random"],
@@ -82,8 +125,18 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="also decode greedily without speculation and compare")
     p.add_argument("--count-syncs", action=argparse.BooleanOptionalAction, default=True,
                    help="count host syncs per iteration launch (CUDA)")
+    p.add_argument("--temperature", type=_non_negative(float), default=0.0,
+                   help="sampling temperature of every request (0: greedy; > 0: lossless "
+                        "speculative sampling)")
+    p.add_argument("--top-p", type=_top_p, default=1.0, help="sampling top-p, in (0, 1] (1: off)")
+    p.add_argument("--sampling-top-k", type=_non_negative(int), default=0,
+                   help="sampling top-k (0: off); not --topk, the draft's branching")
+    p.add_argument("--sampling-seed", type=int, default=None,
+                   help="request i samples with seed S + i (default: fresh seeds, not "
+                        "reproducible); not --seed, the workload's seed")
     p.add_argument("--json", metavar="PATH", help="write the result as JSON")
     p.add_argument("--quiet", action="store_true")
+    p.set_defaults(eagle_parser=p)  # for usage errors across flags (`usage_problem`)
 
 
 def add_parser(subparsers) -> argparse.ArgumentParser:
@@ -120,6 +173,9 @@ def _resolve_device(name: str) -> str:
 
 def run_eagle(args: argparse.Namespace, *, log=print) -> dict:
     """Run the loop as ``args`` says; return the result dictionary (see `run`)."""
+    problem = usage_problem(args)
+    if problem:
+        raise ValueError(problem)
     device = _resolve_device(args.device)
     dtype = DTYPES[args.dtype] if args.dtype else None
     models = make_models(args.preset, draft=args.draft, alpha=args.alpha, noise=args.noise,
@@ -137,7 +193,7 @@ def run_eagle(args: argparse.Namespace, *, log=print) -> dict:
     row_pages = -(-(spec.draft_row_len) // args.page_size)
     spec = dataclasses.replace(spec, num_pages=1 + max_reqs * row_pages)
     lc = LoopConfig(spec, max_new_tokens=args.max_new_tokens, backend=args.backend,
-                    scripted=scripted)
+                    scripted=scripted, sampling=args.temperature > 0)
     graphs = args.graphs if args.graphs is not None else device == "cuda"
     engine = EagleEngine(lc, models, max_reqs=max_reqs, graphs=graphs,
                          compile_backend=args.compile, device=device, seed=args.seed,
@@ -147,8 +203,10 @@ def run_eagle(args: argparse.Namespace, *, log=print) -> dict:
         t0 = time.perf_counter()
         engine.capture()
         capture_s = time.perf_counter() - t0
-    for prompt, m in zip(prompts, news):
-        engine.submit(prompt, m, eos_id=args.eos)
+    for i, (prompt, m) in enumerate(zip(prompts, news)):
+        seed = None if args.sampling_seed is None else args.sampling_seed + i
+        engine.submit(prompt, m, eos_id=args.eos, temperature=args.temperature,
+                      top_k=args.sampling_top_k, top_p=args.top_p, seed=seed)
 
     last_print = [time.perf_counter()]
 
@@ -194,7 +252,9 @@ def run_eagle(args: argparse.Namespace, *, log=print) -> dict:
                     max_new_tokens=args.max_new_tokens, prompt_len=args.prompt_len,
                     seed=args.seed, draft=args.draft, alpha=args.alpha, noise=args.noise,
                     num_layers=models.num_target_layers, eos=args.eos, backend=args.backend,
-                    graphs=graphs, compile=args.compile, scripted=list(scripted) if scripted else None),
+                    graphs=graphs, compile=args.compile, scripted=list(scripted) if scripted else None,
+                    temperature=args.temperature, top_p=args.top_p,
+                    sampling_top_k=args.sampling_top_k, sampling_seed=args.sampling_seed),
         outputs=got,
     )
     if args.check_greedy and not scripted:
@@ -220,10 +280,16 @@ def run_eagle(args: argparse.Namespace, *, log=print) -> dict:
 
 def run(args: argparse.Namespace) -> int:
     """Entry point of ``fa3-spec eagle``; 1 when ``--check-greedy`` finds a mismatch."""
+    problem = usage_problem(args)
+    if problem:
+        args.eagle_parser.error(problem)  # exit 2
     log = (lambda *a, **k: None) if args.quiet else print
     res = run_eagle(args, log=log)
     c = res["config"]
     label = f" [{res['scripted_acceptance']}]" if res["scripted_acceptance"] else ""
+    if c["temperature"] > 0:
+        label += (f", sampling T={c['temperature']} top-k={c['sampling_top_k']} "
+                  f"top-p={c['top_p']}")
     log(f"fa3-spec eagle: preset {c['preset']} ({c['num_layers']} layers, {c['dtype']}) on "
         f"{c['device']}, batch {c['batch']}, {c['requests']} requests, P={c['page_size']} "
         f"topk={c['topk']} steps={c['num_steps']} N={c['num_draft_tokens']}{label}")

@@ -6,7 +6,8 @@ in static device buffers of ``max_bs`` rows. Between iterations the host
 * admits waiting requests into free rows: a pool row and pages
   (`KVPool.allocate`), then an eager prefill of target and draft whose
   metadata comes from `fa3_spec.build_prefill_metadata`, written into the
-  state rows on the device (the first token is picked on the device too);
+  state rows on the device (the first token is picked on the device too:
+  the argmax, or a draw for sampled requests, `fa3_spec.eagle.sampling`);
 * launches one iteration for the smallest bucket that covers every occupied
   row (``state[:bucket]``): a CUDA-graph replay when captured, else a call;
 * copies the state's outputs into pinned host memory with a non-blocking
@@ -36,6 +37,7 @@ from ..probes import recording_host_syncs
 from .iteration import LoopConfig, State, eagle_iteration, empty_state, step_in_place
 from .models import KVCache, SpecModel
 from .pool import KVPool
+from .sampling import RequestSampling, SamplingParams, sample_tokens
 
 #: State keys the host reads back after every iteration.
 READBACK = ("out_tokens", "out_len", "seq_lens", "accept_len", "tree_tokens", "parents", "path")
@@ -47,6 +49,7 @@ class Request:
     prompt: List[int]
     max_new_tokens: int
     eos_id: int = -1
+    sampling: RequestSampling = RequestSampling()  # greedy unless given
     row: int = -1  # req_to_token row while admitted
     slot: int = -1  # batch row while admitted
     since: int = 0  # first iteration (launch index) that saw it admitted
@@ -56,13 +59,14 @@ class Request:
 def _prefill_forward(models: SpecModel, spec: SpecConfig, kv_target: KVCache,
                      kv_draft: Optional[KVCache], req_to_token: torch.Tensor,
                      rows: List[int], prompts: List[List[int]], *, backend: str,
-                     num_splits=None):
+                     num_splits=None, sampling: Optional[SamplingParams] = None):
     """Eager prefill of ``prompts`` into pool ``rows``.
 
     Returns ``(first_token [B], draft_hidden [B, H], cand_scores [B, K],
-    cand_tokens [B, K], logits [B, V])``: the target's greedy token after
-    each prompt (and its logits) and, with a draft cache (else None), the
-    draft's feature and the top-K children of that token.
+    cand_tokens [B, K], logits [B, V])``: the target's token after each
+    prompt (greedy, or drawn with ``sampling``, counter 0) and its logits
+    and, with a draft cache (else None), the draft's feature and the top-K
+    children of that token.
     """
     device = req_to_token.device
     lens = torch.tensor([len(p) for p in prompts], dtype=torch.int64, device=device)
@@ -83,6 +87,8 @@ def _prefill_forward(models: SpecModel, spec: SpecConfig, kv_target: KVCache,
     last = md.cu_seqlens_q[1:].to(torch.int64) - 1
     logits = models.target_logits(hidden[last])
     first = logits.argmax(-1)
+    if sampling is not None:
+        first = sample_tokens(logits, sampling, torch.zeros_like(first))
     if kv_draft is None:
         return first, None, None, None, logits
     # EAGLE shift: draft position p consumes the token at p + 1 (the first
@@ -155,6 +161,7 @@ class EagleEngine:
         self._slots: List[Optional[Request]] = [None] * self.max_bs
         self._done: Dict[int, Request] = {}
         self._next_rid = 0
+        self._seeds: Dict[int, int] = {}
         self._pending = None  # (host copy, event, bucket) of the last launched iteration
         self._pinned = [None, None]
         self._parity = 0
@@ -162,8 +169,22 @@ class EagleEngine:
                           iteration_s=[], admitted=0, finished=0)
 
     # ------------------------------------------------------------- requests
-    def submit(self, prompt: Sequence[int], max_new_tokens: int, eos_id: int = -1) -> int:
-        """Queue a request; returns its id. It joins at the next free row."""
+    def submit(self, prompt: Sequence[int], max_new_tokens: int, eos_id: int = -1, *,
+               temperature: float = 0.0, top_k: int = 0, top_p: float = 1.0,
+               seed: Optional[int] = None) -> int:
+        """Queue a request; returns its id. It joins at the next free row.
+
+        Sampling (docs/semantics.md, "Lossless speculative sampling"):
+        ``temperature >= 0`` (0 = greedy, exact to `greedy_generate`),
+        ``top_k >= 0`` (0 = off; above the vocabulary = off), ``0 < top_p <= 1``;
+        ``seed`` (an int64; None: a fresh one, see `seed_of`) makes the
+        output reproducible, alone or in any batch. ``ValueError`` for values
+        out of range, and for ``temperature > 0`` on a loop built with
+        ``LoopConfig(sampling=False)``.
+        """
+        sampling = RequestSampling.create(temperature, top_k, top_p, seed)
+        if sampling.temperature > 0 and not self.lc.sampling:
+            raise ValueError("temperature > 0 needs a loop built with LoopConfig(sampling=True)")
         prompt = [int(t) for t in prompt]
         if max_new_tokens > self.lc.max_new_tokens:
             raise ValueError(f"max_new_tokens={max_new_tokens} exceeds the loop's "
@@ -171,8 +192,13 @@ class EagleEngine:
         self.pool.check_request(len(prompt), max_new_tokens)
         rid = self._next_rid
         self._next_rid += 1
-        self._waiting.append(Request(rid, prompt, max_new_tokens, eos_id))
+        self._waiting.append(Request(rid, prompt, max_new_tokens, eos_id, sampling))
+        self._seeds[rid] = sampling.seed
         return rid
+
+    def seed_of(self, rid: int) -> int:
+        """The sampling seed of request ``rid`` (given, or drawn at submission)."""
+        return self._seeds[rid]
 
     @property
     def active(self) -> int:
@@ -202,10 +228,11 @@ class EagleEngine:
         if not batch:
             return
         pool, st, dev = self.pool, self.state, self.device
+        params = SamplingParams.stack([r.sampling for r in batch], device=dev)
         first, h, scores, cand, _ = _prefill_forward(
             self.models, self.spec, pool.target_kv, pool.draft_kv, pool.req_to_token,
             [r.row for r in batch], [r.prompt for r in batch], backend=self.lc.backend,
-            num_splits=self.lc.num_splits)
+            num_splits=self.lc.num_splits, sampling=params if self.lc.sampling else None)
         idx = torch.tensor([r.slot for r in batch], dtype=torch.int64, device=dev)
         lens = torch.tensor([len(r.prompt) for r in batch], dtype=torch.int64, device=dev)
         max_new = torch.tensor([r.max_new_tokens for r in batch], dtype=torch.int64, device=dev)
@@ -226,6 +253,8 @@ class EagleEngine:
         st["eos"][idx] = eos
         st["iters"][idx] = 0
         st["accept_len"][idx] = 0
+        for key, value in params._asdict().items():
+            st[key][idx] = value
         self.stats["admitted"] += len(batch)
 
     # ------------------------------------------------------------- iteration

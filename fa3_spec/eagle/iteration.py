@@ -27,7 +27,10 @@ last emitted token, not yet in any cache) at position ``seq_len``:
 4. **Accept (greedy).** From the root, follow the child whose token is the
    target's argmax at its parent, as deep as it goes; emit the accepted
    drafts plus the argmax at the last accepted node (the bonus token), which
-   becomes the next root.
+   becomes the next root. Rows with ``temperature > 0`` (``lc.sampling``)
+   take the lossless sampled walk of `fa3_spec.eagle.sampling` instead
+   (docs/semantics.md, "Lossless speculative sampling"); greedy rows keep
+   this argmax walk, in the same graph.
 5. **Commit.** Copy the target K/V of the accepted path's node ``i`` (at
    ``seq_len + path[i]``) to position ``seq_len + i`` (gather, then write;
    ``path[i] >= i``); ``seq_len`` grows by ``1 + accepted``.
@@ -65,6 +68,7 @@ from ..config import SpecConfig
 from ..tree import tree_mask_from_parents
 from .models import KVCache, SpecModel
 from .pool import draft_positions
+from .sampling import SamplingParams, choose_rows, sample_tree, state_entries
 
 #: Emitted tokens per iteration (accepted drafts + bonus) forced in scripted
 #: mode; mean 3.5.
@@ -84,7 +88,11 @@ class LoopConfig:
         backend: attention backend (``"torch"``, ``"fa3"``, ``"auto"``).
         num_splits: FA3 split count (None: fa3_spec's default).
         scripted: emitted-tokens sequence forced per iteration (benchmarks),
-            or None for real greedy acceptance.
+            or None for real acceptance. Scripted iterations ignore the
+            sampling parameters (argmax bonus).
+        sampling: the iteration also runs the sampled walk and takes it for
+            rows with ``temperature > 0`` (one sort of the verify logits per
+            node); False: greedy only, and the engine refuses sampled requests.
     """
 
     spec: SpecConfig
@@ -92,6 +100,7 @@ class LoopConfig:
     backend: str = "auto"
     num_splits: Optional[int] = None
     scripted: Optional[Tuple[int, ...]] = None
+    sampling: bool = True
 
     def __post_init__(self):
         s = self.spec
@@ -137,6 +146,7 @@ def empty_state(lc: LoopConfig, models: SpecModel, max_bs: int, device) -> State
         "parents": torch.full((max_bs, n), -1, **i64),
         "path": z(max_bs, d + 1),
         "accept_len": z(max_bs),  # tokens emitted before EOS/max truncation; 0 = padding
+        **state_entries(max_bs, device),  # per-request sampling parameters (greedy rows)
     }
 
 
@@ -260,7 +270,7 @@ def draft_phase(lc: LoopConfig, models: SpecModel, draft_kv: KVCache,
 
 def verify_phase(lc: LoopConfig, models: SpecModel, target_kv: KVCache,
                  req_to_token: torch.Tensor, st: State, tree: State, metadata=None) -> State:
-    """Steps 3-5: verify, greedy acceptance, commit. ``metadata``: the verify
+    """Steps 3-5: verify, acceptance (greedy, or sampled), commit. ``metadata``: the verify
     metadata, or None to build it here (`build_target_verify_metadata`)."""
     cfg = lc.spec
     n, dmax = cfg.num_draft_tokens, lc.max_depth
@@ -285,10 +295,15 @@ def verify_phase(lc: LoopConfig, models: SpecModel, target_kv: KVCache,
     hidden = models.target_forward(tokens.reshape(-1), positions.reshape(-1),
                                    verify_slots.reshape(-1), md, target_kv,
                                    backend=lc.backend, num_splits=lc.num_splits)
-    next_tokens = models.target_logits(hidden).argmax(-1).view(bs, n)
+    logits = models.target_logits(hidden).view(bs, n, -1)
+    next_tokens = logits.argmax(-1)
 
-    # 4. Greedy acceptance.
+    # 4. Greedy acceptance; sampled rows: the lossless walk (its counter: tokens emitted).
     path, accepted, bonus = _accept(lc, tokens, parents, next_tokens, live, st["iters"])
+    if lc.sampling and lc.scripted is None:
+        sampled = sample_tree(logits, tokens, parents, live, SamplingParams.from_state(st),
+                              st["out_len"], dmax)
+        path, accepted, bonus = choose_rows(st["temperature"] > 0, sampled, (path, accepted, bonus))
 
     # 5. Commit the accepted path's target K/V to positions seq_len + i.
     i = torch.arange(dmax + 1, device=seq_lens.device)

@@ -42,7 +42,8 @@ p(y) / R_{M+1} = p(y)``.
 
 from __future__ import annotations
 
-from typing import NamedTuple, Optional, Tuple
+import secrets
+from typing import NamedTuple, Optional, Sequence, Tuple
 
 import torch
 
@@ -56,6 +57,25 @@ _M16 = 0xFFFF
 #: Stream of the one token an iteration (or the prefill) draws from a residual;
 #: streams ``1 .. N-1`` are the accept coins of tree nodes ``1 .. N-1``.
 FINAL_STREAM = 0
+
+
+class RequestSampling(NamedTuple):
+    """One request's sampling parameters on the host (checked by `create`)."""
+
+    temperature: float = 0.0
+    top_k: int = 0
+    top_p: float = 1.0
+    seed: int = 0
+
+    @classmethod
+    def create(cls, temperature: float = 0.0, top_k: int = 0, top_p: float = 1.0,
+               seed: Optional[int] = None) -> "RequestSampling":
+        """Checked (`check_sampling_params`); ``seed=None`` draws a fresh one
+        (63 bits from the operating system's entropy)."""
+        check_sampling_params(temperature, top_k, top_p, seed)
+        if seed is None:
+            seed = secrets.randbits(63)
+        return cls(float(temperature), int(top_k), float(top_p), int(seed))
 
 
 class SamplingParams(NamedTuple):
@@ -74,6 +94,20 @@ class SamplingParams(NamedTuple):
     seed: torch.Tensor
 
     @classmethod
+    def from_state(cls, st: dict) -> "SamplingParams":
+        """The parameters held in a loop state (`state_entries`' keys)."""
+        return cls(st["temperature"], st["top_k"], st["top_p"], st["seed"])
+
+    @classmethod
+    def stack(cls, requests: Sequence[RequestSampling], device) -> "SamplingParams":
+        """Rows of the given requests' parameters (one host-to-device copy each)."""
+        t, k, p, seed = zip(*requests) if requests else ((), (), (), ())
+        return cls(torch.tensor(t, dtype=torch.float32, device=device),
+                   torch.tensor(k, dtype=torch.int64, device=device),
+                   torch.tensor(p, dtype=torch.float32, device=device),
+                   torch.tensor(seed, dtype=torch.int64, device=device))
+
+    @classmethod
     def full(cls, batch: int, *, temperature: float = 0.0, top_k: int = 0, top_p: float = 1.0,
              seed: int = 0, device="cpu") -> "SamplingParams":
         """``batch`` rows of the same (checked) parameters."""
@@ -84,6 +118,13 @@ class SamplingParams(NamedTuple):
                    torch.full((batch,), int(top_k), **i64),
                    torch.full((batch,), float(top_p), **f32),
                    torch.full((batch,), int(seed), **i64))
+
+
+def state_entries(max_bs: int, device) -> dict:
+    """The loop state's sampling rows (`fa3_spec.eagle.iteration.empty_state`):
+    greedy (temperature 0, top-k and top-p off, seed 0) until a request is
+    admitted into the row."""
+    return dict(SamplingParams.full(max_bs, device=device)._asdict())
 
 
 def check_sampling_params(temperature: float, top_k: int, top_p: float,
