@@ -508,7 +508,7 @@ def bench_point(cfg_tuple, batch, args, models, bandwidth=None) -> dict:
         nbytes = forward_bytes(models, batch, args.context)
         a_floor = (nbytes["target"] + s * nbytes["draft"]) / (bandwidth * 1e12) * 1e3
         c_floor = nbytes["target"] / (bandwidth * 1e12) * 1e3
-        row.update(a_floor_ms=round(a_floor, 4), a_over_floor=round(a["ms_per_iteration"] / a_floor, 3),
+        row.update(read_bandwidth_TBps=bandwidth, a_floor_ms=round(a_floor, 4), a_over_floor=round(a["ms_per_iteration"] / a_floor, 3),
                    c_floor_ms=round(c_floor, 4),
                    c_roofline_frac=round(c_floor / c["ms_per_iteration"], 4))
     return row
