@@ -173,10 +173,15 @@ class EagleEngine:
             return {}
 
         strategy = "manual" if graphs else ("eager" if backend == "none" else "compile")
+        # Inductor compiles each bucket at its own static batch: the layers'
+        # nested compile regions with a symbolic batch fail in inductor's
+        # codegen (torch 2.11 and 2.13: "expected [s10] to have been
+        # codegen-ed" / "vr must not be None"); other backends share one
+        # frame across the buckets above 1.
         self.runner = CUDAGraphRunner(
             iteration, buckets=self.buckets, strategy=strategy,
             backend=None if backend == "none" else backend, buffers=self.bucket_state,
-            warmup=1, cache_path=cache_path)
+            dynamic_batch=backend != "inductor", warmup=1, cache_path=cache_path)
         self._waiting: List[Request] = []
         self._slots: List[Optional[Request]] = [None] * self.max_bs
         self._done: Dict[int, Request] = {}
