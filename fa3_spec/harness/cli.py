@@ -40,7 +40,7 @@ def _audit_callable(args: argparse.Namespace, device: str) -> int:
     """``--callable module:fn --inputs module:factory``: one `audit_callable` row."""
     import inspect
 
-    from ..audit import audit_callable, format_findings
+    from ..audit import audit_callable, format_table
 
     if not args.inputs:
         print("fa3-spec audit: --callable needs --inputs package.module:factory", file=sys.stderr)
@@ -60,7 +60,7 @@ def _audit_callable(args: argparse.Namespace, device: str) -> int:
           f"{torch.__version__}, device {device}, backend {args.backend}", flush=True)
     row = audit_callable(fn, example, variants=variants, backend=args.backend, device=device,
                          writable=args.writable, name=args.callable)
-    print(format_findings([row]))
+    print(format_table([row]))
     if row.host_syncs is None:
         print("host syncs and CUDA-graph capture: not measured on CPU "
               "(run with --device cuda on a CUDA machine)")
