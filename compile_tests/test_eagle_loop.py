@@ -221,6 +221,65 @@ def test_loop_config_rejects_impossible_trees():
         LoopConfig(spec, max_new_tokens=8)
 
 
+class _Models:
+    """A `SpecModel` that delegates to another, with attributes replaced."""
+
+    def __init__(self, models, **replaced):
+        self._models = models
+        self.__dict__.update(replaced)
+
+    def __getattr__(self, name):
+        return getattr(self._models, name)
+
+
+def test_topk_above_the_draft_vocabulary_is_refused_at_construction():
+    """Found by trying to break it: the first admission raised a raw `selected index
+    k out of range` and left the request half-admitted (dequeued, row and slot taken)."""
+    models = models_for()
+    with pytest.raises(ValueError, match=r"topk=513 exceeds the draft's vocabulary of 512"):
+        make_engine(models, 2, 513, 2, 4)
+    small_head = _Models(models, draft_vocab_size=6)  # a reduced-vocabulary draft head
+    with pytest.raises(ValueError, match=r"topk=8 exceeds the draft's vocabulary of 6"):
+        make_engine(small_head, 2, 8, 2, 4)
+    make_engine(small_head, 2, 6, 2, 4)  # within it: accepted
+
+
+def test_a_failed_admission_leaves_the_engine_as_it_was():
+    models = models_for()
+    failures = [RuntimeError("prefill failed")]
+
+    def target_forward(*args, **kwargs):
+        if failures:
+            raise failures.pop()
+        return models.target_forward(*args, **kwargs)
+
+    eng = make_engine(_Models(models, target_forward=target_forward), 2, 4, 5, 8, max_bs=4)
+    prompts, news = workload(3, 2)
+    rids = submit_all(eng, prompts, news)
+    pages, rows = eng.pool.free_pages, eng.pool.free_rows
+    with pytest.raises(RuntimeError, match="prefill failed"):
+        eng.step()
+    assert (eng.pool.free_pages, eng.pool.free_rows) == (pages, rows)  # pages and rows free
+    assert eng.active == 0 and eng.stats["admitted"] == 0  # no slot taken
+    assert not eng.state["seq_lens"].any()  # no live row on the device
+    out = eng.run()  # the requests were still queued: served, in order, exactly
+    ref = greedy_generate(models, prompts, news, page_size=2, backend="torch")
+    assert [out[r] for r in rids] == ref
+
+
+def test_out_of_vocabulary_prompt_tokens_are_refused_not_clamped():
+    models = models_for()
+    eng = make_engine(models, 2, 4, 5, 8)
+    for bad in (512, -1):
+        with pytest.raises(ValueError, match=rf"token {bad} at position 1 .*vocab_size=512"):
+            eng.submit([3, bad, 4], 4)
+        with pytest.raises(ValueError, match=rf"prompts\[1\]: token {bad} at position 1"):
+            greedy_generate(models, [[1], [3, bad]], [4, 4], backend="torch")
+    assert not eng.has_work
+    with pytest.raises(ValueError, match="one count >= 1 per prompt"):
+        greedy_generate(models, [[1], [2]], [4], backend="torch")
+
+
 def test_cli_check_greedy_json_and_exit_status(tmp_path, monkeypatch):
     out = tmp_path / "eagle.json"
     argv = ["--preset", "tiny", "--device", "cpu", "--batch", "3", "--requests", "5",

@@ -186,6 +186,10 @@ def _syncs(r: AuditRow) -> str:
 
 #: Columns of `format_table`: ``(header, format spec, value of a row)``; a
 #: str between them is printed as it is. Self-audit rows and function rows.
+_OUTCOME = (
+    "  ", ("graph", "<8", lambda r: r.cuda_graph),
+    ("parity", "<7", lambda r: "yes" if r.parity else "NO"), ("sec", ">6.1f", lambda r: r.seconds),
+)
 _CASE_COLUMNS = (
     ("mode", "<16", lambda r: r.mode), ("scope", "<8", lambda r: r.scope),
     ("P", ">4", lambda r: r.config.get("page_size", "-")),
@@ -193,18 +197,14 @@ _CASE_COLUMNS = (
     ("S", ">3", lambda r: r.config.get("num_steps", "-")),
     ("step", ">5", lambda r: "-" if r.step is None else str(r.step)), "  ",
     ("breaks", ">6", lambda r: r.graph_breaks), ("recomp", ">7", lambda r: r.recompiles),
-    ("dd", ">4", lambda r: r.data_dependent), ("syncs", ">6", _syncs), "  ",
-    ("graph", "<8", lambda r: r.cuda_graph), ("parity", "<7", lambda r: "yes" if r.parity else "NO"),
-    ("sec", ">6.1f", lambda r: r.seconds),
-)
+    ("dd", ">4", lambda r: r.data_dependent), ("syncs", ">6", _syncs),
+) + _OUTCOME
 _FUNCTION_COLUMNS = (
     ("function", "<40", lambda r: r.mode[:39]),
     ("breaks", ">7", lambda r: r.graph_breaks), ("recomp", ">7", lambda r: r.recompiles),
     ("dd", ">4", lambda r: r.data_dependent), ("mut", ">4", lambda r: r.mutations),
-    ("syncs", ">6", _syncs), "  ",
-    ("graph", "<8", lambda r: r.cuda_graph), ("parity", "<7", lambda r: "yes" if r.parity else "NO"),
-    ("sec", ">6.1f", lambda r: r.seconds),
-)
+    ("syncs", ">6", _syncs),
+) + _OUTCOME
 
 
 def format_table(rows: list) -> str:
@@ -244,7 +244,9 @@ def _attribute_dict(x) -> Optional[dict]:
     """The fields of a dataclass that is not a registered pytree, or the
     ``__dict__`` of another plain object; None for tensors, pytree nodes and
     Python values."""
-    if isinstance(x, (torch.Tensor,) + _PLAIN) or _pytree._get_node_type(x) in _pytree.SUPPORTED_NODES:
+    if isinstance(x, (torch.Tensor,) + _PLAIN):
+        return None
+    if _pytree._get_node_type(x) in _pytree.SUPPORTED_NODES:
         return None
     if dataclasses.is_dataclass(x):
         return {f.name: getattr(x, f.name) for f in dataclasses.fields(x)}
@@ -338,7 +340,8 @@ def pytree_mismatches(got, want, *, rtol: Optional[float] = None,
     for i, (g, w) in enumerate(zip(got_leaves, want_leaves)):
         if isinstance(g, torch.Tensor) and isinstance(w, torch.Tensor):
             if g.shape != w.shape or g.dtype != w.dtype:
-                problems.append(f"leaf {i}: {tuple(g.shape)} {g.dtype} vs {tuple(w.shape)} {w.dtype}")
+                problems.append(f"leaf {i}: {tuple(g.shape)} {g.dtype} vs "
+                                f"{tuple(w.shape)} {w.dtype}")
                 continue
             try:
                 torch.testing.assert_close(g.cpu(), w.cpu(), rtol=rtol, atol=atol, equal_nan=True)
