@@ -284,3 +284,37 @@ def test_cli_loads_from_the_current_directory_audits_generator_variants_and_exit
         cli.main(["audit", "--callable", "no_such_module_here:f",
                   "--inputs", "gen_variants_mod:inputs", "--device", "cpu"])
     assert exc.value.code == 2
+
+
+def variants_of_another_shape():
+    lens, out = _example()
+    return (lens, out), [(lens[:2], out)]
+
+
+def raises_on_its_example(lens, out):
+    raise KeyError("no such row")
+
+
+@pytest.mark.parametrize("argv", [
+    ["--callable", f"{__name__}:clean", "--inputs", f"{__name__}:variants_of_another_shape"],
+    ["--callable", f"{__name__}:raises_on_its_example", "--inputs", f"{__name__}:inputs_factory"],
+    ["--callable", f"{__name__}:clean", "--inputs", f"{__name__}:no_such_factory"],
+    # --inputs without --callable: a one-row grid, so the old code's full audit is short
+    ["--inputs", f"{__name__}:inputs_factory", "--modes", "decode", "--page-sizes", "1",
+     "--topks", "1", "--no-steps"],
+    ["--num-steps", "1"], ["--page-sizes", "0"],
+], ids=["variant-shape", "raises", "no-factory", "inputs-alone", "num-steps-1", "page-size-0"])
+def test_cli_invalid_invocations_exit_2_with_one_line_and_no_traceback(argv, capsys):
+    """Exit 1 is an unclean row; a variant of another shape printed a traceback and exited 1."""
+    with pytest.raises(SystemExit) as exc:
+        cli.main(["audit", *argv, "--device", "cpu"])
+    assert exc.value.code == 2
+    err = capsys.readouterr().err
+    assert "Traceback" not in err and err.strip().splitlines()[-1].startswith("fa3-spec audit")
+
+
+def test_cli_audit_help_documents_the_exit_status(capsys):
+    with pytest.raises(SystemExit):
+        cli.main(["audit", "--help"])
+    text = " ".join(capsys.readouterr().out.split())
+    assert "Exit status: 0 when every row is clean; 1 when a row is unclean; 2 for an" in text

@@ -309,3 +309,40 @@ def test_cli_refuses_non_positive_sizes_as_a_usage_error(flag, capsys):
         cli.main([flag, "0", "--device", "cpu"])
     assert exit_info.value.code == 2
     assert flag in capsys.readouterr().err
+
+
+_SMALL = ["--device", "cpu", "--batch", "2", "--requests", "3", "--page-size", "16", "--topk",
+          "2", "--num-steps", "2", "--num-draft-tokens", "3", "--max-new-tokens", "6",
+          "--prompt-len", "8", "--backend", "torch"]
+
+
+@pytest.mark.parametrize("argv", [
+    ["--num-layers", "0"], ["--num-layers", "-1"],  # were IndexError, exit 1
+    ["--num-draft-tokens", "1"], ["--topk", "1", "--num-steps", "2", "--num-draft-tokens", "8"],
+    ["--topk", "600"], ["--check-greedy", "--scripted"], ["--scripted", "3,x"], ["--graphs"],
+], ids=lambda a: " ".join(a))
+def test_cli_invalid_invocations_exit_2_with_one_line_and_no_traceback(argv, capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        cli.main(argv + ["--device", "cpu"])
+    assert exit_info.value.code == 2
+    err = capsys.readouterr().err
+    assert "Traceback" not in err and err.strip().splitlines()[-1].startswith("fa3-spec eagle")
+
+
+def test_cli_prints_its_configuration_first_and_progress_in_both_phases(monkeypatch, capsys):
+    monkeypatch.setattr(cli, "PROGRESS_SECONDS", -1.0)  # a progress line at every chance
+    assert cli.main(_SMALL + ["--check-greedy"]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert lines[0].startswith("fa3-spec eagle: preset tiny") and "topk=2" in lines[0]
+    loop = [i for i, line in enumerate(lines) if line.startswith("  iteration ")]
+    greedy = [i for i, line in enumerate(lines) if line.startswith("  greedy step ")]
+    check = [i for i, line in enumerate(lines) if "greedy check: EXACT" in line]
+    assert loop and greedy and check and max(loop) < min(greedy) and max(greedy) < check[0]
+
+
+def test_cli_help_documents_the_exit_status(capsys):
+    with pytest.raises(SystemExit):
+        cli.main(["--help"])
+    text = " ".join(capsys.readouterr().out.replace("`", "").split())
+    assert "Exit status: 0" in text and "1 when --check-greedy found a mismatch" in text
+    assert "2 for an invalid invocation" in text

@@ -70,6 +70,11 @@ def _cut(text: str, limit: int) -> str:
     return (head[:cut] if cut > limit // 2 else text[:limit]).rstrip(" ,;:") + " ..."
 
 
+class EagerCallFailed(RuntimeError):
+    """The audited function raised when run eagerly on the example or a variant:
+    nothing can be measured. Its exception is ``__cause__``."""
+
+
 @dataclasses.dataclass
 class Finding:
     """One problem, with what is needed to fix it.
@@ -510,6 +515,7 @@ def audit_callable(
     Raises:
         TypeError, ValueError: ``example``/``variants`` malformed (named; see
             `check_call_layout`).
+        EagerCallFailed: ``fn`` raised when run eagerly on a call.
     """
     start = time.perf_counter()
     calls = check_call_layout(example, variants)
@@ -535,7 +541,12 @@ def _audit(fn: Callable, calls: list, *, label: str, start: float, backend: str,
     for i, call in enumerate(calls):
         fresh = _clone(call)
         restore()
-        out = _call(fn, fresh)
+        try:
+            out = _call(fn, fresh)
+        except Exception as exc:
+            what = "the example" if i == 0 else f"variants[{i - 1}]"
+            raise EagerCallFailed(f"{label} raised {type(exc).__name__} on {what} (eager): "
+                                  f"{exc}") from exc
         eager_obs.append(_clone((out, fresh)))
         for (arg, before), (_, after) in zip(_argument_names(fn, call), _argument_names(fn, fresh)):
             if arg not in writable and arg not in mutated and pytree_mismatches(after, before,

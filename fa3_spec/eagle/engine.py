@@ -404,7 +404,8 @@ class EagleEngine:
 def greedy_generate(models: SpecModel, prompts: Sequence[Sequence[int]],
                     max_new_tokens: Sequence[int], *, eos_ids: Optional[Sequence[int]] = None,
                     page_size: int = 1, backend: str = "auto", device="cpu",
-                    logits_out: Optional[list] = None) -> List[List[int]]:
+                    logits_out: Optional[list] = None,
+                    on_step: Optional[Callable[[int, int], None]] = None) -> List[List[int]]:
     """Plain greedy decoding of the target (no speculation): the reference.
 
     Prefill through `build_prefill_metadata`, then one token per request per
@@ -412,6 +413,8 @@ def greedy_generate(models: SpecModel, prompts: Sequence[Sequence[int]],
     stops after ``max_new_tokens[i]`` tokens or its EOS (included).
     ``logits_out``, if given, receives each step's float32 logits ``[B, V]``
     on the CPU (step 0 = after the prompt), for near-tie analysis.
+    ``on_step(i, steps)``, if given, is called after each of the ``steps``
+    token steps (progress; ``i`` from 1).
 
     Raises:
         ValueError: no prompts, an empty prompt, a prompt token outside
@@ -447,7 +450,9 @@ def greedy_generate(models: SpecModel, prompts: Sequence[Sequence[int]],
     seq = torch.tensor([len(q) for q in prompts], dtype=torch.int64, device=device)
     tokens = [first]
     cur = first
-    for _ in range(steps - 1):
+    if on_step is not None:
+        on_step(1, steps)
+    for i in range(2, steps + 1):
         md = build_decode_metadata(spec, req_to_token=r2t, req_pool_indices=rpi, seq_lens=seq + 1)
         slots = r2t[rpi, seq].to(torch.int64)
         hidden = models.target_forward(cur, seq, slots, md, pool.target_kv, backend=backend)
@@ -457,6 +462,8 @@ def greedy_generate(models: SpecModel, prompts: Sequence[Sequence[int]],
         cur = logits.argmax(-1)
         tokens.append(cur)
         seq = seq + 1
+        if on_step is not None:
+            on_step(i, steps)
     table = torch.stack(tokens, 1).cpu().tolist()  # ok-host: host readback, between iterations
     eos_ids = list(eos_ids) if eos_ids is not None else [-1] * bs
     out = []
