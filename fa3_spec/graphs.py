@@ -52,7 +52,19 @@ Two capture strategies:
   CUDA-graph trees record each bucket on first use. Less code, but recording
   happens lazily on the serving path, and outputs are overwritten by the next
   replay (the runner clones them).
+* ``"compile"``: ``torch.compile(step, fullgraph=True)``, called directly
+  (no graph): what a CPU test of a compiled step needs.
 * ``"eager"``: no compile, no graph: the same padding logic, for CPU tests.
+
+``backend=None`` with ``"manual"`` captures the step uncompiled (eager
+capture, for debugging a compiled step).
+
+Caller-owned buffers (``buffers=``): an engine whose step updates its own
+state in place (the EAGLE loop's `fa3_spec.eagle.step_in_place`) hands the
+runner views of one ``max_bs``-row state, ``state[k][:bucket]``, instead of
+letting it allocate a copy per bucket: consecutive iterations in different
+buckets then share rows with no copy, and the engine keeps the padding rule
+(the runner zero-fills nothing). Such a runner is driven by `replay` only.
 
 Capture is all or nothing: `CUDAGraphRunner.capture` builds every bucket
 aside and keeps them only when all succeeded, so a failed capture (a step
@@ -78,7 +90,7 @@ import torch.utils._pytree as pytree
 
 from .probes import RecordingBackend
 
-STRATEGIES = ("manual", "reduce-overhead", "eager")
+STRATEGIES = ("manual", "reduce-overhead", "compile", "eager")
 
 
 def capture(fn: Callable, *args, warmup: int = 2, pool=None, **kwargs):
@@ -165,8 +177,9 @@ class CUDAGraphRunner:
             ``bs`` (values do not matter; shapes, dtypes and device do).
         buckets: batch sizes to capture (a call with ``bs`` uses the
             smallest bucket ``>= bs``).
-        strategy: ``"manual"``, ``"reduce-overhead"`` or ``"eager"``.
-        backend: ``torch.compile`` backend (``"inductor"`` on GPU).
+        strategy: ``"manual"``, ``"reduce-overhead"``, ``"compile"`` or ``"eager"``.
+        backend: ``torch.compile`` backend (``"inductor"`` on GPU); None
+            with ``"manual"``: capture the step uncompiled.
         dynamic_batch: mark the batch dimension dynamic so buckets share a
             compiled graph (``"manual"``).
         warmup: eager-compiled runs before each capture.
@@ -176,6 +189,10 @@ class CUDAGraphRunner:
         inductor_options: inductor config applied while compiling the step
             (default `INDUCTOR_OPTIONS`; ``{}`` for inductor's defaults).
             Ignored by other backends.
+        buffers: ``buffers(bucket) -> dict`` of caller-owned input tensors
+            for the bucket (see the module docstring); ``example`` may then
+            be omitted. The step may update them in place; the runner never
+            zero-fills them.
 
     Attributes: ``compiled_step`` (the step as the strategy compiles it; what
     each bucket captures). After `capture`: ``capture_seconds`` per bucket and
@@ -183,16 +200,23 @@ class CUDAGraphRunner:
     and data-dependent ops seen).
     """
 
-    def __init__(self, step: Callable, *, example: Callable[[int], Dict[str, torch.Tensor]],
-                 buckets: Sequence[int], strategy: str = "manual", backend: str = "inductor",
-                 dynamic_batch: bool = True, warmup: int = 2, cache_path: Optional[str] = None,
-                 inductor_options: Optional[dict] = None):
+    def __init__(self, step: Callable, *,
+                 example: Optional[Callable[[int], Dict[str, torch.Tensor]]] = None,
+                 buckets: Sequence[int], strategy: str = "manual",
+                 backend: Optional[str] = "inductor", dynamic_batch: bool = True, warmup: int = 2,
+                 cache_path: Optional[str] = None, inductor_options: Optional[dict] = None,
+                 buffers: Optional[Callable[[int], Dict[str, torch.Tensor]]] = None):
         if strategy not in STRATEGIES:
             raise ValueError(f"strategy must be one of {STRATEGIES}, got {strategy!r}")
         if not buckets or min(buckets) < 1:
             raise ValueError(f"buckets must be positive batch sizes, got {buckets!r}")
+        if example is None and buffers is None:
+            raise ValueError("give example= (runner-owned buffers) or buffers= (caller-owned)")
+        if backend is None and strategy in ("reduce-overhead", "compile"):
+            raise ValueError(f"strategy={strategy!r} compiles the step: backend must be given")
         self.step = step
-        self.example = example
+        self.example = example if example is not None else buffers
+        self.buffers = buffers
         self.buckets = sorted(set(buckets))
         self.strategy = strategy
         self.dynamic_batch = dynamic_batch
@@ -209,15 +233,20 @@ class CUDAGraphRunner:
         self._routes: Dict[tuple, Route] = {}  # batch signature -> its checked route
         self._dirty: Dict[int, int] = {}  # bucket -> rows [mark:] of its inputs are known zero
         self._live: Dict[Tuple[int, int], LivePlan] = {}  # (bucket, bs) -> its plan
-        if strategy == "eager":
+        if strategy == "eager" or backend is None:
             self.compiled_step = step
         elif strategy == "reduce-overhead":
             # mode="reduce-overhead" is inductor with cudagraph trees on; spelled as
             # options so that the inductor options can join it.
             self.compiled_step = torch.compile(step, fullgraph=True, backend="inductor",
                                                options={"triton.cudagraphs": True, **options})
-        else:
+        else:  # manual, compile
             self.compiled_step = torch.compile(step, fullgraph=True, backend=self.compile_counter)
+
+    @property
+    def captured(self) -> bool:
+        """True once `capture` has built every bucket."""
+        return bool(self._static)
 
     # ---------------------------------------------------------------- capture
     def capture(self) -> Dict[int, float]:
@@ -242,12 +271,15 @@ class CUDAGraphRunner:
         pool = self._pool
         for bucket in reversed(self.buckets):
             start = time.perf_counter()
-            static = {k: v.clone() for k, v in self.example(bucket).items()}
+            if self.buffers is not None:
+                static = dict(self.buffers(bucket))
+            else:
+                static = {k: v.clone() for k, v in self.example(bucket).items()}
             statics[bucket] = static
+            if self.strategy in ("manual", "compile") and self.dynamic_batch:
+                for t in static.values():
+                    torch._dynamo.maybe_mark_dynamic(t, 0)
             if self.strategy == "manual":
-                if self.dynamic_batch:
-                    for t in static.values():
-                        torch._dynamo.maybe_mark_dynamic(t, 0)
                 pool = pool if pool is not None else torch.cuda.graph_pool_handle()
                 graphs[bucket], outputs[bucket] = capture(
                     self.compiled_step, warmup=self.warmup, pool=pool, **static)
@@ -258,7 +290,8 @@ class CUDAGraphRunner:
             if torch.cuda.is_available() and self.strategy != "eager":
                 torch.cuda.synchronize()
             seconds[bucket] = time.perf_counter() - start
-        out_rows = self._learn_output_rows(outputs)
+        # Caller-owned buffers without captured outputs: learnt on first use, if any.
+        out_rows = self._learn_output_rows(outputs) if outputs or self.buffers is None else None
         # Every bucket is built: keep them all.
         self._static, self._outputs, self._graphs, self._pool = statics, outputs, graphs, pool
         self._out_rows, self.capture_seconds = out_rows, seconds
@@ -282,7 +315,10 @@ class CUDAGraphRunner:
 
     def _learn_output_rows(self, outputs: Dict[int, object]) -> List[Tuple[int, int]]:
         """Per output leaf ``(a, c)`` with ``rows = a * B + c``; refuse any other layout
-        (checked on the captured ``outputs`` of every bucket too)."""
+        (checked on the captured ``outputs`` of every bucket too). A step whose
+        captured outputs hold no tensor (an in-place step) needs no tracing."""
+        if outputs and not any(pytree.tree_leaves(out) for out in outputs.values()):
+            return []
         # Two batch sizes the step accepts: two buckets, or the only one and one less.
         b0, b1 = self.buckets[:2] if len(self.buckets) > 1 else (self.buckets[0] - 1, self.buckets[0])
         shapes = [self._output_shapes(b) for b in (b0, b1)]
@@ -429,11 +465,18 @@ class CUDAGraphRunner:
 
     def _live_outputs(self, out, bs: int):
         leaves, spec = pytree.tree_flatten(out)
+        if not leaves:
+            return out
+        if self._out_rows is None:
+            self._out_rows = self._learn_output_rows({})
         live = [t[: max(a * bs + c, 0)] if t.dim() else t for t, (a, c) in zip(leaves, self._out_rows)]
         return pytree.tree_unflatten(live, spec)
 
     def _zero_padding(self, bucket: int, bs: int) -> None:
-        """Zero rows ``[bs, mark)`` of the bucket's inputs; rows past the mark are zero already."""
+        """Zero rows ``[bs, mark)`` of the bucket's inputs; rows past the mark are zero already.
+        Caller-owned buffers are the caller's to pad: never touched."""
+        if self.buffers is not None:
+            return
         mark = self._dirty[bucket]
         if mark > bs:
             torch._foreach_zero_([buf[bs:mark] for buf in self._static[bucket].values()])
@@ -458,6 +501,9 @@ class CUDAGraphRunner:
         Outputs of the manual strategy are views of the captured buffers: the
         next call overwrites them (clone what must outlive it).
         """
+        if self.buffers is not None:
+            raise RuntimeError("a runner with caller-owned buffers is driven by replay(bucket, bs): "
+                               "write the batch into buffers(bucket) and replay")
         if not self._static:
             self.capture()
         route = self._route(batch)

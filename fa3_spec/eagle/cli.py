@@ -10,13 +10,25 @@ boundaries (1, P-1, P, P+1, 2P, ...) and random ones, each with its own
 ``--check-greedy`` the same prompts are decoded by plain greedy decoding of
 the target and compared token for token; any mismatch makes the exit status 1.
 ``--scripted`` forces the accepted length of each iteration (benchmarks with
-random weights): its output is not the model's and is never checked.
+random weights): its output is not the model's and cannot be checked.
 
 Sampling: ``--temperature T`` (> 0 builds the loop with lossless speculative
 sampling, docs/semantics.md), ``--top-p P``, ``--sampling-top-k K`` and
 ``--sampling-seed S`` (request ``i`` gets seed ``S + i``) apply to every
 request. ``--topk`` is the draft tree's branching and ``--seed`` the
 workload's seed (prompts, weights, page shuffle), not sampling parameters.
+
+It prints its configuration first, then progress through both phases (the
+loop, then the greedy reference), then the result.
+
+Exit status: 0 when the run finished (and, with ``--check-greedy``, matched
+greedy decoding exactly); 1 when ``--check-greedy`` found a mismatch; 2 for
+an invalid invocation or configuration, with one line naming the problem and
+no traceback (a size below 1, ``--num-draft-tokens 1``, a tree that cannot
+fill ``--num-draft-tokens``, ``--topk`` above the vocabulary, ``--device
+cuda`` or ``--graphs`` without CUDA, ``--check-greedy`` with ``--scripted``,
+``--check-greedy`` or ``--scripted`` with ``--temperature > 0``, a sampling
+value out of range).
 """
 
 from __future__ import annotations
@@ -27,12 +39,12 @@ import json
 import random
 import sys
 import time
-from typing import List, Optional
+from typing import List, NoReturn, Optional
 
 import torch
 
 from ..config import SpecConfig
-from .engine import EagleEngine, greedy_generate
+from .engine import COMPILE_BACKENDS, EagleEngine, greedy_generate
 from .iteration import DEFAULT_SCRIPT, LoopConfig
 from .models import make_models
 
@@ -44,15 +56,34 @@ DTYPES = {"float64": torch.float64, "float32": torch.float32, "bfloat16": torch.
           "float16": torch.float16}
 
 
-def _positive(text: str) -> int:
-    """argparse type: an int >= 1 (a usage error otherwise, not a crash later)."""
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected an integer, got {text!r}") from None
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"must be >= 1, got {value}")
-    return value
+class UsageError(ValueError):
+    """An invalid invocation or configuration: exit status 2, one line, no traceback."""
+
+
+def usage_exit(command: str, problem: object) -> NoReturn:
+    """Print ``fa3-spec COMMAND: error: PROBLEM`` (one line) to stderr and exit
+    with status 2, as argparse does for the errors it finds itself."""
+    text = " ".join(str(problem).split())
+    print(f"fa3-spec {command}: error: {text}", file=sys.stderr)
+    raise SystemExit(2)
+
+
+def at_least(minimum: int):
+    """argparse type: an int >= ``minimum`` (a usage error otherwise, not a crash later)."""
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected an integer, got {text!r}") from None
+        if value < minimum:
+            raise argparse.ArgumentTypeError(f"must be >= {minimum}, got {value}")
+        return value
+
+    parse.__name__ = f"int >= {minimum}"  # argparse names the type in its message
+    return parse
+
+
+_positive = at_least(1)
 
 
 def _non_negative(kind):
@@ -65,6 +96,8 @@ def _non_negative(kind):
         if not 0 <= value < float("inf"):
             raise argparse.ArgumentTypeError(f"must be a finite number >= 0, got {text}")
         return value
+
+    parse.__name__ = f"{kind.__name__} >= 0"
     return parse
 
 
@@ -77,15 +110,6 @@ def _top_p(text: str) -> float:
     if not 0 < value <= 1:
         raise argparse.ArgumentTypeError(f"must be in (0, 1], got {text}")
     return value
-
-
-def usage_problem(args: argparse.Namespace) -> Optional[str]:
-    """A combination of flags that is a usage error (exit 2), or None."""
-    if args.temperature > 0 and args.check_greedy:
-        return "--check-greedy compares with greedy decoding: it needs --temperature 0"
-    if args.temperature > 0 and args.scripted:
-        return "--scripted forces acceptance and ignores sampling: it needs --temperature 0"
-    return None
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -111,13 +135,18 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--alpha", type=float, default=0.05,
                    help="residual scale of target layers 1.. (derived draft; smaller: more agreement)")
     p.add_argument("--noise", type=float, default=0.0, help="relative noise on the derived draft")
-    p.add_argument("--num-layers", type=int, default=None, help="override the preset's depth")
+    p.add_argument("--num-layers", type=_positive, default=None,
+                   help="override the preset's depth")
     p.add_argument("--eos", type=int, default=-1, help="EOS token id (-1: none)")
     p.add_argument("--backend", default="auto", choices=["auto", "fa3", "torch"])
     p.add_argument("--graphs", action=argparse.BooleanOptionalAction, default=None,
                    help="capture one CUDA graph per bucket (default: on with CUDA)")
-    p.add_argument("--compile", default=None,
-                   help="torch.compile backend for the iteration (inductor, aot_eager; default none)")
+    p.add_argument("--compile", default="auto", choices=list(COMPILE_BACKENDS),
+                   help="torch.compile backend of the iteration; 'none': no compile (with graphs: "
+                        "eager capture, for debugging); default 'auto': inductor on CUDA, none on CPU")
+    p.add_argument("--compile-cache", metavar="PATH", default=None,
+                   help="file of PyTorch's compile caches: loaded before compiling, written after "
+                        "capture (a restart skips most of inductor's work)")
     p.add_argument("--scripted", default=None, nargs="?", const=",".join(map(str, DEFAULT_SCRIPT)),
                    help="force emitted tokens per iteration from this sequence "
                         f"(default {','.join(map(str, DEFAULT_SCRIPT))}, mean 3.5); output is not the model's")
@@ -136,12 +165,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "reproducible); not --seed, the workload's seed")
     p.add_argument("--json", metavar="PATH", help="write the result as JSON")
     p.add_argument("--quiet", action="store_true")
-    p.set_defaults(eagle_parser=p)  # for usage errors across flags (`usage_problem`)
 
 
 def add_parser(subparsers) -> argparse.ArgumentParser:
     """Register ``eagle`` on the ``fa3-spec`` command's subparsers."""
-    p = subparsers.add_parser("eagle", help="run the EAGLE speculative loop (exact to greedy)",
+    p = subparsers.add_parser("eagle", help="run the EAGLE speculative loop (exact to greedy); "
+                              "exit 0 exact, 1 mismatch, 2 invalid invocation",
                               description=__doc__,
                               formatter_class=argparse.RawDescriptionHelpFormatter)
     add_arguments(p)
@@ -168,55 +197,140 @@ def workload(n: int, *, page_size: int, max_prompt: int, max_new: int, vocab: in
 def _resolve_device(name: str) -> str:
     if name == "auto":
         return "cuda" if torch.cuda.is_available() else "cpu"
+    try:
+        kind = torch.device(name).type
+    except RuntimeError:
+        raise UsageError(f"--device must be cpu, cuda or auto, got {name!r}") from None
+    if kind == "cuda" and not torch.cuda.is_available():
+        raise UsageError(f"--device {name}: no CUDA device is available")
     return name
 
 
+def _scripted(args: argparse.Namespace) -> Optional[tuple]:
+    if not args.scripted:
+        return None
+    try:
+        scripted = tuple(int(x) for x in args.scripted.split(","))
+    except ValueError:
+        raise UsageError(f"--scripted must be comma-separated positive integers, got "
+                         f"{args.scripted!r}") from None
+    if args.check_greedy:
+        raise UsageError("--check-greedy cannot check a --scripted run: its emitted tokens "
+                         "are forced, not the model's")
+    return scripted
+
+
+def _check_sampling(args: argparse.Namespace) -> None:
+    """Flags that cannot go with sampling (``--temperature > 0``): `UsageError`."""
+    if args.temperature > 0 and args.check_greedy:
+        raise UsageError("--check-greedy compares with greedy decoding: it needs --temperature 0")
+    if args.temperature > 0 and args.scripted:
+        raise UsageError("--scripted forces acceptance and ignores sampling: it needs "
+                         "--temperature 0")
+
+
+def _describe(c: dict, scripted: Optional[tuple]) -> str:
+    """The configuration line printed first."""
+    label = (f" [SCRIPTED: emitted tokens per iteration forced to {list(scripted)}]"
+             if scripted else "")
+    if c["temperature"] > 0:
+        label += (f", sampling T={c['temperature']} top-k={c['sampling_top_k']} "
+                  f"top-p={c['top_p']}")
+    return (f"fa3-spec eagle: preset {c['preset']} ({c['num_layers']} layers, {c['dtype']}) on "
+            f"{c['device']}, batch {c['batch']}, {c['requests']} requests, P={c['page_size']} "
+            f"topk={c['topk']} steps={c['num_steps']} N={c['num_draft_tokens']}, "
+            f"max_new_tokens={c['max_new_tokens']}, backend {c['backend']}, "
+            f"graphs {'on' if c['graphs'] else 'off'}{label}")
+
+
+#: Seconds between two progress lines.
+PROGRESS_SECONDS = 2.0
+
+
+class _Every:
+    """Calls ``log(text())`` at most every `PROGRESS_SECONDS` (progress lines)."""
+
+    def __init__(self, log):
+        self.log, self.last = log, time.perf_counter()
+
+    def __call__(self, text) -> None:
+        now = time.perf_counter()
+        if now - self.last > PROGRESS_SECONDS:
+            self.last = now
+            self.log(text(), flush=True)
+
+
 def run_eagle(args: argparse.Namespace, *, log=print) -> dict:
-    """Run the loop as ``args`` says; return the result dictionary (see `run`)."""
-    problem = usage_problem(args)
-    if problem:
-        raise ValueError(problem)
+    """Run the loop as ``args`` says; return the result dictionary (see `run`).
+
+    Prints (through ``log``) the configuration first, then progress lines
+    through the loop and the greedy reference.
+
+    Raises:
+        UsageError: an invalid invocation or configuration, found before
+            anything runs.
+    """
     device = _resolve_device(args.device)
+    scripted = _scripted(args)
+    _check_sampling(args)
     dtype = DTYPES[args.dtype] if args.dtype else None
-    models = make_models(args.preset, draft=args.draft, alpha=args.alpha, noise=args.noise,
-                         seed=args.seed, dtype=dtype, device=device, num_layers=args.num_layers)
     n_req = args.requests if args.requests is not None else 2 * args.batch
-    prompts, news = workload(n_req, page_size=args.page_size, max_prompt=args.prompt_len,
-                             max_new=args.max_new_tokens, vocab=models.vocab_size, seed=args.seed)
-    scripted = tuple(int(x) for x in args.scripted.split(",")) if args.scripted else None
     n = args.num_draft_tokens
-    context = args.prompt_len + args.max_new_tokens + n
-    spec = SpecConfig(page_size=args.page_size, topk=args.topk, num_steps=args.num_steps,
-                      num_draft_tokens=n, max_bs=args.batch, max_context_len=context, num_pages=1)
-    max_reqs = 2 * args.batch
-    # Enough pages for every row's largest reservation, plus the reserved page 0.
-    row_pages = -(-(spec.draft_row_len) // args.page_size)
-    spec = dataclasses.replace(spec, num_pages=1 + max_reqs * row_pages)
-    lc = LoopConfig(spec, max_new_tokens=args.max_new_tokens, backend=args.backend,
-                    scripted=scripted, sampling=args.temperature > 0)
     graphs = args.graphs if args.graphs is not None else device == "cuda"
-    engine = EagleEngine(lc, models, max_reqs=max_reqs, graphs=graphs,
-                         compile_backend=args.compile, device=device, seed=args.seed,
-                         count_syncs=args.count_syncs and device == "cuda")
+    if graphs and torch.device(device).type != "cuda":
+        raise UsageError("--graphs captures CUDA graphs and needs --device cuda")
+    try:  # every configuration error surfaces here, before the run
+        models = make_models(args.preset, draft=args.draft, alpha=args.alpha, noise=args.noise,
+                             seed=args.seed, dtype=dtype, device=device,
+                             num_layers=args.num_layers)
+        prompts, news = workload(n_req, page_size=args.page_size, max_prompt=args.prompt_len,
+                                 max_new=args.max_new_tokens, vocab=models.vocab_size,
+                                 seed=args.seed)
+        context = args.prompt_len + args.max_new_tokens + n
+        spec = SpecConfig(page_size=args.page_size, topk=args.topk, num_steps=args.num_steps,
+                          num_draft_tokens=n, max_bs=args.batch, max_context_len=context,
+                          num_pages=1)
+        max_reqs = 2 * args.batch
+        # Enough pages for every row's largest reservation, plus the reserved page 0.
+        row_pages = -(-(spec.draft_row_len) // args.page_size)
+        spec = dataclasses.replace(spec, num_pages=1 + max_reqs * row_pages)
+        lc = LoopConfig(spec, max_new_tokens=args.max_new_tokens, backend=args.backend,
+                        scripted=scripted, sampling=args.temperature > 0)
+        engine = EagleEngine(lc, models, max_reqs=max_reqs, graphs=graphs,
+                             compile_backend=args.compile, cache_path=args.compile_cache,
+                             device=device, seed=args.seed,
+                             count_syncs=args.count_syncs and device == "cuda")
+        for i, (prompt, m) in enumerate(zip(prompts, news)):
+            seed = None if args.sampling_seed is None else args.sampling_seed + i
+            engine.submit(prompt, m, eos_id=args.eos, temperature=args.temperature,
+                          top_k=args.sampling_top_k, top_p=args.top_p, seed=seed)
+    except (ValueError, TypeError) as exc:
+        raise UsageError(str(exc)) from exc
+    config = dict(preset=args.preset, device=device, dtype=str(models.dtype).replace("torch.", ""),
+                  batch=args.batch, requests=n_req, page_size=args.page_size, topk=args.topk,
+                  num_steps=args.num_steps, num_draft_tokens=n,
+                  max_new_tokens=args.max_new_tokens, prompt_len=args.prompt_len,
+                  seed=args.seed, draft=args.draft, alpha=args.alpha, noise=args.noise,
+                  num_layers=models.num_target_layers, eos=args.eos, backend=args.backend,
+                  graphs=graphs, compile=engine.compile_backend,
+                  scripted=list(scripted) if scripted else None,
+                  temperature=args.temperature, top_p=args.top_p,
+                  sampling_top_k=args.sampling_top_k, sampling_seed=args.sampling_seed)
+    log(_describe(config, scripted), flush=True)
+
     capture_s = None
     if graphs:
+        log("  capturing one CUDA graph per bucket ...", flush=True)
         t0 = time.perf_counter()
         engine.capture()
         capture_s = time.perf_counter() - t0
-    for i, (prompt, m) in enumerate(zip(prompts, news)):
-        seed = None if args.sampling_seed is None else args.sampling_seed + i
-        engine.submit(prompt, m, eos_id=args.eos, temperature=args.temperature,
-                      top_k=args.sampling_top_k, top_p=args.top_p, seed=seed)
-
-    last_print = [time.perf_counter()]
+    log(f"  EAGLE loop: {n_req} requests ...", flush=True)
+    every = _Every(log)
 
     def progress(eng, host):
-        now = time.perf_counter()
-        if not args.quiet and now - last_print[0] > 2.0:
-            last_print[0] = now
-            acc = eng.stats["accept_lens"]
-            log(f"  iteration {eng.stats['iterations']}: {eng.stats['finished']}/{n_req} done, "
-                f"mean accept {sum(acc) / max(len(acc), 1):.2f}", flush=True)
+        acc = eng.stats["accept_lens"]
+        every(lambda: f"  iteration {eng.stats['iterations']}: {eng.stats['finished']}/{n_req} "
+                      f"done, mean accept {sum(acc) / max(len(acc), 1):.2f}")
 
     if device == "cuda":
         torch.cuda.synchronize()
@@ -246,22 +360,18 @@ def run_eagle(args: argparse.Namespace, *, log=print) -> dict:
         capture_s=capture_s,
         scripted_acceptance=(f"SCRIPTED: emitted tokens per iteration forced to {list(scripted)}; "
                              "outputs are not the model's" if scripted else None),
-        config=dict(preset=args.preset, device=device, dtype=str(models.dtype).replace("torch.", ""),
-                    batch=args.batch, requests=n_req, page_size=args.page_size, topk=args.topk,
-                    num_steps=args.num_steps, num_draft_tokens=n,
-                    max_new_tokens=args.max_new_tokens, prompt_len=args.prompt_len,
-                    seed=args.seed, draft=args.draft, alpha=args.alpha, noise=args.noise,
-                    num_layers=models.num_target_layers, eos=args.eos, backend=args.backend,
-                    graphs=graphs, compile=args.compile, scripted=list(scripted) if scripted else None,
-                    temperature=args.temperature, top_p=args.top_p,
-                    sampling_top_k=args.sampling_top_k, sampling_seed=args.sampling_seed),
+        config=config,
         outputs=got,
     )
-    if args.check_greedy and not scripted:
+    if args.check_greedy:
         logits: list = []
+        log(f"  greedy reference: {n_req} requests, up to {max(news)} tokens each ...", flush=True)
+        every = _Every(log)
         ref = greedy_generate(models, prompts, news, eos_ids=[args.eos] * n_req,
                               page_size=args.page_size, backend=args.backend, device=device,
-                              logits_out=logits)
+                              logits_out=logits,
+                              on_step=lambda i, steps: every(
+                                  lambda: f"  greedy step {i}/{steps}"))
         diverge = []
         for i, (a, b) in enumerate(zip(got, ref)):
             if a != b:
@@ -279,20 +389,15 @@ def run_eagle(args: argparse.Namespace, *, log=print) -> dict:
 
 
 def run(args: argparse.Namespace) -> int:
-    """Entry point of ``fa3-spec eagle``; 1 when ``--check-greedy`` finds a mismatch."""
-    problem = usage_problem(args)
-    if problem:
-        args.eagle_parser.error(problem)  # exit 2
+    """Entry point of ``fa3-spec eagle``: 0 done (exact with ``--check-greedy``),
+    1 when ``--check-greedy`` finds a mismatch; an invalid invocation or
+    configuration exits with status 2 (`usage_exit`)."""
     log = (lambda *a, **k: None) if args.quiet else print
-    res = run_eagle(args, log=log)
+    try:
+        res = run_eagle(args, log=log)
+    except UsageError as exc:
+        usage_exit("eagle", exc)
     c = res["config"]
-    label = f" [{res['scripted_acceptance']}]" if res["scripted_acceptance"] else ""
-    if c["temperature"] > 0:
-        label += (f", sampling T={c['temperature']} top-k={c['sampling_top_k']} "
-                  f"top-p={c['top_p']}")
-    log(f"fa3-spec eagle: preset {c['preset']} ({c['num_layers']} layers, {c['dtype']}) on "
-        f"{c['device']}, batch {c['batch']}, {c['requests']} requests, P={c['page_size']} "
-        f"topk={c['topk']} steps={c['num_steps']} N={c['num_draft_tokens']}{label}")
     syncs = res["host_syncs_per_iteration"]
     log(f"  {res['tokens']} tokens in {res['iterations']} iterations, mean accept length "
         f"{res['mean_accept_len'] or 0:.2f}, {res['tokens_per_s'] or 0:.1f} tokens/s, "

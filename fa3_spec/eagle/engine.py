@@ -9,7 +9,11 @@ in static device buffers of ``max_bs`` rows. Between iterations the host
   state rows on the device (the first token is picked on the device too:
   the argmax, or a draw for sampled requests, `fa3_spec.eagle.sampling`);
 * launches one iteration for the smallest bucket that covers every occupied
-  row (``state[:bucket]``): a CUDA-graph replay when captured, else a call;
+  row (``state[:bucket]``) through a `fa3_spec.graphs.CUDAGraphRunner` over
+  caller-owned buffers (the state's bucket views): on CUDA the iteration is
+  compiled once with inductor (the batch dimension dynamic, so every bucket
+  above 1 shares one compiled frame) and captured as one CUDA graph per
+  bucket; on CPU it is called, eagerly by default;
 * copies the state's outputs into pinned host memory with a non-blocking
   copy and records an event, then handles the *previous* iteration's copy:
   the host runs one iteration ahead of what it has read. Finished requests
@@ -32,12 +36,17 @@ import torch
 from .. import build_decode_metadata
 from ..builders.prefill import build_prefill_metadata, extend_query_positions
 from ..config import SpecConfig
-from ..graphs import capture, compile_fullgraph
+from ..graphs import CUDAGraphRunner
 from ..probes import recording_host_syncs
 from .iteration import LoopConfig, State, eagle_iteration, empty_state, step_in_place
 from .models import KVCache, SpecModel
 from .pool import KVPool
 from .sampling import RequestSampling, SamplingParams, sample_tokens
+
+#: ``compile_backend`` values: a ``torch.compile`` backend, or ``"none"`` (no
+#: compile; with graphs, eager capture, for debugging); ``"auto"`` is
+#: ``"inductor"`` on CUDA and ``"none"`` elsewhere.
+COMPILE_BACKENDS = ("auto", "inductor", "aot_eager", "eager", "none")
 
 #: State keys the host reads back after every iteration.
 READBACK = ("out_tokens", "out_len", "seq_lens", "accept_len", "tree_tokens", "parents", "path")
@@ -54,6 +63,26 @@ class Request:
     slot: int = -1  # batch row while admitted
     since: int = 0  # first iteration (launch index) that saw it admitted
     output: Optional[List[int]] = None
+
+
+def _draft_vocab_size(models: SpecModel) -> int:
+    """Tokens the draft head proposes from: ``models.draft_vocab_size`` when the
+    model defines it (a reduced-vocabulary draft head), else ``vocab_size``."""
+    return int(getattr(models, "draft_vocab_size", models.vocab_size))
+
+
+def _check_prompt(name: str, prompt: Sequence[int], vocab_size: int) -> List[int]:
+    """``prompt`` as a list of ints, every token in ``[0, vocab_size)``.
+
+    Raises:
+        ValueError: a token outside the vocabulary (named, with its position).
+    """
+    tokens = [int(t) for t in prompt]
+    bad = next((i for i, t in enumerate(tokens) if not 0 <= t < vocab_size), None)
+    if bad is not None:
+        raise ValueError(f"{name}: token {tokens[bad]} at position {bad} is outside the "
+                         f"vocabulary (vocab_size={vocab_size}: ids 0..{vocab_size - 1})")
+    return tokens
 
 
 def _prefill_forward(models: SpecModel, spec: SpecConfig, kv_target: KVCache,
@@ -108,14 +137,20 @@ class EagleEngine:
 
     Args:
         lc: `LoopConfig` (``lc.spec.max_bs`` = batch rows; ``lc.spec.num_pages``
-            = pool size).
+            = pool size). ``lc.spec.topk`` must not exceed the draft's
+            vocabulary (``models.draft_vocab_size`` when it has one, else ``vocab_size``).
         models: a `SpecModel`.
         max_reqs: ``req_to_token`` rows (default ``2 * max_bs``).
         buckets: batch sizes to run/capture (default: powers of two up to
             ``max_bs``, plus ``max_bs``).
-        graphs: capture one CUDA graph per bucket (CUDA only).
-        compile_backend: ``torch.compile(fullgraph=True)`` backend for the
-            iteration ("inductor", "aot_eager", ...), or None for eager.
+        graphs: capture one CUDA graph per bucket (CUDA only; default: on
+            with CUDA).
+        compile_backend: one of `COMPILE_BACKENDS`: the
+            ``torch.compile(fullgraph=True)`` backend of the iteration
+            (``"auto"``: inductor on CUDA, none on CPU; None means ``"none"``).
+        cache_path: a file for PyTorch's compile caches (loaded before the
+            first compile, written after `capture`), so a restarted process
+            skips most of inductor's work.
         device: where everything lives.
         seed: pool page shuffle.
         count_syncs: on CUDA, count synchronizing calls during each iteration
@@ -123,9 +158,14 @@ class EagleEngine:
     """
 
     def __init__(self, lc: LoopConfig, models: SpecModel, *, max_reqs: Optional[int] = None,
-                 buckets: Optional[Sequence[int]] = None, graphs: bool = False,
-                 compile_backend: Optional[str] = None, device="cpu", seed: int = 0,
-                 count_syncs: bool = False):
+                 buckets: Optional[Sequence[int]] = None, graphs: Optional[bool] = None,
+                 compile_backend: Optional[str] = "auto", cache_path: Optional[str] = None,
+                 device="cpu", seed: int = 0, count_syncs: bool = False):
+        if lc.spec.topk > _draft_vocab_size(models):
+            raise ValueError(
+                f"topk={lc.spec.topk} exceeds the draft's vocabulary of "
+                f"{_draft_vocab_size(models)} tokens: every tree node draws its topk children "
+                "from it")
         self.lc = lc
         self.spec = lc.spec
         self.models = models
@@ -142,21 +182,38 @@ class EagleEngine:
         self.buckets = sorted(set(buckets))
         if self.buckets[-1] < self.max_bs:
             raise ValueError("the largest bucket must be >= max_bs")
-        if graphs and self.device.type != "cuda":
+        cuda = self.device.type == "cuda"
+        if graphs is None:
+            graphs = cuda
+        if graphs and not cuda:
             raise ValueError("graphs=True needs a CUDA device")
+        backend = "none" if compile_backend is None else compile_backend
+        if backend not in COMPILE_BACKENDS:
+            raise ValueError(f"compile_backend must be one of {COMPILE_BACKENDS} or None, "
+                             f"got {compile_backend!r}")
+        if backend == "auto":
+            backend = "inductor" if cuda else "none"
         self.graphs = graphs
-        self.count_syncs = count_syncs and self.device.type == "cuda"
-
-        def iteration(st: State) -> State:
-            return eagle_iteration(lc, models, self.pool.target_kv, self.pool.draft_kv,
-                                   self.pool.req_to_token, st)
-
-        self._iteration = iteration
-        self._fn = iteration
-        if compile_backend is not None:
-            self._fn = compile_fullgraph(iteration, backend=compile_backend, dynamic=False)
-        self._graphs: Dict[int, torch.cuda.CUDAGraph] = {}
+        self.compile_backend = backend
+        self.count_syncs = count_syncs and cuda
         self._views: Dict[int, State] = {}
+
+        def iteration(**st: torch.Tensor) -> dict:
+            step_in_place(lambda s: eagle_iteration(lc, models, self.pool.target_kv,
+                                                    self.pool.draft_kv, self.pool.req_to_token, s),
+                          st)
+            return {}
+
+        strategy = "manual" if graphs else ("eager" if backend == "none" else "compile")
+        # Inductor compiles each bucket at its own static batch: the layers'
+        # nested compile regions with a symbolic batch fail in inductor's
+        # codegen (torch 2.11 and 2.13: "expected [s10] to have been
+        # codegen-ed" / "vr must not be None"); other backends share one
+        # frame across the buckets above 1.
+        self.runner = CUDAGraphRunner(
+            iteration, buckets=self.buckets, strategy=strategy,
+            backend=None if backend == "none" else backend, buffers=self.bucket_state,
+            dynamic_batch=backend != "inductor", warmup=1, cache_path=cache_path)
         self._waiting: List[Request] = []
         self._slots: List[Optional[Request]] = [None] * self.max_bs
         self._done: Dict[int, Request] = {}
@@ -178,14 +235,18 @@ class EagleEngine:
         ``temperature >= 0`` (0 = greedy, exact to `greedy_generate`),
         ``top_k >= 0`` (0 = off; above the vocabulary = off), ``0 < top_p <= 1``;
         ``seed`` (an int64; None: a fresh one, see `seed_of`) makes the
-        output reproducible, alone or in any batch. ``ValueError`` for values
-        out of range, and for ``temperature > 0`` on a loop built with
-        ``LoopConfig(sampling=False)``.
+        output reproducible, alone or in any batch.
+
+        Raises:
+            ValueError: a prompt token outside ``[0, vocab_size)``, a request
+                that can never fit the configuration (`KVPool.check_request`),
+                a sampling value out of range, or ``temperature > 0`` on a loop
+                built with ``LoopConfig(sampling=False)``.
         """
+        prompt = _check_prompt("prompt", prompt, self.models.vocab_size)
         sampling = RequestSampling.create(temperature, top_k, top_p, seed)
         if sampling.temperature > 0 and not self.lc.sampling:
             raise ValueError("temperature > 0 needs a loop built with LoopConfig(sampling=True)")
-        prompt = [int(t) for t in prompt]
         if max_new_tokens > self.lc.max_new_tokens:
             raise ValueError(f"max_new_tokens={max_new_tokens} exceeds the loop's "
                              f"max_new_tokens={self.lc.max_new_tokens}")
@@ -213,20 +274,39 @@ class EagleEngine:
 
     # ------------------------------------------------------------ admission
     def _admit(self) -> None:
+        """Admit waiting requests into free rows: pool rows and pages, prefill,
+        then their state rows.
+
+        All or nothing: if anything fails (the prefill, a device write), the
+        batch's rows, slots and pages are freed, its requests go back to the
+        head of the queue, no state row is live (``seq_lens``, which makes a
+        row live, is written last), and the error propagates.
+        """
         batch: List[Request] = []
         free = [i for i, r in enumerate(self._slots) if r is None]
-        while self._waiting and free:
-            req = self._waiting[0]
-            if not self.pool.can_allocate(len(req.prompt), req.max_new_tokens):
-                break
-            self._waiting.pop(0)
-            req.row = self.pool.allocate(len(req.prompt), req.max_new_tokens)
-            req.slot = free.pop(0)
-            req.since = self.stats["iterations"]
-            self._slots[req.slot] = req
-            batch.append(req)
-        if not batch:
-            return
+        try:
+            while self._waiting and free:
+                req = self._waiting[0]
+                if not self.pool.can_allocate(len(req.prompt), req.max_new_tokens):
+                    break
+                req.row = self.pool.allocate(len(req.prompt), req.max_new_tokens)
+                self._waiting.pop(0)
+                req.slot = free.pop(0)
+                req.since = self.stats["iterations"]
+                self._slots[req.slot] = req
+                batch.append(req)
+            if batch:
+                self._start(batch)
+        except BaseException:
+            for req in batch:
+                self.pool.release(req.row)
+                self._slots[req.slot] = None
+                req.row = req.slot = -1
+            self._waiting[:0] = batch
+            raise
+
+    def _start(self, batch: List[Request]) -> None:
+        """Prefill ``batch`` (rows and slots assigned) and write its state rows."""
         pool, st, dev = self.pool, self.state, self.device
         params = SamplingParams.stack([r.sampling for r in batch], device=dev)
         first, h, scores, cand, _ = _prefill_forward(
@@ -240,7 +320,6 @@ class EagleEngine:
         done = (first == eos) | (max_new <= 1)  # on the device: no sync
         st["req_pool_indices"][idx] = torch.tensor([r.row for r in batch], dtype=torch.int64,
                                                    device=dev)
-        st["seq_lens"][idx] = torch.where(done, 0, lens)
         st["root"][idx] = first
         st["cand_tokens"][idx] = cand
         st["cand_scores"][idx] = scores
@@ -255,61 +334,57 @@ class EagleEngine:
         st["accept_len"][idx] = 0
         for key, value in params._asdict().items():
             st[key][idx] = value
+        st["seq_lens"][idx] = torch.where(done, 0, lens)  # last: the rows are live from here
         self.stats["admitted"] += len(batch)
 
     # ------------------------------------------------------------- iteration
     def bucket_for(self, rows: int) -> int:
         return next(b for b in self.buckets if b >= rows)
 
-    def _view(self, bucket: int) -> State:
+    def bucket_state(self, bucket: int) -> State:
+        """The loop state's first ``bucket`` rows (views of the engine's buffers:
+        what the bucket's graph reads and writes)."""
         if bucket not in self._views:
             self._views[bucket] = {k: v[:bucket] for k, v in self.state.items()}
         return self._views[bucket]
 
-    def capture(self, buckets: Optional[Sequence[int]] = None) -> Dict[int, float]:
-        """Capture the iteration for each bucket (all padding while capturing,
-        so warm-up and capture runs read nothing and write only slot 0)."""
-        if not self.graphs:
-            raise RuntimeError("capture() needs graphs=True")
-        seconds = {}
+    def capture(self) -> Dict[int, float]:
+        """Compile and capture the iteration for every bucket (CUDA graphs), or,
+        without graphs, get the buckets ready; returns seconds per bucket.
+
+        Every row is a padding row while capturing, so warm-up and capture
+        runs read nothing and write only slot 0; the state is restored after.
+        Called on the first launch if not called before.
+        """
         saved = {k: v.clone() for k, v in self.state.items()}
-        live = self.state["seq_lens"].clone()
         self.state["seq_lens"].zero_()
-        pool = None
-        for bucket in sorted(buckets or self.buckets, reverse=True):
-            start = time.perf_counter()
-            view = self._view(bucket)
-            pool = pool or torch.cuda.graph_pool_handle()
-            graph, _ = capture(step_in_place, self._fn, view, pool=pool)
-            self._graphs[bucket] = graph
-            torch.cuda.synchronize()
-            seconds[bucket] = time.perf_counter() - start
-        for k, v in self.state.items():
-            v.copy_(saved[k])
-        self.state["seq_lens"].copy_(live)
-        return seconds
+        try:
+            return self.runner.capture()
+        finally:
+            for k, v in self.state.items():
+                v.copy_(saved[k])
 
-    def _launch(self, bucket: int) -> None:
-        if self.graphs and bucket not in self._graphs:
-            self.capture([bucket])
+    def admit(self) -> None:
+        """Admit waiting requests into free rows now (prefill included), as
+        `step` does before each launch."""
+        self._admit()
 
-        def go():
-            if self.graphs:
-                self._graphs[bucket].replay()
-            else:
-                step_in_place(self._fn, self._view(bucket))
-
+    def launch(self, bucket: int) -> None:
+        """Run one iteration over the first ``bucket`` rows (a graph replay when
+        captured), with no readback: what `step` launches, for benchmarks."""
+        if not self.runner.captured:
+            self.capture()
         start = time.perf_counter()
         if self.count_syncs:
             with recording_host_syncs() as syncs:
-                go()
+                self.runner.replay(bucket, bucket)
             self.stats["host_syncs"].append(len(syncs))
         else:
-            go()
+            self.runner.replay(bucket, bucket)
         self.stats["launch_s"].append(time.perf_counter() - start)
 
     def _readback(self, bucket: int):
-        view = self._view(bucket)
+        view = self.bucket_state(bucket)
         if self.device.type != "cuda":
             return {k: view[k].clone() for k in READBACK}, None
         p = self._parity
@@ -354,7 +429,7 @@ class EagleEngine:
         if occupied:
             bucket = self.bucket_for(occupied[-1] + 1)
             start = time.perf_counter()
-            self._launch(bucket)
+            self.launch(bucket)
             launched = self._readback(bucket) + (self.stats["iterations"], start)
             self.stats["iterations"] += 1
         if self._pending is not None:
@@ -383,7 +458,8 @@ class EagleEngine:
 def greedy_generate(models: SpecModel, prompts: Sequence[Sequence[int]],
                     max_new_tokens: Sequence[int], *, eos_ids: Optional[Sequence[int]] = None,
                     page_size: int = 1, backend: str = "auto", device="cpu",
-                    logits_out: Optional[list] = None) -> List[List[int]]:
+                    logits_out: Optional[list] = None,
+                    on_step: Optional[Callable[[int, int], None]] = None) -> List[List[int]]:
     """Plain greedy decoding of the target (no speculation): the reference.
 
     Prefill through `build_prefill_metadata`, then one token per request per
@@ -391,8 +467,24 @@ def greedy_generate(models: SpecModel, prompts: Sequence[Sequence[int]],
     stops after ``max_new_tokens[i]`` tokens or its EOS (included).
     ``logits_out``, if given, receives each step's float32 logits ``[B, V]``
     on the CPU (step 0 = after the prompt), for near-tie analysis.
+    ``on_step(i, steps)``, if given, is called after each of the ``steps``
+    token steps (progress; ``i`` from 1).
+
+    Raises:
+        ValueError: no prompts, an empty prompt, a prompt token outside
+            ``[0, vocab_size)``, ``max_new_tokens`` (or ``eos_ids``) not one
+            per prompt, or a ``max_new_tokens`` below 1.
     """
-    prompts = [list(map(int, p)) for p in prompts]
+    prompts = [_check_prompt(f"prompts[{i}]", p, models.vocab_size) for i, p in enumerate(prompts)]
+    max_new_tokens = [int(m) for m in max_new_tokens]
+    if not prompts or min(map(len, prompts)) < 1:
+        raise ValueError("prompts must be one or more non-empty token lists")
+    if len(max_new_tokens) != len(prompts) or min(max_new_tokens) < 1:
+        raise ValueError(f"max_new_tokens must give one count >= 1 per prompt ({len(prompts)}), "
+                         f"got {max_new_tokens}")
+    if eos_ids is not None and len(eos_ids) != len(prompts):
+        raise ValueError(f"eos_ids must give one id per prompt ({len(prompts)}), got "
+                         f"{len(eos_ids)}")
     bs = len(prompts)
     steps = max(max_new_tokens)
     ctx = max(len(p) for p in prompts) + steps + 1
@@ -412,7 +504,9 @@ def greedy_generate(models: SpecModel, prompts: Sequence[Sequence[int]],
     seq = torch.tensor([len(q) for q in prompts], dtype=torch.int64, device=device)
     tokens = [first]
     cur = first
-    for _ in range(steps - 1):
+    if on_step is not None:
+        on_step(1, steps)
+    for i in range(2, steps + 1):
         md = build_decode_metadata(spec, req_to_token=r2t, req_pool_indices=rpi, seq_lens=seq + 1)
         slots = r2t[rpi, seq].to(torch.int64)
         hidden = models.target_forward(cur, seq, slots, md, pool.target_kv, backend=backend)
@@ -422,6 +516,8 @@ def greedy_generate(models: SpecModel, prompts: Sequence[Sequence[int]],
         cur = logits.argmax(-1)
         tokens.append(cur)
         seq = seq + 1
+        if on_step is not None:
+            on_step(i, steps)
     table = torch.stack(tokens, 1).cpu().tolist()  # ok-host: host readback, between iterations
     eos_ids = list(eos_ids) if eos_ids is not None else [-1] * bs
     out = []

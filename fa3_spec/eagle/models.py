@@ -372,6 +372,10 @@ class SpecModel(Protocol):
     given cache (every layer) and attend as ``metadata`` says; hidden states
     are ``[T, hidden_size]`` and logits ``[T, vocab_size]``. Everything must
     trace under ``torch.compile(fullgraph=True)`` and capture in a CUDA graph.
+
+    Optional: ``draft_vocab_size``, the tokens the draft head proposes from
+    (a reduced-vocabulary head); ``vocab_size`` when absent. `EagleEngine`
+    refuses a ``topk`` above it.
     """
 
     hidden_size: int
