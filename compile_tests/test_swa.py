@@ -174,6 +174,20 @@ def test_window_left_errors_name_the_argument():
         fa3_spec.cascade_attention(q, kc, vc, md, backend="torch", window_size=(4, -1))
 
 
+@pytest.mark.parametrize("w", [2**62 + 1, 2**63, 2**64, 10**30])
+def test_a_huge_window_left_is_refused_by_name_in_every_mode(w):
+    """Past 2**62 (already far past any context) a window is refused at the boundary,
+    never an OverflowError from inside a torch op; up to it, every value works."""
+    world = _world(2, 4)
+    for mode, step, tree in _cases(world):
+        with pytest.raises(ValueError, match="window_left"):
+            _build(world, mode, step, tree, w)
+        full = _build(world, mode, step, tree, 2**62)
+        wide = _build(world, mode, step, tree, 10_000)
+        assert all(torch.equal(a.page_table, b.page_table) and torch.equal(a.cache_seqlens, b.cache_seqlens)
+                   for a, b in zip(full.calls, wide.calls))
+
+
 def test_full_attention_metadata_is_unchanged_by_the_hook():
     """No ``window_left``: the builders' metadata, with ``window_left = -1`` everywhere."""
     world = _world(2, 4)

@@ -113,7 +113,7 @@ def build_metadata(mode: str, cfg_or_batch, *, step: int = 0, window_left: Optio
     ``build_metadata(mode, batch, step=...)`` with a `SpecBatch` built
     beforehand (outside a compiled region, so errors keep their types).
 
-    ``window_left=W`` (static int >= 0) builds the metadata of a
+    ``window_left=W`` (static int, ``0 <= W <= 2**62``) builds the metadata of a
     sliding-window layer: each query reads only the keys of its own key set
     at positions ``>= pos - W`` (`fa3_spec.builders.window`;
     docs/semantics.md, "Sliding-window layers"). It is a per-call argument,

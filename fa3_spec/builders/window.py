@@ -68,7 +68,7 @@ def window_metadata(batch: SpecBatch, mode: str, step: int, window_left: int) ->
     Compiles with no host sync; every shape depends on ``B``, ``cfg`` and
     ``W`` only.
     """
-    w = _validate.int_at_least("window_left", window_left, 0)
+    w = _validate.window_side("window_left", window_left, 0)
     cfg, view = batch.cfg, batch.view()
     n = cfg.num_draft_tokens
     if mode == "decode":
