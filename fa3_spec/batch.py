@@ -23,8 +23,8 @@ import torch
 import torch.utils._pytree as pytree
 
 from . import _validate
-from ._paged import BatchView
 from .config import SpecConfig
+from .paged import BatchView
 
 _TENSORS = ("req_to_token", "req_pool_indices", "seq_lens", "out_cache_loc", "tree_mask",
             "extend_seq_lens")

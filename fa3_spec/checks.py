@@ -28,9 +28,10 @@ from typing import Optional
 import torch
 
 from . import _validate
-from ._paged import BatchView, repeat_rows
+from ._paged import repeat_rows
 from .config import SpecConfig
 from .modes import get_mode
+from .paged import BatchView
 
 #: Largest page id an int32 page table can hold.
 INT32_MAX = 2**31 - 1
@@ -128,7 +129,7 @@ def error_flags(
         flags = flags | _tree_flags(tree_mask, view.live)
         n = cfg.num_draft_tokens
         positions = view.seq_lens.unsqueeze(1) + torch.arange(n, device=raw_seq.device)
-        slots = _raw_slots(view, positions)  # the expand call reads them as page-size-1 ids
+        slots = view.raw_slots(positions)  # the expand call reads them as page-size-1 ids
         flags = flags | _page_flags(slots, 1, None if num_pages is None else num_pages * cfg.page_size,
                                     view.live)
     elif mode == "draft_extend":
@@ -136,13 +137,6 @@ def error_flags(
         bad = (ext < 0) | (ext > cfg.num_draft_tokens) | (ext > raw_seq)
         flags = flags | _flag(bad & live, ErrorFlag.EXTEND_LEN_OUT_OF_RANGE)
     return flags
-
-
-def _raw_slots(view: BatchView, positions: torch.Tensor) -> torch.Tensor:
-    """int64 slots at ``positions`` (``[B, n]``) of each request's row, unclamped values."""
-    r2t = view.req_to_token
-    cols = positions.clamp(0, r2t.shape[1] - 1)
-    return r2t[view.rows.unsqueeze(1), cols].to(torch.int64)
 
 
 def _page_flags(slots: torch.Tensor, page_size: int, num_pages: Optional[int],
@@ -170,10 +164,10 @@ def _row_flags(cfg: SpecConfig, view: BatchView, length: torch.Tensor,
     t = torch.arange(min(width, cfg.min_row_len), device=length.device)
     read = t.unsqueeze(0) < length.unsqueeze(1)  # [B, T]
     positions = t.unsqueeze(0).expand(view.batch_size, -1)
-    slots = _raw_slots(view, positions)
+    slots = view.raw_slots(positions)
     flags = _page_flags(slots, p, num_pages, view.live, read)
     if p > 1:
-        page_start = _raw_slots(view, positions - positions % p)
+        page_start = view.raw_slots(positions - positions % p)
         aligned = slots == page_start + positions % p
         aligned = aligned & (torch.remainder(page_start, p) == 0)
         flags = flags | _flag(read & ~aligned & view.live.unsqueeze(1), ErrorFlag.MISALIGNED_ROW)
@@ -217,7 +211,7 @@ def _draft_layout(cfg: SpecConfig, view: BatchView, loc: torch.Tensor) -> torch.
     bad = bad | dup.any(dim=2).reshape(rows, d)
     # No draft on a page of the prefix's whole pages (the prefix call reads them).
     j = torch.arange(cfg.max_pages, device=loc.device)
-    prefix_pages = torch.div(_raw_slots(view, (j * p).unsqueeze(0).expand(bs, -1)), p,
+    prefix_pages = torch.div(view.raw_slots((j * p).unsqueeze(0).expand(bs, -1)), p,
                              rounding_mode="floor")  # [B, max_pages]
     whole = j.unsqueeze(0) < torch.div(view.seq_lens - view.last_page_lens, p,
                                        rounding_mode="floor").unsqueeze(1)
@@ -225,7 +219,7 @@ def _draft_layout(cfg: SpecConfig, view: BatchView, loc: torch.Tensor) -> torch.
     bad = bad | on_prefix.any(dim=2).reshape(rows, d)
     # Branch 0 begins on the prefix's partial last page; no other branch touches it.
     tail_pos = (view.seq_lens - 1).clamp(min=0).unsqueeze(1)
-    tail_page = torch.div(_raw_slots(view, tail_pos), p, rounding_mode="floor")  # [B, 1]
+    tail_page = torch.div(view.raw_slots(tail_pos), p, rounding_mode="floor")  # [B, 1]
     on_tail = pages.reshape(bs, k, d) == tail_page.unsqueeze(2)  # [B, K, d]
     is_branch0 = (torch.arange(k, device=loc.device) == 0).view(1, k)
     has_tail = (view.last_page_lens > 0).view(bs, 1)

@@ -131,6 +131,10 @@ class SpecConfig:
         return int_in_range("step", step, 0, self.num_steps - 2,
                             f" for num_steps={self.num_steps}")
 
+    def check_batch_size(self, bs: object, *, minimum: int = 0) -> int:
+        """Validate a batch size: a Python int, ``minimum <= bs <= max_bs``."""
+        return int_in_range("bs", bs, minimum, self.max_bs, " (max_bs)")
+
     def decode_length(self, step: int) -> int:
         """Live draft tokens per branch at draft-decode ``step``: ``step + 1``."""
         return self.check_step(step) + 1

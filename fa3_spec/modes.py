@@ -29,10 +29,10 @@ from typing import Callable, Dict, Optional, Tuple
 
 import torch
 
-from ._paged import BatchView
 from .batch import SpecBatch
 from .builders import decode, draft, extend, verify, window
 from .config import SpecConfig
+from .paged import BatchView
 
 
 @dataclasses.dataclass(frozen=True)

@@ -6,8 +6,9 @@ from typing import Optional
 
 import torch
 
-from .._paged import BatchView, cu_seqlens, scan_cu_seqlens, uniform_cu_seqlens
+from .._paged import cu_seqlens, scan_cu_seqlens, uniform_cu_seqlens
 from ..metadata import FA3Metadata
+from ..paged import BatchView
 
 
 def request_call(

@@ -4,10 +4,10 @@ from __future__ import annotations
 
 import torch
 
-from .._paged import BatchView
 from ..batch import SpecBatch
 from ..config import SpecConfig
 from ..metadata import FA3Metadata
+from ..paged import BatchView
 from ._common import request_call
 
 

@@ -28,12 +28,12 @@ import torch
 import torch.nn.functional as F
 
 from .. import _validate
-from .._paged import (BatchView, cdiv_tensor, cu_seqlens, exclusive_sums, in_pool, repeat_rows,
-                      uniform_cu_seqlens)
+from .._paged import cdiv_tensor, cu_seqlens, exclusive_sums, repeat_rows, uniform_cu_seqlens
 from ..batch import SpecBatch
 from ..config import SpecConfig
 from ..expand import draft_expand_tables
 from ..metadata import PAGE_SENTINEL, CascadeMetadata, FA3Metadata
+from ..paged import BatchView, in_pool
 from ._common import request_call
 
 DraftStep = Union[FA3Metadata, CascadeMetadata]

@@ -4,10 +4,11 @@ from __future__ import annotations
 
 import torch
 
-from .._paged import BatchView, cu_seqlens
+from .._paged import cu_seqlens
 from ..batch import SpecBatch
 from ..config import SpecConfig
 from ..metadata import FA3Metadata
+from ..paged import BatchView
 from ._common import request_call
 
 

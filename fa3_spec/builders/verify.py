@@ -24,10 +24,10 @@ from typing import Optional, Union
 
 import torch
 
-from .._paged import BatchView
 from ..batch import SpecBatch
 from ..config import SpecConfig
 from ..metadata import PAGE_SENTINEL, CascadeMetadata, FA3Metadata
+from ..paged import BatchView
 from ._common import request_call, slot_call
 
 
@@ -70,17 +70,24 @@ def read_length(view: BatchView, step: int = 0, tree: bool = False) -> torch.Ten
     return view.seq_lens if tree else view.seq_lens + view.cfg.num_draft_tokens
 
 
-def attended_slots(view: BatchView, mask: torch.Tensor) -> tuple:
-    """``(sorted_slots int64 [B, N, N], attended int64 [B, N])``: row ``j`` lists
-    the slots of the draft tokens query ``j`` attends in ascending token order
-    (then the others), ``attended[b, j]`` how many. For a tree mask ascending
-    token order is ascending depth: the path root .. ``j``."""
-    n, bs = view.cfg.num_draft_tokens, view.batch_size
-    tokens = torch.arange(n, device=view.seq_lens.device)
-    slots = view.slots(view.seq_lens.unsqueeze(1) + tokens)  # [B, N]
-    # Attended tokens first, each group in ascending token order.
+def draft_token_slots(view: BatchView) -> torch.Tensor:
+    """int64 ``[B, N]``: the slot of draft token ``c`` of each request, its row
+    position ``seq_len + c`` (clamped into the pool, as FA3 reads it)."""
+    tokens = torch.arange(view.cfg.num_draft_tokens, device=view.seq_lens.device)
+    return view.slots(view.seq_lens.unsqueeze(1) + tokens)
+
+
+def attended_slots(slots: torch.Tensor, mask: torch.Tensor) -> tuple:
+    """``(sorted_slots int64 [B, N, N], attended int64 [B, N])`` from the draft
+    tokens' ``slots`` (``[B, N]``) and the tree ``mask`` (bool ``[B, N, N]``):
+    row ``j`` lists the slots of the draft tokens query ``j`` attends in
+    ascending token order, then the others (ascending too); ``attended[b, j]``
+    counts the first group. For a tree mask ascending token order is
+    ascending depth: the path root .. ``j``."""
+    bs, n = slots.shape
+    tokens = torch.arange(n, device=slots.device)
     order = torch.argsort(torch.where(mask, tokens, tokens + n), dim=-1)
-    sorted_slots = torch.gather(slots.unsqueeze(1).expand(bs, n, n), 2, order)
+    sorted_slots = torch.gather(slots.to(torch.int64).unsqueeze(1).expand(bs, n, n), 2, order)
     return sorted_slots, mask.sum(dim=-1)
 
 
@@ -97,7 +104,7 @@ def target_verify_metadata(batch: SpecBatch, step: int = 0) -> Union[FA3Metadata
                           max_seqlen_k=cfg.max_context_len, causal=False)
 
     tokens = torch.arange(n, device=view.seq_lens.device)
-    sorted_slots, attended = attended_slots(view, mask)
+    sorted_slots, attended = attended_slots(draft_token_slots(view), mask)
     table = torch.where(tokens < attended.unsqueeze(-1), sorted_slots, PAGE_SENTINEL)
 
     cache_seqlens = view.mask_padding(attended, 1).reshape(bs * n).to(torch.int32)

@@ -48,12 +48,13 @@ from typing import Optional, Union
 import torch
 
 from .. import _validate
-from .._paged import BatchView, cdiv_tensor, cu_seqlens, in_pool, repeat_rows, uniform_cu_seqlens
+from .._paged import cdiv_tensor, cu_seqlens, repeat_rows, uniform_cu_seqlens
 from ..batch import SpecBatch
 from ..config import cdiv
 from ..metadata import PAGE_SENTINEL, CascadeMetadata, FA3Metadata
+from ..paged import BatchView, in_pool
 from ._common import slot_call
-from .verify import attended_slots
+from .verify import attended_slots, draft_token_slots
 
 WindowMetadata = Union[FA3Metadata, CascadeMetadata]
 
@@ -83,7 +84,7 @@ def window_metadata(batch: SpecBatch, mode: str, step: int, window_left: int) ->
     if mode == "target_verify":
         if batch.tree_mask is None:
             return _single(view, view.seq_lens + n, n, w, cfg.max_context_len + n)
-        path, attended = attended_slots(view, batch.tree_mask)
+        path, attended = attended_slots(draft_token_slots(view), batch.tree_mask)
         return _cascade(view, path.reshape(-1, n), attended.reshape(-1) - 1, n, n - 1, w)
     if mode == "draft_extend":
         queries = torch.where(view.live, batch.extend_seq_lens.to(torch.int64).clamp(0, n), 0)

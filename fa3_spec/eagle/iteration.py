@@ -52,7 +52,7 @@ from typing import Dict, Optional, Tuple
 
 import torch
 
-from .._paged import BatchView, in_pool
+from ..paged import BatchView, in_pool
 from ..batch import SpecBatch
 from ..builders import (
     build_draft_extend_metadata,

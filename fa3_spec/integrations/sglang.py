@@ -58,11 +58,13 @@ from ..builders import (
     build_draft_iteration_metadata,
     build_target_verify_metadata,
 )
-from .._validate import int_in_range
+from ..builders.verify import attended_slots
 from ..checks import ErrorFlag
 from ..checks import error_flags as _error_flags
 from ..config import SpecConfig, cdiv
+from ..expand import page_runs
 from ..metadata import CascadeMetadata, FA3Metadata
+from ..paged import BatchView
 from ..tree import tree_mask_from_flat
 
 Buffers = Dict[str, Dict[str, torch.Tensor]]
@@ -215,7 +217,7 @@ def draft_decode(cfg: SglangConfig, buffers: Buffers, step: int, *, req_to_token
                      table="page_table_draft_decode")
         return
     casc = build_draft_decode_metadata(spec, step, out_cache_loc=out_cache_loc, **kwargs)
-    _write_draft_prefix(cfg, buffers, casc.prefix, req_to_token, req_pool_indices)
+    _write_draft_prefix(cfg, buffers, casc.prefix, req_to_token, req_pool_indices, seq_lens)
     _write_draft_expand(cfg, buffers, casc.expand, _runs(cfg, out_cache_loc, seq_lens.shape[0]),
                         step)
 
@@ -242,7 +244,7 @@ def draft_iteration(cfg: SglangConfig, step_buffers: Sequence[Buffers], *,
         if cfg.topk == 1:
             _write_chain(buffers[DECODE], md, table="page_table_draft_decode")
         else:
-            _write_draft_prefix(cfg, buffers, md.prefix, req_to_token, req_pool_indices)
+            _write_draft_prefix(cfg, buffers, md.prefix, req_to_token, req_pool_indices, seq_lens)
             _write_draft_expand(cfg, buffers, md.expand, runs, step)
 
 
@@ -287,15 +289,14 @@ def target_verify(cfg: SglangConfig, buffers: Buffers, *, req_to_token: torch.Te
     normal["cu_seqlens_k"][1:bs + 1].copy_(casc.prefix.cu_seqlens_k[1:])
     _write_live_columns(normal["page_table"][:bs], casc.prefix)
 
-    # Columns past cache_seqlens: the unattended draft slots, ascending.
-    tokens = torch.arange(n, device=seq_lens.device)
-    rows = req_pool_indices.to(torch.int64).clamp(0, req_to_token.shape[0] - 1)
-    cols = (seq_lens.to(torch.int64).unsqueeze(1) + tokens).clamp(0, req_to_token.shape[1] - 1)
-    slots = req_to_token[rows.unsqueeze(1), cols].to(torch.int32)  # [bs, N]
-    order = torch.argsort(torch.where(mask, tokens, tokens + n), dim=-1)
-    every = torch.gather(slots.unsqueeze(1).expand(bs, n, n), 2, order).reshape(bs * n, n)
+    # Columns past cache_seqlens: the unattended draft slots, ascending, as sglang
+    # writes them (its own seq_lens, slots unclamped).
+    view = BatchView(spec, req_to_token, req_pool_indices, seq_lens)
+    positions = seq_lens.to(torch.int64).unsqueeze(1) + torch.arange(n, device=seq_lens.device)
+    every, _ = attended_slots(view.raw_slots(positions), mask)
     read = casc.expand.read_columns()
-    expand["page_table"][:bs * n].copy_(torch.where(read, casc.expand.page_table, every))
+    expand["page_table"][:bs * n].copy_(
+        torch.where(read, casc.expand.page_table, every.reshape(bs * n, n).to(torch.int32)))
     expand["cache_seqlens"][:bs * n].copy_(casc.expand.cache_seqlens)
     expand["cu_seqlens_k"][1:bs * n + 1].copy_(casc.expand.cu_seqlens_k[1:])
 
@@ -319,8 +320,8 @@ def draft_extend(cfg: SglangConfig, buffers: Buffers, *, req_to_token: torch.Ten
     buf["cache_seqlens"][:bs].copy_(md.cache_seqlens)
     buf["cu_seqlens_k"][:bs + 1].copy_(md.cu_seqlens_k)
     buf["cu_seqlens_q"][:bs + 1].copy_(md.cu_seqlens_q)
-    buf["page_table"][:bs].copy_(_full_page_table(cfg, req_to_token, req_pool_indices,
-                                                  cfg.max_num_pages))
+    view = BatchView(cfg.spec_config(), req_to_token, req_pool_indices, seq_lens)
+    buf["page_table"][:bs].copy_(view.full_page_table(cfg.max_num_pages))
 
 
 # ---------------------------------------------------------------- read views
@@ -360,10 +361,10 @@ def metadata_views(cfg: SglangConfig, buffers: Buffers, mode: str, *, step: int 
     Returns:
         `FA3Metadata` (topk = 1, and ``draft_extend``) or `CascadeMetadata`.
     """
-    bs = int_in_range("bs", cfg.max_bs if bs is None else bs, 1, cfg.max_bs, " (max_bs)")
+    spec, k, n, p, c = cfg.spec_config(), cfg.topk, cfg.num_draft_tokens, cfg.page_size, cfg.context_len
+    bs = spec.check_batch_size(cfg.max_bs if bs is None else bs, minimum=1)
     if mode not in VIEW_MODES:
         raise ValueError(f"mode must be one of {VIEW_MODES}, got {mode!r}")
-    spec, k, n, p, c = cfg.spec_config(), cfg.topk, cfg.num_draft_tokens, cfg.page_size, cfg.context_len
     if mode == "draft_decode":
         spec.check_step(step)
 
@@ -489,43 +490,26 @@ def _write_chain(buf: Dict[str, torch.Tensor], md: FA3Metadata, table: str = "pa
     _write_live_columns(buf[table][:bs], md)
 
 
-def _full_page_table(cfg: SglangConfig, req_to_token, req_pool_indices, width: int):
-    """int32 ``[bs, width]``: ``req_to_token[row, j * P] // P`` for every column.
-
-    What sglang's torch gathers write (prefix of topk > 1 draft decode, draft
-    extend): all ``ceil(context_len / P)`` columns, live or not.
-    """
-    p = cfg.page_size
-    rows = req_pool_indices.to(torch.int64).clamp(0, req_to_token.shape[0] - 1)
-    cols = torch.arange(0, width * p, p, device=req_pool_indices.device)
-    cols = cols.clamp(max=req_to_token.shape[1] - 1)
-    pages = torch.div(req_to_token[rows.unsqueeze(1), cols.unsqueeze(0)].to(torch.int64), p,
-                      rounding_mode="floor")
-    if cfg.num_pages is not None:
-        pages = pages.clamp(0, cfg.num_pages - 1)
-    return pages.to(torch.int32)
-
-
 def _write_draft_prefix(cfg: SglangConfig, buffers: Buffers, prefix: FA3Metadata,
-                        req_to_token, req_pool_indices) -> None:
+                        req_to_token, req_pool_indices, seq_lens) -> None:
+    """The topk > 1 prefix buffers: ``cache_seqlens``, and every one of the
+    ``ceil(context_len / P)`` page columns, as sglang's torch gather writes them."""
     normal, bs = buffers[DRAFT_TOPK_NORMAL], prefix.num_rows
     normal["cache_seqlens"][:bs].copy_(prefix.cache_seqlens)
+    view = BatchView(cfg.spec_config(), req_to_token, req_pool_indices, seq_lens)
     w = cfg.max_num_pages
-    normal["page_table"][:bs, :w].copy_(_full_page_table(cfg, req_to_token, req_pool_indices, w))
+    normal["page_table"][:bs, :w].copy_(view.full_page_table(w))
 
 
 def _runs(cfg: SglangConfig, out_cache_loc, bs: int) -> torch.Tensor:
-    """int64 ``[bs * K, S - 1]``: distinct consecutive pages among each branch's first d slots.
+    """int64 ``[bs * K, S - 1]``: distinct consecutive pages among each branch's
+    first d slots (`fa3_spec.expand.page_runs`, on sglang's unclamped slots).
 
     The columns of the expand table sglang's scatter writes at step ``d - 1``
     are ``0 .. runs[:, d - 1] - 1``.
     """
-    steps = cfg.num_steps - 1
-    loc = out_cache_loc.reshape(bs * cfg.topk, cfg.num_steps)[:, :steps].to(torch.int64)
-    pages = torch.div(loc, cfg.page_size, rounding_mode="floor")
-    opens = torch.ones_like(pages, dtype=torch.bool)
-    opens = torch.cat([opens[:, :1], pages[:, 1:] != pages[:, :-1]], dim=1)
-    return torch.cumsum(opens.to(torch.int64), dim=1)
+    loc = out_cache_loc.reshape(bs * cfg.topk, cfg.num_steps)[:, :cfg.num_steps - 1]
+    return page_runs(loc, cfg.page_size)[2]
 
 
 def _write_draft_expand(cfg: SglangConfig, buffers: Buffers, expand: FA3Metadata,
