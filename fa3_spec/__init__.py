@@ -26,7 +26,7 @@ from .builders import (
 from .checks import ErrorFlag, describe_errors, error_flags
 from .config import SpecConfig
 from .expand import draft_expand_page_table, draft_expand_tables
-from .metadata import PAGE_SENTINEL, CascadeMetadata, FA3Metadata
+from .metadata import PAGE_SENTINEL, CascadeMetadata, FA3Metadata, Metadata
 from .modes import MODES, Mode, build_metadata
 from .tree import tree_mask_from_flat, tree_mask_from_parents
 
@@ -41,6 +41,7 @@ __all__ = [
     "PAGE_SENTINEL",
     "CascadeMetadata",
     "FA3Metadata",
+    "Metadata",
     "SpecBatch",
     "SpecConfig",
     "Mode",

@@ -84,12 +84,13 @@ class SpecBatch:
         """The sanitised views builders read: rows and lengths clamped, padding mask."""
         return BatchView(self.cfg, self.req_to_token, self.req_pool_indices, self.seq_lens)
 
-    def require(self, *names: str, mode: str) -> None:
-        """Raise `ValueError` if any of ``names`` is missing (None) for ``mode``."""
+    def require(self, *names: str, mode: str, condition: str = "") -> None:
+        """Raise `ValueError` if any of ``names`` is missing (None) for ``mode``
+        (required under ``condition``, e.g. ``"topk > 1"``, when given)."""
         for name in names:
             if getattr(self, name) is None:
                 raise ValueError(f"{name} is required for mode {mode!r}"
-                                 + (" with topk > 1" if name == "out_cache_loc" else ""))
+                                 + (f" with {condition}" if condition else ""))
 
 
 def _flatten(batch: SpecBatch):
