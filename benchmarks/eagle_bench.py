@@ -401,8 +401,8 @@ def bench_point(cfg_tuple, batch, args, models) -> dict:
     total_iters = 2 + args.iters + 1 + 3 + 3  # warm-up, timed, sync count, profiler
     max_new = args.max_new_tokens or 2 * (total_iters * min(n, s + 1) + 8)
     spec = fa3_spec.SpecConfig(page_size=p, topk=k, num_steps=s, num_draft_tokens=n,
-                               max_bs=batch, max_context_len=args.context + max_new + n, num_pages=1)
-    spec = dataclasses.replace(spec, num_pages=1 + batch * -(-spec.draft_row_len // p))
+                               max_bs=batch, max_context_len=args.context + max_new + n)
+    spec = dataclasses.replace(spec, num_pages=spec.pool_pages(batch))
     lc = LoopConfig(spec, max_new_tokens=max_new, backend=args.backend, scripted=scripted)
     eng = EagleEngine(lc, models, max_reqs=batch, buckets=[batch], graphs=cuda,
                       compile_backend=args.compile, device=args.device)

@@ -21,6 +21,16 @@ def test_static_bounds_of_the_spec_example():
     assert [c.expand_width(s) for s in range(4)] == [2, 3, 4, 5]
 
 
+@pytest.mark.parametrize("p, k", [(1, 1), (1, 8), (2, 8), (16, 4), (64, 1)])
+def test_pool_pages_gives_every_request_its_whole_row_plus_the_sentinel_page(p, k):
+    c = cfg(page_size=p, topk=k)
+    for reqs in (1, 3, 64):
+        assert c.pool_pages(reqs) == 1 + reqs * -(-c.draft_row_len // p)
+        assert (c.pool_pages(reqs) - 1) * p >= reqs * c.draft_row_len
+    with pytest.raises(ValueError, match="max_reqs"):
+        c.pool_pages(0)
+
+
 @pytest.mark.parametrize("p", [1, 2, 3, 16, 64, 128])
 def test_expand_bound_is_tight_and_never_exceeds_decode_length(p):
     c = cfg(page_size=p, num_steps=9)

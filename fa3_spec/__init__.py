@@ -21,6 +21,7 @@ from .builders import (
     build_draft_iteration_metadata,
     build_draft_prefix_metadata,
     build_target_verify_metadata,
+    draft_positions,
     draft_tail_copy_slots,
 )
 from .checks import ErrorFlag, describe_errors, error_flags
@@ -57,6 +58,7 @@ __all__ = [
     "build_target_verify_metadata",
     "draft_expand_page_table",
     "draft_expand_tables",
+    "draft_positions",
     "draft_tail_copy_slots",
     "tree_mask_from_flat",
     "tree_mask_from_parents",

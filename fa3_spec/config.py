@@ -123,6 +123,20 @@ class SpecConfig:
             drafts = self.topk * self.num_steps
         return max(self.min_row_len, self.max_context_len + drafts)
 
+    def pool_pages(self, max_reqs: int) -> int:
+        """KV pool size, in pages, that gives each of ``max_reqs`` requests a whole
+        `draft_row_len` row of its own: ``1 + max_reqs * ceil(draft_row_len / P)``.
+
+        Page 0 is the reserved sentinel page (padding rows and dead columns
+        point at it), hence the ``1 +``. The size to pass as ``num_pages``
+        when an allocator reserves every row in full, as the EAGLE loop does.
+
+            >>> SpecConfig(page_size=2, topk=8, num_steps=5, num_draft_tokens=6,
+            ...            max_bs=64, max_context_len=8192).pool_pages(4)
+            16481
+        """
+        return 1 + _require_int("max_reqs", max_reqs, 1) * cdiv(self.draft_row_len, self.page_size)
+
     def check_step(self, step: object) -> int:
         """Validate a draft-decode step index (``0 <= step <= S - 2``)."""
         if self.num_draft_decode_steps == 0:

@@ -14,6 +14,7 @@ from .draft import (
     build_draft_decode_metadata,
     build_draft_iteration_metadata,
     build_draft_prefix_metadata,
+    draft_positions,
     draft_tail_copy_slots,
 )
 from .extend import build_draft_extend_metadata
@@ -29,5 +30,6 @@ __all__ = [
     "build_prefill_metadata",
     "build_target_verify_metadata",
     "extend_query_positions",
+    "draft_positions",
     "draft_tail_copy_slots",
 ]

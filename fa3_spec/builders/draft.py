@@ -248,6 +248,44 @@ def _branch_cu_seqlens(per_request: torch.Tensor, topk: int) -> torch.Tensor:
     return (topk * whole[:, r] + t * own[:, r]).to(torch.int32)
 
 
+def draft_positions(cfg: SpecConfig, seq_lens: torch.Tensor) -> torch.Tensor:
+    """Row positions, int64 ``[B, K, S]``, of one iteration's draft tokens.
+
+    The layout an allocator follows (docs/semantics.md, "Draft slot layout",
+    and what checked mode's ``DRAFT_LAYOUT`` bit checks): the slot of draft
+    token ``s`` of branch ``t`` of request ``b`` is
+    ``req_to_token[row_b, draft_positions(cfg, seq_lens)[b, t, s]]``, and
+    ``out_cache_loc`` lists those slots in this order.
+
+    * ``P > 1`` and ``K > 1``: branch ``t`` owns ``ceil((last + S) / P)``
+      pages starting at row position ``seq_len - last + t * that * P``
+      (``last = seq_len % P``), its token ``s`` at offset ``last + s``; so
+      branch 0's drafts follow the prefix on its partial last page, and every
+      other branch's first page begins with ``last`` slots for a copy of it
+      (`draft_tail_copy_slots`).
+    * Otherwise the ``K * S`` drafts follow the prefix, branch-major.
+
+    Rows must be `SpecConfig.draft_row_len` long to hold them. Traceable,
+    pure arithmetic on ``seq_lens`` (int ``[B]``).
+
+        >>> cfg = SpecConfig(page_size=2, topk=2, num_steps=4, num_draft_tokens=4,
+        ...                  max_bs=1, max_context_len=8)
+        >>> draft_positions(cfg, torch.tensor([5])).tolist()   # last = 1, 3 pages a branch
+        [[[5, 6, 7, 8], [11, 12, 13, 14]]]
+    """
+    if not isinstance(cfg, SpecConfig):
+        raise TypeError(f"cfg must be a SpecConfig, got {type(cfg).__name__}")
+    p, k, s = cfg.page_size, cfg.topk, cfg.num_steps
+    seq = _validate.tensor("seq_lens", seq_lens, ndim=1).to(torch.int64).view(-1, 1, 1)
+    t = torch.arange(k, device=seq.device).view(1, k, 1)
+    step = torch.arange(s, device=seq.device).view(1, 1, s)
+    if p > 1 and k > 1:
+        last = torch.remainder(seq, p)
+        region = torch.div(last + s + p - 1, p, rounding_mode="floor") * p
+        return seq - last + t * region + last + step
+    return seq + t * s + step
+
+
 def draft_tail_copy_slots(
     cfg: SpecConfig, *, seq_lens: torch.Tensor, out_cache_loc: torch.Tensor
 ) -> tuple[torch.Tensor, torch.Tensor]:
