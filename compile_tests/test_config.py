@@ -12,9 +12,9 @@ def cfg(**over):
 
 def test_static_bounds_of_the_spec_example():
     c = cfg()
-    assert c.window == 6  # max(S - 1, N)
+    assert c.tokens_past_seq_len == 6  # max(S - 1, N)
     assert c.min_row_len == 8198
-    assert c.max_pages == 4099  # ceil(8198 / 2)
+    assert c.page_table_width == 4099  # ceil(8198 / 2)
     assert c.pages_per_branch == 3  # ceil((P - 1 + S) / P)
     assert c.draft_row_len == 8192 + 8 * 3 * 2
     assert [c.decode_length(s) for s in range(4)] == [1, 2, 3, 4]

@@ -72,7 +72,7 @@ def test_views_read_what_builders_read(upstream, shape):
         bucket = rng.randint(raw, cfg.max_bs)
         # The loop's domain: every draft and verify position inside the context
         # (sglang's request tables are ceil(context_len / P) pages wide).
-        top = cfg.context_len - cfg.spec_config().window
+        top = cfg.context_len - cfg.spec_config().tokens_past_seq_len
         lens = [rng.randint(1, top) for _ in range(raw)]
         batch = sglang_batch(cfg, r2t, raw, bucket, g, seq_lens=lens)
         where = f"world {world} {cfg} raw {raw} bucket {bucket}"

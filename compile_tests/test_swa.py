@@ -89,10 +89,10 @@ def test_swa_metadata_reads_exactly_the_window_in_every_mode(p, k):
         assert _same_tokens(world, read) == _same_tokens(world, want), (mode, step, tree, w)
         assert dead_columns_clean(md)
         for call in md.calls:  # narrow, static, and bounds hold
-            assert call.page_table.shape[1] <= cdiv(w + cfg.window, call.page_size) + 1
+            assert call.page_table.shape[1] <= cdiv(w + cfg.tokens_past_seq_len, call.page_size) + 1
             assert int(call.cache_seqlens.max()) <= call.max_seqlen_k
             assert call.page_table.shape[1] * call.page_size >= call.max_seqlen_k or \
-                call.page_table.shape[1] == cfg.max_pages
+                call.page_table.shape[1] == cfg.page_table_width
         if isinstance(md, fa3_spec.CascadeMetadata):
             assert all(c.window_left == -1 for c in md.calls)  # trimmed, no window needed
         else:

@@ -9,10 +9,17 @@ Notation used throughout the package (docs/semantics.md):
 
     P  page_size           tokens per KV page
     K  topk                draft branches per request
-    S  num_steps           draft steps per iteration (S - 1 draft-decode calls;
-                           S = 1: the root's top-K children only, no draft decode)
+    S  num_steps           draft tokens per branch per iteration: the draft
+                           extend proposes the first, then S - 1 draft-decode
+                           calls, ``step = 0 .. S-2``, each reading
+                           ``d = step + 1`` draft tokens per branch
     N  num_draft_tokens    tokens checked by target verify
     C  max_context_len     largest ``seq_len`` a request may have
+
+Three page counts, three meanings: ``num_pages`` is the KV pool's size (a
+field, optional); ``page_table_width`` the columns of a request-level page
+table (derived); sglang's ``max_num_pages`` (`SglangConfig`) is the width of
+*its* request tables, ``ceil(context_len / P)``.
 """
 
 from __future__ import annotations
@@ -36,13 +43,17 @@ class SpecConfig:
         page_size: KV page size ``P`` (>= 1; any value, not only powers of two).
         topk: draft branching ``K`` (>= 1). ``topk > 1`` drafts a tree and
             uses cascade (prefix + expand) attention.
-        num_steps: draft steps ``S`` per iteration (>= 1). Step 0 is the draft
-            extend that proposes the root's children; steps ``1 .. S-1`` are
-            the ``S - 1`` draft-decode calls (none when ``S == 1``).
+        num_steps: draft tokens ``S`` per branch per iteration (>= 1). The
+            draft extend proposes the first (the root's top-K children);
+            the ``S - 1`` draft-decode calls that follow are the builders'
+            ``step = 0 .. S-2`` (none when ``S == 1``), and step ``i`` reads
+            ``d = i + 1`` draft tokens of each branch.
         num_draft_tokens: tokens ``N`` verified by the target model (>= 1).
         max_bs: largest batch a builder accepts (>= 1).
         max_context_len: largest ``seq_len`` ``C`` of a request (>= 1).
-        num_pages: KV pool size in pages of ``page_size`` (optional, >= 1).
+        num_pages: KV pool size in pages of ``page_size`` (optional, >= 1;
+            `pool_pages` sizes a pool that reserves whole rows), not to be
+            confused with `page_table_width`, the columns of a page table.
             When given, every page id a builder writes is clamped into
             ``[0, num_pages)`` (slot ids of the tree-verify expand call into
             ``[0, num_pages * P)``), so FA3 never reads outside the pool,
@@ -54,7 +65,7 @@ class SpecConfig:
     Example:
         >>> cfg = SpecConfig(page_size=2, topk=8, num_steps=5,
         ...                  num_draft_tokens=6, max_bs=64, max_context_len=8192)
-        >>> cfg.window, cfg.min_row_len, cfg.max_pages
+        >>> cfg.tokens_past_seq_len, cfg.min_row_len, cfg.page_table_width
         (6, 8198, 4099)
         >>> cfg.expand_width(step=3), cfg.expand_pages_bound(decode_length=4)
         (5, 3)
@@ -85,18 +96,21 @@ class SpecConfig:
         return self.num_steps - 1
 
     @property
-    def window(self) -> int:
-        """Tokens a mode may read past ``seq_len``: ``max(S - 1, N)``."""
+    def tokens_past_seq_len(self) -> int:
+        """Tokens a mode may read past ``seq_len`` in a request's own row:
+        ``max(S - 1, N)`` (topk = 1 draft decode, chain verify). Not a
+        sliding window (that is ``window_left``, a per-call argument)."""
         return max(self.num_steps - 1, self.num_draft_tokens)
 
     @property
     def min_row_len(self) -> int:
-        """Shortest ``req_to_token`` row the builders accept: ``C + window``."""
-        return self.max_context_len + self.window
+        """Shortest ``req_to_token`` row the builders accept: ``C + tokens_past_seq_len``."""
+        return self.max_context_len + self.tokens_past_seq_len
 
     @property
-    def max_pages(self) -> int:
-        """Width of every request-level page table: ``ceil((C + window) / P)``."""
+    def page_table_width(self) -> int:
+        """Columns of every request-level page table: ``ceil(min_row_len / P)``
+        (not the pool size, which is ``num_pages``)."""
         return cdiv(self.min_row_len, self.page_size)
 
     @property

@@ -134,9 +134,9 @@ def draft_layout_flags(cfg: SpecConfig, view: BatchView, loc: torch.Tensor) -> t
         branch.unsqueeze(1) != branch.unsqueeze(0))
     bad = bad | dup.any(dim=2).reshape(rows, d)
     # No draft on a page of the prefix's whole pages (the prefix call reads them).
-    j = torch.arange(cfg.max_pages, device=loc.device)
+    j = torch.arange(cfg.page_table_width, device=loc.device)
     prefix_pages = torch.div(view.raw_slots((j * p).unsqueeze(0).expand(bs, -1)), p,
-                             rounding_mode="floor")  # [B, max_pages]
+                             rounding_mode="floor")  # [B, page_table_width]
     whole = j.unsqueeze(0) < torch.div(view.seq_lens - view.last_page_lens, p,
                                        rounding_mode="floor").unsqueeze(1)
     on_prefix = (per_request.unsqueeze(2) == prefix_pages.unsqueeze(1)) & whole.unsqueeze(1)

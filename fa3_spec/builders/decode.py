@@ -30,7 +30,7 @@ def build_decode_metadata(
 
     Returns:
         `FA3Metadata`: ``cache_seqlens = seq_lens``, ``cu_seqlens_q =
-        arange(B + 1)``, causal, page table ``[B, cfg.max_pages]`` over
+        arange(B + 1)``, causal, page table ``[B, cfg.page_table_width]`` over
         ``seq_lens``; ``max_seqlen_k = max_context_len``.
 
     Compiles to one graph with no host sync (shapes depend on ``B`` and

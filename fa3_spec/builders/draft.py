@@ -50,7 +50,7 @@ def build_draft_prefix_metadata(
 
     One row per request with ``topk`` queries, not causal; keys are the whole
     pages of the prefix (``seq_len - seq_len % P``; all ``seq_len`` when
-    ``P == 1``). Shapes: page table ``[B, cfg.max_pages]``, ``cu_seqlens_q =
+    ``P == 1``). Shapes: page table ``[B, cfg.page_table_width]``, ``cu_seqlens_q =
     arange(0, B*K + 1, K)``.
     """
     batch = SpecBatch.create(cfg, req_to_token=req_to_token, req_pool_indices=req_pool_indices,
@@ -209,8 +209,8 @@ def _chain_steps(view: BatchView, count: int) -> Tuple[FA3Metadata, ...]:
         return ()
     d = torch.arange(1, count + 1, device=view.seq_lens.device).view(count, 1)
     lengths = torch.where(view.live, view.seq_lens + d, 0)  # [count, B]
-    pages = view.page_table(lengths[-1], cfg.max_pages)  # sentinel past the longest
-    used = torch.arange(cfg.max_pages, device=d.device) < cdiv_tensor(lengths, cfg.page_size).unsqueeze(2)
+    pages = view.page_table(lengths[-1], cfg.page_table_width)  # sentinel past the longest
+    used = torch.arange(cfg.page_table_width, device=d.device) < cdiv_tensor(lengths, cfg.page_size).unsqueeze(2)
     tables = torch.where(used, pages.unsqueeze(0), PAGE_SENTINEL)
     cache_seqlens = lengths.to(torch.int32)
     cu_k = cu_seqlens(cache_seqlens)  # [count, B + 1]

@@ -54,7 +54,7 @@ def build_prefill_metadata(
         `FA3Metadata`, causal (bottom-right aligned, so new token ``i`` sees
         the prefix and new tokens ``0 .. i``); ``cu_seqlens_q =
         pad(cumsum(extend_seq_lens))``, ``cache_seqlens = seq_lens``, page
-        table ``[B, cfg.max_pages]`` over ``seq_lens``, ``max_seqlen_k =
+        table ``[B, cfg.page_table_width]`` over ``seq_lens``, ``max_seqlen_k =
         max_context_len``. Padding rows have no queries and read nothing.
 
     Example:

@@ -20,7 +20,7 @@ exactly. The table starts at the page of the first query's window start,
 ``start = floor(max(L - n - W, 0) / P)``, and every key index shifts by
 ``start * P``, queries included, so ``window_left = W`` (carried by the
 metadata) still cuts at ``pos - W``. Keys read ``<= W + n + P - 1``, so the
-width is ``min(max_pages, ceil((W + n - 1) / P) + 1)``.
+width is ``min(page_table_width, ceil((W + n - 1) / P) + 1)``.
 
 **Cascades** (draft topk > 1, tree verify). The prefix call's queries share
 no bottom-right position, so no window may be applied there; instead both
@@ -77,7 +77,7 @@ def window_call(view: BatchView, lengths: torch.Tensor, n: int, w: int, max_seql
     count = lengths.new_full(lengths.shape, n) if queries is None else queries
     start = torch.div((lengths - count - w).clamp(min=0), p, rounding_mode="floor")
     keys = (lengths - start * p).clamp(min=0)
-    width = min(cfg.max_pages, cdiv(w + n - 1, p) + 1)
+    width = min(cfg.page_table_width, cdiv(w + n - 1, p) + 1)
     cache_seqlens = keys.to(torch.int32)
     cu_q = (uniform_cu_seqlens(view.batch_size, n, lengths.device) if queries is None
             else cu_seqlens(queries))
@@ -105,7 +105,7 @@ def window_cascade(view: BatchView, path: torch.Tensor, depth: torch.Tensor, q: 
     lo_max = (s + max_depth - w).clamp(min=0)
     split = torch.minimum(cdiv_tensor(lo_max, p) * p, s)  # [B], page aligned or s
     prefix_keys = torch.where(view.live, s - split, 0)
-    prefix_width = min(cfg.max_pages, max(1, cdiv(max(w - max_depth, 0), p)))
+    prefix_width = min(cfg.page_table_width, max(1, cdiv(max(w - max_depth, 0), p)))
     prefix_len = prefix_keys.to(torch.int32)
     prefix = FA3Metadata(
         page_table=_rows_from(view, torch.div(split, p, rounding_mode="floor"), prefix_keys,

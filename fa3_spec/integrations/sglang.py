@@ -127,7 +127,9 @@ class SglangConfig:
 
     @property
     def max_num_pages(self) -> int:
-        """Width of sglang's request page tables: ``ceil(context_len / P)``."""
+        """Width of sglang's request page tables: ``ceil(context_len / P)`` (sglang's
+        name; narrower than fa3_spec's ``page_table_width``, which also covers the
+        tokens read past ``seq_len``, and not a pool size, which is ``num_pages``)."""
         return cdiv(self.context_len, self.page_size)
 
     @property
