@@ -48,7 +48,7 @@ every live request's block.
 from __future__ import annotations
 
 import dataclasses
-from typing import Dict, Optional, Sequence, Union
+from typing import Dict, NamedTuple, Optional, Sequence, Tuple, Union
 
 import torch
 
@@ -138,61 +138,126 @@ class SglangConfig:
         return self.context_len + 4 + self.num_draft_tokens
 
 
+class BufferSpec(NamedTuple):
+    """One buffer as ``init_cuda_graph_state`` allocates it: its ``shape``, its
+    ``dtype`` and its initial values, ``start + stride * i`` at row ``i``
+    (zeros: both 0; an ``arange``: ``stride`` its step; a constant: ``start``)."""
+
+    shape: Tuple[int, ...]
+    dtype: torch.dtype
+    start: int = 0
+    stride: int = 0
+
+
+def buffer_layout(cfg: SglangConfig, *, step: int = 0) -> Dict[str, Dict[str, BufferSpec]]:
+    """``{set: {name: BufferSpec}}``: every buffer `allocate_buffers` allocates for
+    draft step ``step``, as plain ints (what the fill functions check at trace time).
+
+    Only the topk > 1 draft expand set depends on ``step`` (its table is
+    ``step + 2`` columns wide, and its initial ``cache_seqlens`` and
+    ``cu_seqlens_k`` count ``step + 1`` slots a branch).
+    """
+    i32, i64 = torch.int32, torch.int64
+    bs, k, n, p, c = cfg.max_bs, cfg.topk, cfg.num_draft_tokens, cfg.page_size, cfg.context_len
+    w, d = cfg.max_num_pages, step + 1
+
+    def zeros(*shape):
+        return BufferSpec(shape, i32)
+
+    def offsets(rows, per_row):  # arange(0, rows * per_row + 1, per_row)
+        return BufferSpec((rows + 1,), i32, 0, per_row)
+
+    strided = BufferSpec((cdiv(c, p),), i64, 0, p)  # arange(0, context_len, P)
+    out = {DECODE: dict(cache_seqlens=zeros(bs), cu_seqlens_q=offsets(bs, 1),
+                        cu_seqlens_k=zeros(bs + 1), page_table=zeros(bs, w),
+                        strided_indices=strided, page_table_draft_decode=zeros(bs, w))}
+    if k > 1:
+        out[DRAFT_TOPK_NORMAL] = dict(cache_seqlens=zeros(bs), cu_seqlens_q=offsets(bs, k),
+                                      cu_seqlens_k=zeros(bs + 1), page_table=zeros(bs, c))
+        out[DRAFT_TOPK_EXPAND] = dict(cache_seqlens=BufferSpec((bs * k,), i32, d),
+                                      cu_seqlens_q=offsets(bs * k, 1), cu_seqlens_k=offsets(bs * k, d),
+                                      page_table=zeros(bs * k, d + 1))
+    out[TARGET_VERIFY] = dict(cache_seqlens=zeros(bs), cu_seqlens_q=offsets(bs, n),
+                              cu_seqlens_k=zeros(bs + 1), page_table=zeros(bs, w),
+                              strided_indices=strided)
+    out[DRAFT_EXTEND] = dict(cache_seqlens=zeros(bs), cu_seqlens_q=zeros(bs + 1),
+                             cu_seqlens_k=zeros(bs + 1), page_table=zeros(bs, w),
+                             strided_indices=strided)
+    if k > 1:
+        out[TARGET_VERIFY_TOPK_NORMAL] = dict(cache_seqlens=zeros(bs), cu_seqlens_q=offsets(bs, n),
+                                              cu_seqlens_k=zeros(bs + 1), page_table=zeros(bs, c))
+        out[TARGET_VERIFY_TOPK_EXPAND] = dict(cache_seqlens=zeros(bs * n),
+                                              cu_seqlens_k=zeros(bs * n + 1),
+                                              cu_seqlens_q=offsets(bs * n, 1),
+                                              page_table=zeros(bs * n, n))
+    return out
+
+
 def allocate_buffers(cfg: SglangConfig, *, step: int = 0, device="cpu") -> Buffers:
     """The buffers ``init_cuda_graph_state`` allocates, same shapes, dtypes and values.
 
     One set per backend instance: the draft worker has one per draft step
     (``step`` sizes the topk > 1 expand buffers, ``step + 2`` columns). Keys
     are sglang's attribute names (`DECODE`, `DRAFT_TOPK_NORMAL`, ...) and,
-    inside, its dictionary keys. Not allocated (not metadata of these modes,
-    or not built by this FA3 configuration): the SWA, encoder, local-attention
-    and scheduler-metadata buffers, and the verify mask.
+    inside, its dictionary keys (`buffer_layout` lists them). Not allocated
+    (not metadata of these modes, or not built by this FA3 configuration):
+    the SWA, encoder, local-attention and scheduler-metadata buffers, and
+    the verify mask.
     """
-    i32 = dict(dtype=torch.int32, device=device)
-    bs, k, n, p, c = cfg.max_bs, cfg.topk, cfg.num_draft_tokens, cfg.page_size, cfg.context_len
-    w, d = cfg.max_num_pages, step + 1
+    def make(spec: BufferSpec) -> torch.Tensor:
+        if spec.stride == 0:
+            return torch.full(spec.shape, spec.start, dtype=spec.dtype, device=device)
+        return spec.start + spec.stride * torch.arange(spec.shape[0], dtype=spec.dtype, device=device)
 
-    def zeros(*shape):
-        return torch.zeros(*shape, **i32)
+    return {name: {key: make(spec) for key, spec in specs.items()}
+            for name, specs in buffer_layout(cfg, step=step).items()}
 
-    def arange(stop, step=1):
-        return torch.arange(0, stop, step, **i32)
 
-    def strided():
-        return torch.arange(0, c, p, device=device)
+def check_buffers(cfg: SglangConfig, buffers: Buffers, mode: str, *, step: int = 0) -> None:
+    """Raise unless ``buffers`` holds the sets ``mode`` uses, allocated for ``step``.
 
-    out: Buffers = {DECODE: {
-        "cache_seqlens": zeros(bs), "cu_seqlens_q": arange(bs + 1),
-        "cu_seqlens_k": zeros(bs + 1), "page_table": zeros(bs, w), "strided_indices": strided(),
-    }}
-    if k > 1:
-        out[DRAFT_TOPK_NORMAL] = {
-            "cache_seqlens": zeros(bs), "cu_seqlens_q": arange(bs * k + 1, k),
-            "cu_seqlens_k": zeros(bs + 1), "page_table": zeros(bs, c),
-        }
-        out[DRAFT_TOPK_EXPAND] = {
-            "cache_seqlens": torch.full((bs * k,), d, **i32), "cu_seqlens_q": arange(bs * k + 1),
-            "cu_seqlens_k": arange(bs * k * d + 1, d), "page_table": zeros(bs * k, d + 1),
-        }
-    out[DECODE]["page_table_draft_decode"] = zeros(bs, w)
-    out[TARGET_VERIFY] = {
-        "cache_seqlens": zeros(bs), "cu_seqlens_q": arange(bs * n + 1, n),
-        "cu_seqlens_k": zeros(bs + 1), "page_table": zeros(bs, w), "strided_indices": strided(),
-    }
-    out[DRAFT_EXTEND] = {
-        "cache_seqlens": zeros(bs), "cu_seqlens_q": zeros(bs + 1), "cu_seqlens_k": zeros(bs + 1),
-        "page_table": zeros(bs, w), "strided_indices": strided(),
-    }
-    if k > 1:
-        out[TARGET_VERIFY_TOPK_NORMAL] = {
-            "cache_seqlens": zeros(bs), "cu_seqlens_q": arange(bs * n + 1, n),
-            "cu_seqlens_k": zeros(bs + 1), "page_table": zeros(bs, c),
-        }
-        out[TARGET_VERIFY_TOPK_EXPAND] = {
-            "cache_seqlens": zeros(bs * n), "cu_seqlens_k": zeros(bs * n + 1),
-            "cu_seqlens_q": arange(bs * n + 1), "page_table": zeros(bs * n, n),
-        }
-    return out
+    Every buffer of those sets must have `buffer_layout`'s shape and dtype
+    (else ``ValueError`` / ``TypeError`` naming the buffer and what it needs).
+    Shapes and dtypes only, so under ``torch.compile`` this runs at trace time
+    and costs nothing. Catches buffers allocated for another draft step (a
+    topk > 1 expand table of the wrong width, which FA3 would read past) or
+    another configuration, and int64 buffers (FA3 reads int32 tables).
+    """
+    if mode not in VIEW_MODES:
+        raise ValueError(f"mode must be one of {VIEW_MODES}, got {mode!r}")
+    if not isinstance(buffers, dict):
+        raise TypeError(f"buffers must be a dict of buffer sets (allocate_buffers), "
+                        f"got {type(buffers).__name__}")
+    layout = buffer_layout(cfg, step=step)
+    where = f"draft step {step}" if mode == "draft_decode" else mode
+    for name in _SETS[mode, cfg.topk > 1]:
+        have = buffers.get(name)
+        if not isinstance(have, dict):
+            raise ValueError(f"buffers has no {name!r} set, which {mode} needs "
+                             f"(allocate_buffers(cfg, step={step}))")
+        for key, spec in layout[name].items():
+            t = have.get(key)
+            label = f"buffers[{name!r}][{key!r}]"
+            if not isinstance(t, torch.Tensor):
+                raise ValueError(f"{label} is missing (allocate_buffers(cfg, step={step}))")
+            if t.dtype != spec.dtype:
+                raise TypeError(f"{label} must have dtype {spec.dtype}, got {t.dtype}")
+            if tuple(t.shape) != spec.shape:
+                width = f" (width {spec.shape[-1]})" if len(spec.shape) == 2 else ""
+                raise ValueError(
+                    f"{label} has shape {tuple(t.shape)} but {where} needs {spec.shape}{width}: "
+                    f"allocate its set with allocate_buffers(cfg, step={step})")
+
+
+#: The buffer sets each mode fills and reads, by (mode, topk > 1).
+_SETS = {
+    ("draft_decode", False): (DECODE,),
+    ("draft_decode", True): (DRAFT_TOPK_NORMAL, DRAFT_TOPK_EXPAND),
+    ("target_verify", False): (TARGET_VERIFY,),
+    ("target_verify", True): (TARGET_VERIFY_TOPK_NORMAL, TARGET_VERIFY_TOPK_EXPAND),
+    ("draft_extend", False): (DRAFT_EXTEND,),
+    ("draft_extend", True): (DRAFT_EXTEND,),
+}
 
 
 # ----------------------------------------------------------------------- modes
@@ -211,8 +276,11 @@ def draft_decode(cfg: SglangConfig, buffers: Buffers, step: int, *, req_to_token
     first ``step + 1`` slots; ``P == 1``: the first ``step + 1`` columns are
     the slots, ``cache_seqlens`` keeps its init value ``step + 1``).
     ``out_cache_loc``: ``bs * topk * num_steps`` slots (topk > 1 only).
+    Buffers of another step or configuration are refused (`check_buffers`).
     """
     spec = cfg.spec_config()
+    spec.check_step(step)
+    check_buffers(cfg, buffers, "draft_decode", step=step)
     kwargs = dict(req_to_token=req_to_token, req_pool_indices=req_pool_indices, seq_lens=seq_lens)
     if cfg.topk == 1:
         _write_chain(buffers[DECODE], build_draft_decode_metadata(spec, step, **kwargs),
@@ -238,6 +306,8 @@ def draft_iteration(cfg: SglangConfig, step_buffers: Sequence[Buffers], *,
     if len(step_buffers) != cfg.num_steps - 1:
         raise ValueError(f"step_buffers must hold num_steps - 1 = {cfg.num_steps - 1} sets, "
                          f"got {len(step_buffers)}")
+    for step, buffers in enumerate(step_buffers):
+        check_buffers(cfg, buffers, "draft_decode", step=step)
     steps = build_draft_iteration_metadata(
         cfg.spec_config(), req_to_token=req_to_token, req_pool_indices=req_pool_indices,
         seq_lens=seq_lens, out_cache_loc=out_cache_loc)
@@ -271,6 +341,7 @@ def target_verify(cfg: SglangConfig, buffers: Buffers, *, req_to_token: torch.Te
     reads from ``custom_mask[0]``; default `real_rows` (by request index).
     """
     spec, n = cfg.spec_config(), cfg.num_draft_tokens
+    check_buffers(cfg, buffers, "target_verify")
     kwargs = dict(req_to_token=req_to_token, req_pool_indices=req_pool_indices, seq_lens=seq_lens)
     if cfg.topk == 1:
         _write_chain(buffers[TARGET_VERIFY], build_target_verify_metadata(spec, **kwargs))
@@ -315,6 +386,7 @@ def draft_extend(cfg: SglangConfig, buffers: Buffers, *, req_to_token: torch.Ten
     graph (``draft_extend_set_metadata``), which rewrites the live part with
     equal values and also writes ``cu_seqlens_q[0] = cu_seqlens_k[0] = 0``.
     """
+    check_buffers(cfg, buffers, "draft_extend")
     md = build_draft_extend_metadata(
         cfg.spec_config(), req_to_token=req_to_token, req_pool_indices=req_pool_indices,
         seq_lens=seq_lens, extend_seq_lens=extend_seq_lens)
@@ -369,6 +441,7 @@ def metadata_views(cfg: SglangConfig, buffers: Buffers, mode: str, *, step: int 
         raise ValueError(f"mode must be one of {VIEW_MODES}, got {mode!r}")
     if mode == "draft_decode":
         spec.check_step(step)
+    check_buffers(cfg, buffers, mode, step=step if mode == "draft_decode" else 0)
 
     def view(name, rows, table="page_table", page_size=p, **statics):
         buf = buffers[name]
