@@ -26,6 +26,7 @@ from fa3_spec.checks import ErrorFlag
 from fa3_spec.integrations import sglang as sgl
 from fa3_spec.metadata import CascadeMetadata
 from fa3_spec.tree import tree_mask_from_flat
+from helpers import symbol_recorder
 
 WORLDS = int(os.environ.get("FA3_SPEC_SGLANG_VIEW_WORLDS", "6"))
 from conftest import SGLANG_DEVICE as DEVICE  # noqa: E402
@@ -184,6 +185,25 @@ def test_buffers_of_the_wrong_dtype_or_set_are_refused_by_name():
         del missing[name]
         with pytest.raises(ValueError, match=rf"no '{name}' set"):
             fill(missing)
+
+
+def test_two_sglang_configs_compile_in_one_process():
+    """SglangConfig's ints stay compile-time constants too (fa3_spec.config.StaticConfig):
+    one compiled fill serves two configurations, each in its own graph."""
+    record = []
+    fill = torch.compile(sgl.draft_iteration, fullgraph=True, backend=symbol_recorder(record))
+    for steps in (3, 2):
+        cfg = sgl.SglangConfig(page_size=2, topk=2, num_steps=steps, num_draft_tokens=3,
+                               max_bs=2, context_len=16)
+        g = torch.Generator().manual_seed(steps)
+        r2t = make_req_to_token(cfg, 3, g)
+        kw = dict(req_to_token=r2t, **sglang_batch(cfg, r2t, 2, 2, g).inputs("draft_decode"))
+        got = [sgl.allocate_buffers(cfg, step=s) for s in range(steps - 1)]
+        want = [sgl.allocate_buffers(cfg, step=s) for s in range(steps - 1)]
+        fill(cfg, got, **kw)
+        sgl.draft_iteration(cfg, want, **kw)
+        assert all(torch.equal(a[n][k], b[n][k]) for a, b in zip(got, want) for n in a for k in a[n])
+    assert record == [set(), set()]
 
 
 def test_error_flags_flag_chain_rows_past_sglangs_table():

@@ -30,7 +30,7 @@ import torch.nn.functional as F
 from .. import _validate
 from .._paged import cdiv_tensor, cu_seqlens, exclusive_sums, repeat_rows, uniform_cu_seqlens
 from ..batch import SpecBatch
-from ..config import SpecConfig
+from ..config import SpecConfig, static_config
 from ..expand import draft_expand_tables
 from ..invariants import draft_layout_flags, page_flags
 from ..metadata import PAGE_SENTINEL, CascadeMetadata, FA3Metadata, Metadata
@@ -106,14 +106,14 @@ def build_draft_decode_metadata(
     """
     batch = SpecBatch.create(cfg, req_to_token=req_to_token, req_pool_indices=req_pool_indices,
                              seq_lens=seq_lens,
-                             out_cache_loc=out_cache_loc if cfg.topk > 1 else None)
+                             out_cache_loc=out_cache_loc if static_config(cfg).topk > 1 else None)
     return draft_decode_metadata(batch, step, prefix=prefix)
 
 
 def draft_decode_metadata(batch: SpecBatch, step: int, *,
                           prefix: Optional[FA3Metadata] = None) -> Metadata:
     """`build_draft_decode_metadata` on a validated `SpecBatch`."""
-    step = batch.cfg.check_step(step)
+    step = batch.cfg.static().check_step(step)
     if prefix is not None and (not isinstance(prefix, FA3Metadata)
                                or prefix.num_rows != batch.batch_size):
         raise ValueError("prefix must be the FA3Metadata of this batch's prefix call")
@@ -146,20 +146,20 @@ def build_draft_iteration_metadata(
     """
     batch = SpecBatch.create(cfg, req_to_token=req_to_token, req_pool_indices=req_pool_indices,
                              seq_lens=seq_lens,
-                             out_cache_loc=out_cache_loc if cfg.topk > 1 else None)
+                             out_cache_loc=out_cache_loc if static_config(cfg).topk > 1 else None)
     return draft_iteration_metadata(batch)
 
 
 def draft_iteration_metadata(batch: SpecBatch) -> Tuple[Metadata, ...]:
     """`build_draft_iteration_metadata` on a validated `SpecBatch`."""
-    return _draft_steps(batch, batch.cfg.num_draft_decode_steps)
+    return _draft_steps(batch, batch.cfg.static().num_draft_decode_steps)
 
 
 def _draft_steps(batch: SpecBatch, count: int,
                  prefix: Optional[FA3Metadata] = None) -> Tuple[Metadata, ...]:
     """Draft steps ``0 .. count-1``: the one implementation of draft decode."""
     view = batch.view()
-    if batch.cfg.topk == 1:
+    if view.cfg.topk == 1:
         return _chain_steps(view, count)
     batch.require("out_cache_loc", mode="draft_decode", condition="topk > 1")
     return _tree_steps(view, batch.out_cache_loc, count, prefix)
@@ -273,8 +273,7 @@ def draft_positions(cfg: SpecConfig, seq_lens: torch.Tensor) -> torch.Tensor:
         >>> draft_positions(cfg, torch.tensor([5])).tolist()   # last = 1, 3 pages a branch
         [[[5, 6, 7, 8], [11, 12, 13, 14]]]
     """
-    if not isinstance(cfg, SpecConfig):
-        raise TypeError(f"cfg must be a SpecConfig, got {type(cfg).__name__}")
+    cfg = static_config(cfg)
     p, k, s = cfg.page_size, cfg.topk, cfg.num_steps
     seq = _validate.tensor("seq_lens", seq_lens, ndim=1).to(torch.int64).view(-1, 1, 1)
     t = torch.arange(k, device=seq.device).view(1, k, 1)
@@ -301,6 +300,7 @@ def draft_tail_copy_slots(
 
     For ``P == 1`` or ``topk == 1`` there is no tail: both are empty.
     """
+    cfg = static_config(cfg)
     p, k = cfg.page_size, cfg.topk
     sl = _validate.tensor("seq_lens", seq_lens, ndim=1)
     bs = sl.shape[0]

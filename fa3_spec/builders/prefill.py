@@ -82,7 +82,7 @@ def build_prefill_metadata(
         view,
         view.seq_lens,
         queries_per_row=max_seqlen_q,
-        max_seqlen_k=cfg.max_context_len,
+        max_seqlen_k=view.cfg.max_context_len,
         causal=True,
         cu_seqlens_q=cu_seqlens(queries),
     )
