@@ -425,8 +425,8 @@ def bench_point(cfg_tuple, batch, args, models, bandwidth=None) -> dict:
     total_iters = 2 + args.iters + 1 + 3 + 3  # warm-up, timed, sync count, profiler
     max_new = args.max_new_tokens or 2 * (total_iters * min(n, s + 1) + 8)
     spec = fa3_spec.SpecConfig(page_size=p, topk=k, num_steps=s, num_draft_tokens=n,
-                               max_bs=batch, max_context_len=args.context + max_new + n, num_pages=1)
-    spec = dataclasses.replace(spec, num_pages=1 + batch * -(-spec.draft_row_len // p))
+                               max_bs=batch, max_context_len=args.context + max_new + n)
+    spec = dataclasses.replace(spec, num_pages=spec.pool_pages(batch))
     lc = LoopConfig(spec, max_new_tokens=max_new, backend=args.backend, scripted=scripted)
     eng = EagleEngine(lc, models, max_reqs=batch, buckets=[batch], graphs=cuda,
                       compile_backend=args.compile, device=args.device)
@@ -545,8 +545,8 @@ def capture_child(args) -> int:
     p, k, s, n = CONFIGS[-1]
     buckets = sorted(args.capture_buckets)
     spec = fa3_spec.SpecConfig(page_size=p, topk=k, num_steps=s, num_draft_tokens=n,
-                               max_bs=buckets[-1], max_context_len=args.context + 64, num_pages=1)
-    spec = dataclasses.replace(spec, num_pages=1 + buckets[-1] * -(-spec.draft_row_len // p))
+                               max_bs=buckets[-1], max_context_len=args.context + 64)
+    spec = dataclasses.replace(spec, num_pages=spec.pool_pages(buckets[-1]))
     lc = LoopConfig(spec, max_new_tokens=32, backend="fa3")
     eng = EagleEngine(lc, models, buckets=buckets, compile_backend=args.compile, device="cuda",
                       cache_path=args.capture_child)

@@ -78,3 +78,23 @@ def garbage_inputs(cfg, bs, mode, seed, *, pool_rows=3, r2t_dtype=torch.int32):
     elif mode == "draft_extend":
         kwargs["extend_seq_lens"] = garbage((bs,))
     return kwargs
+
+
+def symbol_recorder(record: list, delegate="eager"):
+    """A ``torch.compile`` backend that appends, per compiled graph, the sources
+    of the symbols left in its inputs' sizes (after dynamo's replacements: a
+    symbol pinned to a constant by a guard is no symbol), then runs ``delegate``."""
+    def backend(gm, example_inputs):
+        env = torch._guards.TracingContext.try_get().fake_mode.shape_env
+        found = set()
+        for node in gm.graph.find_nodes(op="placeholder"):
+            value = node.meta.get("example_value")
+            sizes = (list(value.shape) if isinstance(value, torch.Tensor)
+                     else [value] if isinstance(value, torch.SymInt) else [])
+            for size in sizes:
+                if isinstance(size, torch.SymInt):
+                    for sym in env.replace(size.node.expr).free_symbols:
+                        found |= {src.name for src in env.var_to_sources.get(sym, [])}
+        record.append(found)
+        return torch._dynamo.lookup_backend(delegate)(gm, example_inputs)
+    return backend

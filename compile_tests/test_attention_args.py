@@ -221,6 +221,19 @@ def test_window_is_refused_on_non_causal_multi_query_rows():
     fa3_spec.cascade_attention(q, kc, vc, md, backend="torch", window_size=(-1, -1))  # no window: fine
 
 
+def test_a_huge_window_size_is_refused_by_name_not_overflowed():
+    world = _world(2, 1)
+    kc, vc = fill_kv_cache(world, num_kv_heads=HKV, head_dim=DIM)
+    md = _metadata(world, "decode", 0, False)
+    q = torch.randn(num_queries(world, "decode"), HQ, DIM)
+    for window in [(2**64, 0), (2**63, -1), (0, 2**70)]:
+        with pytest.raises(ValueError, match="window_size"):
+            fa3_spec.cascade_attention(q, kc, vc, md, backend="torch", window_size=window)
+    wide = fa3_spec.cascade_attention(q, kc, vc, md, backend="torch", window_size=(2**62, 0))
+    full = fa3_spec.cascade_attention(q, kc, vc, md, backend="torch")
+    torch.testing.assert_close(wide, full)
+
+
 def test_window_on_a_cascade_asks_for_sliding_window_metadata():
     world = _world(2, 4)
     kc, vc = fill_kv_cache(world, num_kv_heads=HKV, head_dim=DIM)

@@ -31,6 +31,28 @@ def _world():
     return make_world(CFG, 4, seq_lens=[9, 13, 40, 0], seed=2)
 
 
+@pytest.mark.parametrize("p, k", [(1, 3), (2, 8), (4, 3), (16, 1)])
+def test_draft_positions_is_the_layout_checked_mode_accepts(p, k):
+    """One implementation, exported by the library and the EAGLE loop: slots read
+    from a page-aligned row at ``draft_positions`` pass the DRAFT_LAYOUT check."""
+    from fa3_spec import eagle
+    from fa3_spec.harness import worlds
+
+    assert fa3_spec.draft_positions is eagle.draft_positions is worlds.draft_positions
+    cfg = fa3_spec.SpecConfig(page_size=p, topk=k, num_steps=4, num_draft_tokens=5, max_bs=8,
+                              max_context_len=40)
+    seq = torch.tensor([1, 7, 40, 0, 13])
+    rows = torch.randperm(5, generator=torch.Generator().manual_seed(p * k))
+    pages = torch.randperm(cfg.pool_pages(5) - 1, generator=torch.Generator().manual_seed(k)) + 1
+    width = -(-cfg.draft_row_len // p) * p  # whole pages per row: page aligned
+    pos = torch.arange(5 * width)
+    r2t = (pages[pos // p] * p + pos % p).view(5, width).to(torch.int32)
+    loc = r2t[rows.view(5, 1, 1), fa3_spec.draft_positions(cfg, seq)]
+    kw = dict(req_to_token=r2t, req_pool_indices=rows, seq_lens=seq, out_cache_loc=loc)
+    for step in range(cfg.num_steps - 1):
+        assert int(error_flags(cfg, "draft_decode", step=step, num_pages=cfg.pool_pages(5), **kw)) == 0
+
+
 def test_request_index_out_of_range():
     w = _world()
     rpi = w.req_pool_indices.clone()

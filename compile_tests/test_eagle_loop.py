@@ -40,8 +40,8 @@ def models_for(draft="derived"):
 def make_engine(models, p, k, s, n, *, max_bs=4, max_new=40, max_prompt=40, scripted=None,
                 **kw):
     spec = fa3_spec.SpecConfig(page_size=p, topk=k, num_steps=s, num_draft_tokens=n,
-                               max_bs=max_bs, max_context_len=max_prompt + max_new + n, num_pages=1)
-    spec = dataclasses.replace(spec, num_pages=1 + 2 * max_bs * -(-spec.draft_row_len // p))
+                               max_bs=max_bs, max_context_len=max_prompt + max_new + n)
+    spec = dataclasses.replace(spec, num_pages=spec.pool_pages(2 * max_bs))
     lc = LoopConfig(spec, max_new_tokens=max_new, backend="torch", scripted=scripted)
     return EagleEngine(lc, models, max_reqs=2 * max_bs, **kw)
 

@@ -10,7 +10,7 @@ import fa3_spec
 from fa3_spec import draft_expand_page_table, draft_expand_tables
 from fa3_spec.probes import RecordingBackend
 from fa3_spec.harness.worlds import make_world
-from helpers import NARROW, WIDE, configs, garbage_inputs, worlds
+from helpers import NARROW, WIDE, configs, garbage_inputs, symbol_recorder, worlds
 
 EXAMPLES = int(os.environ.get("FA3_SPEC_FUZZ_EXAMPLES", "1000"))
 
@@ -84,3 +84,31 @@ def test_compiles_fullgraph_without_data_dependent_ops(p, k):
     for a, b in zip(got, fa3_spec.build_draft_iteration_metadata(cfg, **kwargs)):
         assert all(torch.equal(x, y) for x, y in zip(torch.utils._pytree.tree_leaves(a),
                                                      torch.utils._pytree.tree_leaves(b)))
+
+
+def test_two_configs_in_one_process_keep_every_config_field_static():
+    """Found in review: compiled with num_steps=5, then called with num_steps=4, the
+    same function recompiled with the config's ints made symbolic by dynamo's
+    automatic dynamic shapes, and the f-string in SpecConfig.check_step failed to
+    trace (BUILD_STRING). Each config now compiles its own graph whose only
+    symbolic size is the batch dimension the caller marked dynamic."""
+    record = []
+    fn = torch.compile(lambda cfg, kw: fa3_spec.build_draft_iteration_metadata(cfg, **kw),
+                       fullgraph=True, backend=symbol_recorder(record))
+    base = make_world(fa3_spec.SpecConfig(page_size=2, topk=4, num_steps=5, num_draft_tokens=6,
+                                          max_bs=8, max_context_len=40), 3, seed=1)
+    for steps, page_size in [(5, 2), (4, 2), (3, 2), (4, 1)]:
+        cfg = fa3_spec.SpecConfig(page_size=page_size, topk=4, num_steps=steps,
+                                  num_draft_tokens=6, max_bs=8, max_context_len=40)
+        rows = base.req_pool_indices.view(-1, 1, 1)
+        loc = base.req_to_token[rows, fa3_spec.draft_positions(cfg, base.seq_lens)].long()
+        kw = dict(base.batch(), out_cache_loc=loc)
+        for t in (kw["req_pool_indices"], kw["seq_lens"], loc):
+            torch._dynamo.mark_dynamic(t, 0)
+        got = fn(cfg, kw)
+        want = fa3_spec.build_draft_iteration_metadata(cfg, **kw)
+        assert torch.utils._pytree.tree_flatten(got)[1] == torch.utils._pytree.tree_flatten(want)[1]
+        for a, b in zip(torch.utils._pytree.tree_leaves(got), torch.utils._pytree.tree_leaves(want)):
+            assert torch.equal(a, b)
+    assert len(record) == 4  # one graph per config
+    assert all(found == {"L['kw']['req_pool_indices'].size()[0]"} for found in record), record

@@ -54,7 +54,7 @@ def test_batch_512_at_128k_context(p):
     seq[:2] = 0
     batch = dict(req_to_token=r2t, req_pool_indices=torch.arange(bs) + 1, seq_lens=seq)
     md = fa3_spec.build_decode_metadata(cfg, **batch)
-    assert md.page_table.shape == (bs, cfg.max_pages)
+    assert md.page_table.shape == (bs, cfg.page_table_width)
     last_row = md.page_table[-1]
     used = (cfg.max_context_len + p - 1) // p
     assert torch.equal(last_row[:used].to(torch.int64), 1 + bs * pages + torch.arange(used))

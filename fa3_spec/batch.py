@@ -23,8 +23,8 @@ import torch
 import torch.utils._pytree as pytree
 
 from . import _validate
-from ._paged import BatchView
-from .config import SpecConfig
+from .config import SpecConfig, static_config
+from .paged import BatchView
 
 _TENSORS = ("req_to_token", "req_pool_indices", "seq_lens", "out_cache_loc", "tree_mask",
             "extend_seq_lens")
@@ -59,8 +59,7 @@ class SpecBatch:
         """Validate and canonicalise; the arguments keep the builders' names and meanings."""
         if isinstance(req_to_token, SpecBatch):
             raise TypeError("pass a SpecBatch to fa3_spec.build_metadata, not as req_to_token")
-        if not isinstance(cfg, SpecConfig):
-            raise TypeError(f"cfg must be a SpecConfig, got {type(cfg).__name__}")
+        cfg = static_config(cfg)
         bs = _validate.request_triple(cfg, req_to_token, req_pool_indices, seq_lens)
         device = dict(seq_lens=seq_lens)
         if out_cache_loc is not None:
@@ -82,14 +81,16 @@ class SpecBatch:
 
     def view(self) -> BatchView:
         """The sanitised views builders read: rows and lengths clamped, padding mask."""
-        return BatchView(self.cfg, self.req_to_token, self.req_pool_indices, self.seq_lens)
+        return BatchView(self.cfg.static(), self.req_to_token, self.req_pool_indices,
+                         self.seq_lens)
 
-    def require(self, *names: str, mode: str) -> None:
-        """Raise `ValueError` if any of ``names`` is missing (None) for ``mode``."""
+    def require(self, *names: str, mode: str, condition: str = "") -> None:
+        """Raise `ValueError` if any of ``names`` is missing (None) for ``mode``
+        (required under ``condition``, e.g. ``"topk > 1"``, when given)."""
         for name in names:
             if getattr(self, name) is None:
                 raise ValueError(f"{name} is required for mode {mode!r}"
-                                 + (" with topk > 1" if name == "out_cache_loc" else ""))
+                                 + (f" with {condition}" if condition else ""))
 
 
 def _flatten(batch: SpecBatch):

@@ -13,7 +13,8 @@ from .iteration import DEFAULT_SCRIPT, LoopConfig, eagle_iteration, empty_state,
 from .models import (
     PRESETS, EagleDraft, EagleModels, KVCache, LlamaTarget, ModelShape, SpecModel, make_models,
 )
-from .pool import KVPool, draft_positions
+from ..builders import draft_positions
+from .pool import KVPool
 
 __all__ = [
     "DEFAULT_SCRIPT", "EagleDraft", "EagleEngine", "EagleModels", "KVCache", "KVPool",

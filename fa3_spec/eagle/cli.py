@@ -228,12 +228,10 @@ def run_eagle(args: argparse.Namespace, *, log=print) -> dict:
                                  seed=args.seed)
         context = args.prompt_len + args.max_new_tokens + n
         spec = SpecConfig(page_size=args.page_size, topk=args.topk, num_steps=args.num_steps,
-                          num_draft_tokens=n, max_bs=args.batch, max_context_len=context,
-                          num_pages=1)
+                          num_draft_tokens=n, max_bs=args.batch, max_context_len=context)
         max_reqs = 2 * args.batch
         # Enough pages for every row's largest reservation, plus the reserved page 0.
-        row_pages = -(-(spec.draft_row_len) // args.page_size)
-        spec = dataclasses.replace(spec, num_pages=1 + max_reqs * row_pages)
+        spec = dataclasses.replace(spec, num_pages=spec.pool_pages(max_reqs))
         lc = LoopConfig(spec, max_new_tokens=args.max_new_tokens, backend=args.backend,
                         scripted=scripted)
         engine = EagleEngine(lc, models, max_reqs=max_reqs, graphs=graphs,

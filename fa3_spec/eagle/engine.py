@@ -461,8 +461,8 @@ def greedy_generate(models: SpecModel, prompts: Sequence[Sequence[int]],
     steps = max(max_new_tokens)
     ctx = max(len(p) for p in prompts) + steps + 1
     spec = SpecConfig(page_size=page_size, topk=1, num_steps=2, num_draft_tokens=1,
-                      max_bs=max(bs, 1), max_context_len=ctx, num_pages=1)
-    spec = dataclasses.replace(spec, num_pages=1 + bs * -(-spec.draft_row_len // page_size))
+                      max_bs=max(bs, 1), max_context_len=ctx)
+    spec = dataclasses.replace(spec, num_pages=spec.pool_pages(bs))
     pool = KVPool(spec, max_reqs=bs, target_layers=models.num_target_layers, draft_layers=1,
                   num_kv_heads=models.num_kv_heads, head_dim=models.head_dim,
                   dtype=models.dtype, device=device, seed=1)
