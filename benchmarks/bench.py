@@ -421,7 +421,7 @@ def main():
                              "loads (auto; FA3_SPEC_SGLANG_SRC offline), else the model")
     args = parser.parse_args()
     args.device = "cpu" if args.smoke else "cuda"
-    args.backend = "aot_eager" if args.smoke else "inductor"
+    args.backend = "eager" if args.smoke else "inductor"  # smoke: tracing, no compile
     args.upstream = load_sglang(args)
     if args.smoke:
         args.iters = min(args.iters, 3)

@@ -131,7 +131,7 @@ def main():
         INDUCTOR_OPTIONS.clear()
         INDUCTOR_OPTIONS.update(args.inductor_options)
     args.device = "cpu" if args.smoke else "cuda"
-    args.backend = "aot_eager" if args.smoke else "inductor"
+    args.backend = "eager" if args.smoke else "inductor"  # smoke: tracing, no compile
     args.profile = False
     args.layers = 1
     if args.smoke:
