@@ -77,6 +77,8 @@ from fa3_spec.harness.upstream import UpstreamStyleBuilder
 from fa3_spec.harness.sglang_upstream import SGLANG_VERSION, load_upstream_or_reason
 from fa3_spec.integrations import sglang
 
+import timing
+
 #: (page_size, topk, num_steps, num_draft_tokens): the issue's three configs
 #: (the seed's P = 2, topk = 8 with its 5 steps and 16 draft tokens).
 CONFIGS = [(16, 1, 5, 6), (16, 4, 5, 8), (2, 8, 5, 16)]
@@ -112,11 +114,6 @@ class Segment:
         else:
             fresh = self.fn()
             pytree.tree_map(lambda d, s: d.copy_(s), self.out, fresh)
-
-
-def _copy_leaves(static, fresh):
-    for dst, src in zip(pytree.tree_leaves(static), pytree.tree_leaves(fresh)):
-        dst.copy_(src)
 
 
 def _static_clone(md):
@@ -199,7 +196,7 @@ class HostMetadataLoop:
     def fill_draft(self, batch, loc):
         fresh = [self.ref.draft_decode(i, **batch, out_cache_loc=loc)
                  for i in range(self.spec.num_steps - 1)]
-        _copy_leaves(self.md_draft, tuple(fresh))
+        timing.copy_leaves(self.md_draft, tuple(fresh))
 
     def fill_verify(self, batch, tree_mask):
         if self.spec.topk == 1:
@@ -207,13 +204,13 @@ class HostMetadataLoop:
         else:
             seq_host = batch["seq_lens"].tolist()  # host sync, as upstream engines hold seq_lens on the CPU
             verify = self.ref.target_verify(**batch, custom_mask=flat_custom_mask(tree_mask, seq_host))
-        _copy_leaves(self.md_verify, verify)
+        timing.copy_leaves(self.md_verify, verify)
 
     def fill_extend(self, batch, new_seq_lens, extend_seq_lens):
         ext = self.ref.draft_extend(req_to_token=batch["req_to_token"],
                                     req_pool_indices=batch["req_pool_indices"],
                                     seq_lens=new_seq_lens, extend_seq_lens=extend_seq_lens)
-        _copy_leaves(self.md_extend, ext)
+        timing.copy_leaves(self.md_extend, ext)
 
     def iteration(self):
         batch = self._batch()

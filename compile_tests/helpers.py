@@ -1,5 +1,7 @@
 """Hypothesis strategies and assertions shared by the property and parity tests."""
 
+import os
+
 import torch
 from hypothesis import strategies as st
 
@@ -14,6 +16,11 @@ from fa3_spec.harness.oracle import (
 )
 from fa3_spec.harness.worlds import make_world
 from fa3_spec.harness.upstream import UpstreamStyleBuilder
+
+#: Examples per fuzz property (test_fuzz.py; a quarter of it, at least 50, in
+#: test_iteration_metadata.py). The default keeps the CI suite short; set
+#: FA3_SPEC_FUZZ_EXAMPLES=1000 or more for a long run.
+FUZZ_EXAMPLES = int(os.environ.get("FA3_SPEC_FUZZ_EXAMPLES", "250"))
 
 NARROW = dict(page_sizes=st.sampled_from([1, 2, 3, 4, 7, 16, 64, 128]), max_topk=10, max_steps=8,
               max_n=12, max_bs=32, max_ctx=160)

@@ -2,7 +2,7 @@
 
 Speculative output must equal plain greedy decoding of the target token for
 token, with no tolerance, for batches with joins and finishes mid-run. The
-whole grid of the issue runs in ``test_eagle_sweep.py`` (opt-in, slow).
+full grid runs in ``test_eagle_sweep.py`` (opt-in: FA3_SPEC_EAGLE_SWEEP=1).
 Tiny ops on a shared 2-core machine run far faster on one thread, so these
 tests pin torch to one thread while they run.
 """

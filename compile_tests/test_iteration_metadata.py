@@ -1,7 +1,5 @@
 """All draft steps' metadata built together equals the per-step builders, bit for bit."""
 
-import os
-
 import pytest
 import torch
 from hypothesis import given, settings, strategies as st
@@ -10,9 +8,7 @@ import fa3_spec
 from fa3_spec import draft_expand_page_table, draft_expand_tables
 from fa3_spec.probes import RecordingBackend
 from fa3_spec.harness.worlds import make_world
-from helpers import NARROW, WIDE, configs, garbage_inputs, symbol_recorder, worlds
-
-EXAMPLES = int(os.environ.get("FA3_SPEC_FUZZ_EXAMPLES", "1000"))
+from helpers import FUZZ_EXAMPLES, NARROW, WIDE, configs, garbage_inputs, symbol_recorder, worlds
 
 
 def _assert_same_as_per_step(cfg, kwargs):
@@ -29,13 +25,13 @@ def _assert_same_as_per_step(cfg, kwargs):
     return together
 
 
-@settings(max_examples=max(EXAMPLES // 4, 50), deadline=None)
+@settings(max_examples=max(FUZZ_EXAMPLES // 4, 50), deadline=None)
 @given(worlds(**WIDE))
 def test_equals_per_step_builders(world):
     _assert_same_as_per_step(world.cfg, world.mode_kwargs("draft_decode"))
 
 
-@settings(max_examples=max(EXAMPLES // 4, 50), deadline=None)
+@settings(max_examples=max(FUZZ_EXAMPLES // 4, 50), deadline=None)
 @given(configs(**NARROW), st.integers(0, 12), st.integers(0, 2**20))
 def test_equals_per_step_builders_on_garbage(cfg, bs, seed):
     _assert_same_as_per_step(cfg, garbage_inputs(cfg, bs, "draft_decode", seed))

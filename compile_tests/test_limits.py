@@ -38,7 +38,6 @@ def test_topk_10_with_8_steps():
         assert read == expected_key_slots(world, "draft_decode", step=step)
 
 
-@pytest.mark.slow
 @pytest.mark.parametrize("p", [1, 64])
 def test_batch_512_at_128k_context(p):
     cfg = fa3_spec.SpecConfig(page_size=p, topk=4, num_steps=3, num_draft_tokens=4, max_bs=512,

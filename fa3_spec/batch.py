@@ -9,9 +9,23 @@ pytree: it crosses ``torch.compile`` boundaries, and building it *outside* a
 compiled region is how a compiled caller gets `ValueError`/`TypeError`
 rather than dynamo's wrapper exception.
 
-    >>> batch = SpecBatch.create(cfg, req_to_token=r2t, req_pool_indices=rpi,
-    ...                          seq_lens=seq, out_cache_loc=loc)   # doctest: +SKIP
-    >>> fa3_spec.build_metadata("draft_decode", batch, step=2)      # doctest: +SKIP
+    >>> import torch, fa3_spec
+    >>> cfg = fa3_spec.SpecConfig(page_size=2, topk=2, num_steps=3,
+    ...                           num_draft_tokens=3, max_bs=4, max_context_len=8)
+    >>> r2t = torch.arange(16, 32, dtype=torch.int32).view(1, 16)  # one row, pages 8..15
+    >>> loc = torch.tensor([[[21, 22, 23], [25, 26, 27]]])  # [B, K, S] draft slots
+    >>> batch = SpecBatch.create(cfg, req_to_token=r2t, req_pool_indices=torch.tensor([0]),
+    ...                          seq_lens=torch.tensor([5]), out_cache_loc=loc)
+    >>> batch.out_cache_loc.shape  # canonical [B * K, S]
+    torch.Size([2, 3])
+    >>> md = fa3_spec.build_metadata("draft_decode", batch, step=1)
+    >>> md.expand.page_table.tolist()  # ok-host: doctest
+    [[10, 11, 0], [12, 13, 0]]
+    >>> SpecBatch.create(cfg, req_to_token=r2t, req_pool_indices=torch.tensor([0]),
+    ...                  seq_lens=torch.tensor([5.0]))
+    Traceback (most recent call last):
+        ...
+    TypeError: seq_lens must have dtype in (torch.int32, torch.int64), got torch.float32
 """
 
 from __future__ import annotations

@@ -5,7 +5,7 @@ plus its own draft tokens (expand call). The expand call has one row per
 branch; its page table lists the distinct pages, in order, of the branch's
 first ``decode_length`` draft slots.
 
-Worked example (the seed's case): ``P = 2``, ``S = 4``, ``seq_len = 5`` so
+Worked example: ``P = 2``, ``S = 4``, ``seq_len = 5`` so
 ``last = seq_len % P = 1``. Branch 0's draft tokens sit at row positions
 5, 6, 7, 8 (identity slots here, so page = position // 2)::
 
@@ -113,8 +113,12 @@ def draft_expand_tables(
 
     Example (``P = 2``, one branch at row positions 5, 6, 7, 8 on identity
     slots, ``last = 1``, ``D = 3``): pages ``[2, 3, 3]``, so
-    ``page_tables = [[[2, 0, 0, 0]], [[2, 3, 0, 0]], [[2, 3, 0, 0]]]`` and
-    ``cache_seqlens = [[2], [3], [4]]``.
+
+        >>> cache_seqlens, page_tables = draft_expand_tables(
+        ...     torch.tensor([[5, 6, 7, 8]]), torch.tensor([1]),
+        ...     num_draft_steps=3, topk=1, page_size=2)
+        >>> page_tables.tolist(), cache_seqlens.tolist()  # ok-host: doctest
+        ([[[2, 0, 0, 0]], [[2, 3, 0, 0]], [[2, 3, 0, 0]]], [[2], [3], [4]])
 
     For ``D <= 8`` this is elementwise work only (inductor unrolls reductions
     that small): one fused kernel for all steps' tables.

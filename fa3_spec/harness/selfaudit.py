@@ -77,7 +77,7 @@ def step_grid(page_sizes: Iterable[int] = (1, 2, 16, 64), topks: Iterable[int] =
     """Whole-step cases: draft iteration, verify (tree when topk > 1), extend.
 
     One configuration per topk (compiling whole steps costs more than
-    builders): page size 2 for topk > 1 when selected (the seed's case),
+    builders): page size 2 for topk > 1 when selected (the #27360 case),
     else the first page size.
     """
     page_sizes = list(page_sizes)
