@@ -89,7 +89,7 @@ def staging_parts(runner, batch, bucket, bs, iters, sync):
     names = list(static)
     dst = [static[n][:bs] for n in names]
     src = [batch[n] for n in names]
-    groups = runner._plan(bucket, bs).groups  # the runner's own per-dtype groups
+    groups = runner.copy_groups(bucket, bs)  # the runner's own per-dtype groups
 
     def per_dtype():
         for group in groups:
@@ -107,7 +107,7 @@ def staging_parts(runner, batch, bucket, bs, iters, sync):
     return dict(
         inputs=len(names), input_dtypes=len(groups),
         copy_bytes_foreach_us=timing.host_us(as_bytes, iters, sync),
-        route_lookup_us=timing.host_us(lambda: runner._route(batch), iters, sync),
+        route_lookup_us=timing.host_us(lambda: runner.route(batch), iters, sync),
         copy_mixed_foreach_us=timing.host_us(lambda: torch._foreach_copy_(dst, src), iters, sync),
         copy_per_dtype_foreach_us=timing.host_us(per_dtype, iters, sync),
         copy_per_tensor_us=timing.host_us(per_tensor, iters, sync))

@@ -172,3 +172,42 @@ def test_the_checks_see_planted_violations(monkeypatch):
         with pytest.raises(AssertionError):
             test_consumers_import_no_private_module()
         planted[module] = CONSUMER_IMPORTS.get(module, set())
+
+
+def _private_members(path: pathlib.Path, classes: set) -> set:
+    """``_name`` methods and attributes defined in ``classes`` of ``path``."""
+    names = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.ClassDef) and node.name in classes:
+            for sub in ast.walk(node):
+                if isinstance(sub, ast.FunctionDef):
+                    name = sub.name
+                elif (isinstance(sub, ast.Attribute) and isinstance(sub.value, ast.Name)
+                      and sub.value.id == "self"):
+                    name = sub.attr
+                else:
+                    name = None
+                if name and name.startswith("_") and not name.startswith("__"):
+                    names.add(name)
+    return names
+
+
+ENGINE_AND_RUNNER_PRIVATES = (_private_members(ROOT / "eagle" / "engine.py", {"EagleEngine"})
+                              | _private_members(ROOT / "graphs.py", {"CUDAGraphRunner"}))
+
+
+def _private_calls(source: str) -> set:
+    return {node.attr for node in ast.walk(ast.parse(source))
+            if isinstance(node, ast.Attribute) and node.attr in ENGINE_AND_RUNNER_PRIVATES
+            and not (isinstance(node.value, ast.Name) and node.value.id == "self")}
+
+
+def test_benchmarks_use_no_private_member_of_the_engine_or_the_runner():
+    found = {path.name: _private_calls(path.read_text())
+             for path in sorted((ROOT.parent / "benchmarks").glob("*.py"))}
+    assert {k: v for k, v in found.items() if v} == {}
+
+
+def test_the_private_member_check_sees_a_planted_call():
+    assert {"_admit", "_plan", "_route"} <= ENGINE_AND_RUNNER_PRIVATES
+    assert _private_calls("eng._admit()\nrunner._route(batch)\nself._admit()") == {"_admit", "_route"}
