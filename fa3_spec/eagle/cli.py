@@ -2,6 +2,8 @@
 
     fa3-spec eagle --preset tiny --device cpu --check-greedy
     python3 -m fa3_spec.eagle.cli --preset tiny --topk 8 --page-size 2 --json out.json
+    fa3-spec eagle --model Llama-3.1-8B-Instruct --draft-model EAGLE3-LLaMA3.1-Instruct-8B \
+        --prompt "Why is the sky blue?" --chat --check-greedy
 
 The workload: ``--requests`` prompts of random tokens (default twice
 ``--batch``, so requests join as others finish), lengths cycling through page
@@ -11,6 +13,14 @@ boundaries (1, P-1, P, P+1, 2P, ...) and random ones, each with its own
 the target and compared token for token; any mismatch makes the exit status 1.
 ``--scripted`` forces the accepted length of each iteration (benchmarks with
 random weights): its output is not the model's and is never checked.
+
+``--model DIR`` loads a local Hugging Face Llama checkpoint instead of a
+preset (``--draft-model DIR``: a published EAGLE-1/2 or EAGLE-3 head; without
+it ``--draft`` makes one from the target), tokenizes ``--prompt`` (repeatable)
+or ``--prompts FILE.jsonl`` with the checkpoint's own tokenizer (``--chat``:
+through its chat template; needs transformers), stops at the checkpoint's
+EOS ids, and prints each completion. Without tokenizer files or prompts it
+runs the token-id workload above on the loaded model.
 """
 
 from __future__ import annotations
@@ -21,18 +31,23 @@ import json
 import random
 import sys
 import time
-from typing import List, Optional
+from typing import List, Optional, Tuple
 
 import torch
 
 from ..config import SpecConfig
-from .engine import EagleEngine, greedy_generate
+from .checkpoint import CheckpointError, draft_kind, from_pretrained
+from .engine import EagleEngine, eos_set, greedy_generate
 from .iteration import DEFAULT_SCRIPT, LoopConfig
 from .models import make_models
+from .text import CheckpointTokenizer, checkpoint_eos_ids, read_prompts
 
 #: A divergence at a token where greedy decoding's top-2 logits are this close
 #: (relative to the top logit) is a rounding near-tie (reported, bf16 runs).
 NEAR_TIE = 0.02
+
+#: ``--alpha``'s default (presets only).
+DEFAULT_ALPHA = 0.05
 
 DTYPES = {"float64": torch.float64, "float32": torch.float32, "bfloat16": torch.bfloat16,
           "float16": torch.float16}
@@ -50,7 +65,8 @@ def _positive(text: str) -> int:
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--preset", default="tiny", choices=["tiny", "llama3-8b"])
+    p.add_argument("--preset", default=None, choices=["tiny", "llama3-8b"],
+                   help="random-weight model (default tiny; not with --model)")
     p.add_argument("--device", default="auto", help="cpu, cuda or auto")
     p.add_argument("--batch", type=_positive, default=8, help="batch rows (max_bs)")
     p.add_argument("--requests", type=_positive, default=None, help="requests (default 2 * batch)")
@@ -65,8 +81,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="default float64 on CPU, bfloat16 on CUDA")
     p.add_argument("--draft", default="derived", choices=["derived", "random"],
                    help="derived: agrees with the target mostly; random: mostly rejected")
-    p.add_argument("--alpha", type=float, default=0.05,
-                   help="residual scale of target layers 1.. (derived draft; smaller: more agreement)")
+    p.add_argument("--alpha", type=float, default=None,
+                   help="residual scale of target layers 1.. (derived draft of a preset; default "
+                        f"{DEFAULT_ALPHA}; smaller: more agreement)")
     p.add_argument("--noise", type=float, default=0.0, help="relative noise on the derived draft")
     p.add_argument("--num-layers", type=int, default=None, help="override the preset's depth")
     p.add_argument("--eos", type=int, default=-1, help="EOS token id (-1: none)")
@@ -84,6 +101,21 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="count host syncs per iteration launch (CUDA)")
     p.add_argument("--json", metavar="PATH", help="write the result as JSON")
     p.add_argument("--quiet", action="store_true")
+    add_model_arguments(p)
+
+
+def add_model_arguments(p: argparse.ArgumentParser) -> None:
+    """``--model`` and the text options (see the module docstring)."""
+    g = p.add_argument_group("your own model (local Hugging Face checkpoints)")
+    g.add_argument("--model", metavar="DIR", help="Llama checkpoint directory (instead of --preset)")
+    g.add_argument("--draft-model", metavar="DIR", help="EAGLE-1/2 or EAGLE-3 head directory")
+    prompts = g.add_mutually_exclusive_group()
+    prompts.add_argument("--prompt", metavar="TEXT", action="append",
+                         help="a prompt (repeat for several)")
+    prompts.add_argument("--prompts", metavar="FILE.jsonl",
+                         help='one prompt a line: "text" or {"prompt": ..., "max_new_tokens": ...}')
+    g.add_argument("--chat", action="store_true",
+                   help="apply the checkpoint's chat template (needs transformers)")
 
 
 def add_parser(subparsers) -> argparse.ArgumentParser:
@@ -118,26 +150,89 @@ def _resolve_device(name: str) -> str:
     return name
 
 
+class UsageError(ValueError):
+    """Options or inputs that cannot run (exit status 2)."""
+
+
+@dataclasses.dataclass
+class LoadedModel:
+    """What ``--model`` brings: the models, the checkpoint's EOS ids, and the
+    text prompts (empty: the token-id workload) with their tokenizer."""
+
+    models: object
+    eos: Tuple[int, ...]
+    texts: List[str]
+    prompts: List[List[int]]
+    news: List[int]
+    tokenizer: Optional[CheckpointTokenizer]
+    info: dict
+
+
+def load_model(args: argparse.Namespace, device: str, dtype) -> LoadedModel:
+    """``--model`` / ``--draft-model`` and the prompts, tokenized."""
+    models = from_pretrained(args.model, args.draft_model, draft=args.draft, dtype=dtype,
+                             device=device)
+    try:
+        items = [(t, None) for t in args.prompt] if args.prompt else (
+            read_prompts(args.prompts) if args.prompts else [])
+    except (OSError, ValueError) as exc:
+        raise UsageError(f"--prompts: {exc}") from None
+    tok = CheckpointTokenizer.load(args.model) if items else None
+    if args.chat and (tok is None or not tok.transformers):
+        raise UsageError("--chat needs transformers and the checkpoint's tokenizer files "
+                         "(pip install 'fa3-spec[hf]')")
+    if items and tok is None:
+        print(f"fa3-spec eagle: no tokenizer for {args.model} (tokenizer files, and "
+              "transformers or tokenizers): running the token-id workload", file=sys.stderr)
+    texts, prompts, news = [], [], []
+    if tok is not None:
+        for text, new in items:
+            texts.append(text)
+            prompts.append(tok.encode(text, chat=args.chat))
+            news.append(new or args.max_new_tokens)
+    kind = draft_kind(args.draft_model) if args.draft_model else f"{args.draft} (made here)"
+    info = dict(path=str(args.model), draft_path=args.draft_model and str(args.draft_model),
+                draft_kind=kind, tokenizer=None if tok is None else (
+                    "transformers" if tok.transformers else "tokenizers"),
+                chat=args.chat)
+    return LoadedModel(models, checkpoint_eos_ids(args.model), texts, prompts, news, tok, info)
+
+
 def run_eagle(args: argparse.Namespace, *, log=print) -> dict:
     """Run the loop as ``args`` says; return the result dictionary (see `run`)."""
     device = _resolve_device(args.device)
     dtype = DTYPES[args.dtype] if args.dtype else None
-    models = make_models(args.preset, draft=args.draft, alpha=args.alpha, noise=args.noise,
-                         seed=args.seed, dtype=dtype, device=device, num_layers=args.num_layers)
+    loaded = load_model(args, device, dtype) if args.model else None
+    if loaded is None:
+        models = make_models(args.preset or "tiny", draft=args.draft,
+                             alpha=DEFAULT_ALPHA if args.alpha is None else args.alpha,
+                             noise=args.noise, seed=args.seed, dtype=dtype, device=device,
+                             num_layers=args.num_layers)
+    else:
+        models = loaded.models
     n_req = args.requests if args.requests is not None else 2 * args.batch
     prompts, news = workload(n_req, page_size=args.page_size, max_prompt=args.prompt_len,
                              max_new=args.max_new_tokens, vocab=models.vocab_size, seed=args.seed)
+    eos = eos_set(args.eos)
+    if loaded is not None:
+        eos = eos_set(loaded.eos + eos)
+        if loaded.prompts:
+            prompts, news, n_req = loaded.prompts, loaded.news, len(loaded.prompts)
     scripted = tuple(int(x) for x in args.scripted.split(",")) if args.scripted else None
     n = args.num_draft_tokens
-    context = args.prompt_len + args.max_new_tokens + n
+    max_new = max([args.max_new_tokens] + news)
+    context = max([args.prompt_len] + [len(p) for p in prompts]) + max_new + n
+    if context > models.max_positions:
+        raise UsageError(f"prompts + max_new_tokens + num_draft_tokens = {context} positions "
+                         f"exceed the model's RoPE table ({models.max_positions})")
     spec = SpecConfig(page_size=args.page_size, topk=args.topk, num_steps=args.num_steps,
                       num_draft_tokens=n, max_bs=args.batch, max_context_len=context, num_pages=1)
     max_reqs = 2 * args.batch
     # Enough pages for every row's largest reservation, plus the reserved page 0.
     row_pages = -(-(spec.draft_row_len) // args.page_size)
     spec = dataclasses.replace(spec, num_pages=1 + max_reqs * row_pages)
-    lc = LoopConfig(spec, max_new_tokens=args.max_new_tokens, backend=args.backend,
-                    scripted=scripted)
+    lc = LoopConfig(spec, max_new_tokens=max_new, backend=args.backend, scripted=scripted,
+                    max_eos=max(4, len(eos)))
     graphs = args.graphs if args.graphs is not None else device == "cuda"
     engine = EagleEngine(lc, models, max_reqs=max_reqs, graphs=graphs,
                          compile_backend=args.compile, device=device, seed=args.seed,
@@ -148,7 +243,7 @@ def run_eagle(args: argparse.Namespace, *, log=print) -> dict:
         engine.capture()
         capture_s = time.perf_counter() - t0
     for prompt, m in zip(prompts, news):
-        engine.submit(prompt, m, eos_id=args.eos)
+        engine.submit(prompt, m, eos_id=eos)
 
     last_print = [time.perf_counter()]
 
@@ -188,20 +283,43 @@ def run_eagle(args: argparse.Namespace, *, log=print) -> dict:
         capture_s=capture_s,
         scripted_acceptance=(f"SCRIPTED: emitted tokens per iteration forced to {list(scripted)}; "
                              "outputs are not the model's" if scripted else None),
-        config=dict(preset=args.preset, device=device, dtype=str(models.dtype).replace("torch.", ""),
+        config=dict(preset=None if loaded else args.preset or "tiny", device=device,
+                    dtype=str(models.dtype).replace("torch.", ""),
                     batch=args.batch, requests=n_req, page_size=args.page_size, topk=args.topk,
                     num_steps=args.num_steps, num_draft_tokens=n,
                     max_new_tokens=args.max_new_tokens, prompt_len=args.prompt_len,
-                    seed=args.seed, draft=args.draft, alpha=args.alpha, noise=args.noise,
-                    num_layers=models.num_target_layers, eos=args.eos, backend=args.backend,
+                    seed=args.seed, draft=args.draft,
+                    alpha=None if loaded else DEFAULT_ALPHA if args.alpha is None else args.alpha,
+                    noise=args.noise, num_layers=models.num_target_layers, eos=list(eos),
+                    backend=args.backend,
                     graphs=graphs, compile=args.compile, scripted=list(scripted) if scripted else None),
         outputs=got,
+        model=loaded.info if loaded else None,
     )
+    result["per_request"] = per_request = []
+    for rid, st in sorted(engine.request_stats().items()):
+        a, sec = st["accept_lens"], st["seconds"]
+        per_request.append(dict(tokens=len(got[rid]),
+                                mean_accept_len=sum(a) / len(a) if a else None,
+                                tokens_per_s=len(got[rid]) / sec if sec > 0 else None))
+    if loaded is not None and loaded.tokenizer is not None:
+        for entry, text, out in zip(per_request, loaded.texts, got):
+            entry.update(prompt=text, completion=loaded.tokenizer.decode(out))
     if args.check_greedy and not scripted:
         logits: list = []
-        ref = greedy_generate(models, prompts, news, eos_ids=[args.eos] * n_req,
+        greedy_start = time.perf_counter()
+        ref = greedy_generate(models, prompts, news, eos_ids=[eos] * n_req,
                               page_size=args.page_size, backend=args.backend, device=device,
                               logits_out=logits)
+        greedy_s = time.perf_counter() - greedy_start
+        result["greedy_tokens_per_s"] = sum(map(len, ref)) / greedy_s if greedy_s > 0 else None
+        if loaded is not None and loaded.prompts:  # per prompt, each decoded alone
+            for entry, prompt, m in zip(per_request, prompts, news):
+                one = time.perf_counter()
+                alone = greedy_generate(models, [prompt], [m], eos_ids=[eos],
+                                        page_size=args.page_size, backend=args.backend,
+                                        device=device)[0]
+                entry["greedy_tokens_per_s"] = len(alone) / (time.perf_counter() - one)
         diverge = []
         for i, (a, b) in enumerate(zip(got, ref)):
             if a != b:
@@ -218,13 +336,40 @@ def run_eagle(args: argparse.Namespace, *, log=print) -> dict:
     return result
 
 
+def usage_error(args: argparse.Namespace) -> Optional[str]:
+    """What makes this combination of options meaningless, or None."""
+    if args.model:
+        given = [f for f, v in (("--preset", args.preset), ("--num-layers", args.num_layers),
+                                ("--alpha", args.alpha)) if v is not None]
+        if given:
+            return f"{', '.join(given)} do(es) not apply to a loaded model (--model)"
+    else:
+        given = [f for f, v in (("--draft-model", args.draft_model), ("--prompt", args.prompt),
+                                ("--prompts", args.prompts), ("--chat", args.chat)) if v]
+        if given:
+            return f"{', '.join(given)} need(s) --model"
+    return None
+
+
 def run(args: argparse.Namespace) -> int:
-    """Entry point of ``fa3-spec eagle``; 1 when ``--check-greedy`` finds a mismatch."""
+    """Entry point of ``fa3-spec eagle``; 1 when ``--check-greedy`` finds a mismatch,
+    2 for options that do not go together or a checkpoint that cannot be loaded."""
     log = (lambda *a, **k: None) if args.quiet else print
-    res = run_eagle(args, log=log)
+    problem = usage_error(args)
+    if problem is not None:
+        print(f"fa3-spec eagle: {problem}", file=sys.stderr)
+        return 2
+    try:
+        res = run_eagle(args, log=log)
+    except (CheckpointError, UsageError) as exc:
+        print(f"fa3-spec eagle: {exc}", file=sys.stderr)
+        return 2
     c = res["config"]
     label = f" [{res['scripted_acceptance']}]" if res["scripted_acceptance"] else ""
-    log(f"fa3-spec eagle: preset {c['preset']} ({c['num_layers']} layers, {c['dtype']}) on "
+    model = res["model"]
+    name = (f"model {model['path']} + {model['draft_kind']}" if model
+            else f"preset {c['preset']}")
+    log(f"fa3-spec eagle: {name} ({c['num_layers']} layers, {c['dtype']}) on "
         f"{c['device']}, batch {c['batch']}, {c['requests']} requests, P={c['page_size']} "
         f"topk={c['topk']} steps={c['num_steps']} N={c['num_draft_tokens']}{label}")
     syncs = res["host_syncs_per_iteration"]
@@ -236,6 +381,16 @@ def run(args: argparse.Namespace) -> int:
         log(f"  greedy check: {'EXACT' if res['exact'] else 'MISMATCH'} "
             f"({res['mismatches']} of {c['requests']} requests differ, "
             f"{res['near_tie_divergences']} of them at near-ties)")
+    if res.get("greedy_tokens_per_s") is not None:
+        log(f"  plain greedy: {res['greedy_tokens_per_s']:.1f} tokens/s")
+    for i, entry in enumerate(res["per_request"] if model else []):
+        greedy = entry.get("greedy_tokens_per_s")
+        log(f"--- request {i}: {entry['tokens']} tokens, mean accept length "
+            f"{entry['mean_accept_len'] or 0:.2f}, {entry['tokens_per_s'] or 0:.1f} tokens/s"
+            + (f" (plain greedy alone: {greedy:.1f} tokens/s)" if greedy else ""))
+        if "completion" in entry:
+            log(f"prompt: {entry['prompt']}")
+            print(entry["completion"], flush=True)  # the output itself, even with --quiet
     if args.json:
         with open(args.json, "w") as fh:
             json.dump(res, fh, indent=1)
