@@ -71,7 +71,7 @@ class CheckpointError(ValueError):
 # ---------------------------------------------------------------- configs
 def read_config(directory: PathLike) -> dict:
     """``directory/config.json`` as a dict (a `CheckpointError` if absent or not JSON)."""
-    path = pathlib.Path(directory) / "config.json"
+    path = pathlib.Path(directory).expanduser() / "config.json"
     if not path.is_file():
         raise CheckpointError(f"{path}: not found (a Hugging Face checkpoint directory "
                               "holds config.json)")
@@ -172,7 +172,7 @@ class WeightFiles:
     """
 
     def __init__(self, directory: PathLike):
-        self.directory = pathlib.Path(directory)
+        self.directory = pathlib.Path(directory).expanduser()
         self._where: Dict[str, pathlib.Path] = {}  # tensor name -> file
         self._open: Dict[pathlib.Path, object] = {}
         d = self.directory
@@ -305,7 +305,7 @@ def load_target(model_dir: PathLike, *, dtype=None, device="cpu") -> LlamaTarget
     """A `LlamaTarget` from a Hugging Face Llama checkpoint directory (see the module
     docstring). A tied checkpoint (``tie_word_embeddings``) gets ``lm_head`` as a
     transposed copy of its embedding."""
-    d = pathlib.Path(model_dir)
+    d = pathlib.Path(model_dir).expanduser()
     config = read_config(d)
     where = d / "config.json"
     shape = target_shape(config, where)
@@ -331,7 +331,7 @@ def load_target(model_dir: PathLike, *, dtype=None, device="cpu") -> LlamaTarget
 def draft_kind(draft_dir: PathLike) -> str:
     """``"eagle3"`` or ``"eagle"`` (EAGLE-1/2) of a draft head directory: from its
     ``config.json`` (architectures, ``draft_vocab_size``), then from its weights."""
-    d = pathlib.Path(draft_dir)
+    d = pathlib.Path(draft_dir).expanduser()
     config = read_config(d)
     if "speculators_model_type" in config or "speculators_config" in config:
         raise CheckpointError(f"{d / 'config.json'}: field 'speculators_model_type': the "
@@ -420,7 +420,7 @@ def load_draft(draft_dir: PathLike, target: LlamaTarget, *,
                device="cpu") -> Union[EagleDraft, Eagle3Draft]:
     """A published EAGLE-1/2 or EAGLE-3 head for ``target``, in the target's dtype
     (see the module docstring)."""
-    d = pathlib.Path(draft_dir)
+    d = pathlib.Path(draft_dir).expanduser()
     kind = draft_kind(d)
     config = read_config(d)
     where = d / "config.json"

@@ -26,7 +26,7 @@ class CheckpointTokenizer:
     def load(cls, model_dir) -> Optional["CheckpointTokenizer"]:
         """The directory's tokenizer, or None when it has no tokenizer files or
         neither transformers nor tokenizers is installed."""
-        d = pathlib.Path(model_dir)
+        d = pathlib.Path(model_dir).expanduser()
         if not any((d / f).is_file() for f in TOKENIZER_FILES):
             return None
         try:
@@ -67,7 +67,7 @@ class CheckpointTokenizer:
 def checkpoint_eos_ids(model_dir) -> Tuple[int, ...]:
     """EOS ids of a checkpoint: ``generation_config.json``'s ``eos_token_id`` (one
     id or a list), else ``config.json``'s; empty if neither says."""
-    d = pathlib.Path(model_dir)
+    d = pathlib.Path(model_dir).expanduser()
     for name in ("generation_config.json", "config.json"):
         path = d / name
         if path.is_file():
@@ -84,7 +84,7 @@ def read_prompts(path) -> List[Tuple[str, Optional[int]]]:
     and optionally ``"max_new_tokens"``; blank lines are skipped.
     """
     out = []
-    for n, line in enumerate(pathlib.Path(path).read_text().splitlines(), 1):
+    for n, line in enumerate(pathlib.Path(path).expanduser().read_text().splitlines(), 1):
         if not line.strip():
             continue
         try:
