@@ -52,7 +52,7 @@ import fa3_spec
 from fa3_spec import builders
 from fa3_spec.attention import provider_version
 from fa3_spec.graphs import CUDAGraphRunner, compile_fullgraph
-from fa3_spec.probes import capture
+from fa3_spec.graphs import capture
 from fa3_spec.harness.toy import ToyModel, example_batch, make_step, verify_slots, world_batch
 from fa3_spec.harness.worlds import make_world
 from fa3_spec.tree import flat_from_tree_mask

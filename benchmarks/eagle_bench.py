@@ -65,11 +65,14 @@ import torch.utils._pytree as pytree
 
 import fa3_spec
 from fa3_spec.eagle import EagleEngine, LoopConfig, make_models
+from fa3_spec.eagle.decode import decode_step
+from fa3_spec.eagle.engine import COMPILE_BACKENDS
 from fa3_spec.eagle.iteration import (
     DEFAULT_SCRIPT, draft_phase, draft_slots, extend_phase, verify_phase,
 )
 from fa3_spec import SpecBatch
-from fa3_spec.probes import capture, recording_host_syncs
+from fa3_spec.graphs import capture, compile_fullgraph
+from fa3_spec.probes import recording_host_syncs
 from fa3_spec.harness.upstream import UpstreamStyleBuilder
 from fa3_spec.harness.sglang_upstream import SGLANG_VERSION, load_upstream_or_reason
 from fa3_spec.integrations import sglang
@@ -82,12 +85,21 @@ SGLANG_SOURCE = f"sglang-{SGLANG_VERSION} replay functions"
 MODEL_SOURCE = "fa3_spec upstream-style model"
 
 
+def compiled(fn, backend: str):
+    """``fn`` compiled as the engine compiles (a) (``"none"``: as is), so that
+    (a), (b) and (c) run the same compiled model."""
+    if backend == "none":
+        return fn
+    return compile_fullgraph(fn, backend=backend, dynamic=False)
+
+
 class Segment:
     """``fn()`` captured as a CUDA graph (replay), or called directly on CPU.
 
     ``out`` holds the outputs at fixed addresses after each run."""
 
-    def __init__(self, fn, graphs: bool, pool=None):
+    def __init__(self, fn, graphs: bool, pool=None, backend: str = "none"):
+        fn = compiled(fn, backend)
         self.fn, self.graphs = fn, graphs
         if graphs:
             self.graph, self.out = capture(fn, pool=pool)
@@ -139,7 +151,8 @@ class HostMetadataLoop:
         self.eng, self.bucket = engine, bucket
         lc, pool = engine.lc, engine.pool
         self.lc, self.spec = lc, lc.spec
-        self.view = engine._view(bucket)
+        self.view = engine.bucket_state(bucket)
+        be = engine.compile_backend
         st, m, r2t = self.view, engine.models, pool.req_to_token
         n = lc.spec.num_draft_tokens
         tree_mask = torch.tril(torch.ones(bucket, n, n, dtype=torch.bool, device=engine.device))
@@ -150,9 +163,9 @@ class HostMetadataLoop:
         st["seq_lens"].zero_()  # capture on padding rows: nothing real is written
         gpool = torch.cuda.graph_pool_handle() if graphs else None
         self.a = Segment(lambda: draft_phase(lc, m, pool.draft_kv, r2t, st, self.md_draft),
-                         graphs, gpool)
+                         graphs, gpool, be)
         self.b = Segment(lambda: verify_phase(lc, m, pool.target_kv, r2t, st, self.a.out,
-                                              self.md_verify), graphs, gpool)
+                                              self.md_verify), graphs, gpool, be)
 
         def extend_and_store():
             new = extend_phase(lc, m, pool.draft_kv, r2t, st, self.a.out, self.b.out,
@@ -161,7 +174,7 @@ class HostMetadataLoop:
                 buf.copy_(new[k])
             return {}
 
-        self.c = Segment(extend_and_store, graphs, gpool)
+        self.c = Segment(extend_and_store, graphs, gpool, be)
         for k, v in st.items():
             v.copy_(saved[k])
 
@@ -312,27 +325,24 @@ def metadata_reads_as_builders(host: HostMetadataLoop) -> list:
 
 
 def _greedy_segment(engine: EagleEngine, bucket: int, graphs: bool):
-    """Variant (c): one decode step of the target over the same requests."""
+    """Variant (c): one plain decode step (`fa3_spec.eagle.decode.decode_step`)
+    of the target over the same requests, compiled as (a) is."""
     m, pool, spec = engine.models, engine.pool, engine.spec
-    st = engine._view(bucket)
+    st = engine.bucket_state(bucket)
     tok = st["root"].clone()
     seq = st["seq_lens"].clone()
     rpi = st["req_pool_indices"].clone()
-    r2t = pool.req_to_token
 
     def step():
-        live = seq > 0
-        md = fa3_spec.build_decode_metadata(spec, req_to_token=r2t, req_pool_indices=rpi,
-                                            seq_lens=torch.where(live, seq + 1, 0))
-        slots = torch.where(live, r2t[rpi, seq.clamp(max=r2t.shape[1] - 1)].to(torch.int64), 0)
-        hidden = m.target_forward(tok, seq, slots, md, pool.target_kv, backend=engine.lc.backend)
-        tok.copy_(m.target_logits(hidden).argmax(-1))
-        seq.copy_(torch.where(live, seq + 1, 0))
+        logits = decode_step(m, spec, pool.target_kv, pool.req_to_token, rpi, seq, tok,
+                             backend=engine.lc.backend, num_splits=engine.lc.num_splits)
+        tok.copy_(logits.argmax(-1))
+        seq.copy_(torch.where(seq > 0, seq + 1, 0))
         return {}
 
     saved = seq.clone()
     seq.zero_()
-    seg = Segment(step, graphs)
+    seg = Segment(step, graphs, backend=engine.compile_backend)
     seq.copy_(saved)
     return seg, seq
 
@@ -394,7 +404,21 @@ def _measure(fn, tokens_fn, iters: int, cuda: bool) -> dict:
                 host_syncs_per_iteration=_count_syncs(fn, cuda), gpu_idle_share=_gpu_idle(fn, cuda))
 
 
-def bench_point(cfg_tuple, batch, args, models) -> dict:
+def forward_bytes(models, batch: int, context: int) -> dict:
+    """Bytes one forward must read: ``target`` (every layer's matrices, the
+    final norm and the lm_head, plus its K/V at ``context`` for ``batch``
+    requests) and ``draft`` (the draft layer, ``fc``, norm and the lm_head,
+    read again by every draft forward, plus one layer's K/V)."""
+    t, d = models.target, models.draft
+    size = lambda ts: sum(x.numel() * x.element_size() for x in ts)  # noqa: E731
+    layer = lambda w: size(dataclasses.astuple(w))  # noqa: E731
+    kv_layer = 2 * batch * context * models.num_kv_heads * models.head_dim * t.embed.element_size()
+    target = sum(layer(w) for w in t.layers) + size([t.norm, t.lm_head]) + t.shape.num_layers * kv_layer
+    draft = layer(d.layer) + size([d.fc, d.norm, d.lm_head]) + kv_layer
+    return dict(target=target, draft=draft)
+
+
+def bench_point(cfg_tuple, batch, args, models, bandwidth=None) -> dict:
     p, k, s, n = cfg_tuple
     cuda = args.device == "cuda"
     scripted = None if args.real_acceptance else DEFAULT_SCRIPT
@@ -410,11 +434,11 @@ def bench_point(cfg_tuple, batch, args, models) -> dict:
     t0 = time.perf_counter()
     for _ in range(batch):
         eng.submit(torch.randint(0, models.vocab_size, (args.context,), generator=g).tolist(), max_new)
-    eng._admit()  # prefill every request (eager)
+    eng.admit()  # prefill every request (eager)
     if cuda:
         torch.cuda.synchronize()
     prefill_s = time.perf_counter() - t0
-    st = eng._view(batch)
+    st = eng.bucket_state(batch)
     snapshot = {key: v.clone() for key, v in st.items()}
     kv = (eng.pool.target_kv.k.clone(), eng.pool.target_kv.v.clone(),
           eng.pool.draft_kv.k.clone(), eng.pool.draft_kv.v.clone()) if args.smoke else None
@@ -429,30 +453,30 @@ def bench_point(cfg_tuple, batch, args, models) -> dict:
 
     out_tokens = lambda: float(st["out_len"].sum())  # noqa: E731 (a sync, outside the timed loop)
     row = dict(page_size=p, topk=k, num_steps=s, num_draft_tokens=n, batch=batch,
-               context=args.context, preset=args.preset, layers=models.num_target_layers,
+               context=args.context, compile=eng.compile_backend,
+               acceptance=("scripted:" + ",".join(map(str, DEFAULT_SCRIPT)) if scripted else "real"),
+               preset=args.preset, layers=models.num_target_layers,
                draft_layers=models.num_draft_layers, dtype=str(models.dtype).replace("torch.", ""),
-               acceptance=("SCRIPTED: emitted tokens per iteration forced to "
-                           f"{list(DEFAULT_SCRIPT)} (mean 3.5); not the model's"
-                           if scripted else "real greedy acceptance"),
-               prefill_s=round(prefill_s, 3), compile=args.compile)
+               prefill_s=round(prefill_s, 3))
 
-    # (a) metadata in the graph.
+    # (a) metadata in the graph: the engine's own compiled, captured iteration.
     t0 = time.perf_counter()
-    if cuda:
-        eng.capture()
+    eng.capture()
     row["capture_a_s"] = round(time.perf_counter() - t0, 2)
     restore()
-    row["a_in_graph"] = _measure(lambda: eng._launch(batch), out_tokens, args.iters, cuda)
+    a = _measure(lambda: eng.launch(batch), out_tokens, args.iters, cuda)
+    row["a_in_graph"] = a
     a_state = {key: v.clone() for key, v in st.items()}
     restore()
 
-    # (b) host-built metadata, three graphs.
+    # (b) host-built metadata, three graphs of the same compiled model.
     t0 = time.perf_counter()
     host = (SglangMetadataLoop(eng, batch, cuda, args.upstream_code) if args.upstream_code
             else HostMetadataLoop(eng, batch, cuda))
     row["capture_b_s"] = round(time.perf_counter() - t0, 2)
     restore()
-    row["b_host_metadata"] = _measure(host.iteration, out_tokens, args.iters, cuda)
+    b = _measure(host.iteration, out_tokens, args.iters, cuda)
+    row["b_host_metadata"] = b
     row["b_metadata_source"] = host.source
     if args.upstream_note:
         row["b_metadata_note"] = args.upstream_note
@@ -464,15 +488,75 @@ def bench_point(cfg_tuple, batch, args, models) -> dict:
         row["b_metadata_mismatches"] = metadata_reads_as_builders(host)
     restore()
 
-    # (c) plain greedy decoding.
+    # (c) plain greedy decoding, the same compiled model.
     seg, seq = _greedy_segment(eng, batch, cuda)
-    row["c_greedy"] = _measure(seg.run, lambda: float(seq.sum()), args.iters, cuda)
+    c = _measure(seg.run, lambda: float(seq.sum()), args.iters, cuda)
+    row["c_greedy"] = c
     restore()
 
-    a, b, c = row["a_in_graph"], row["b_host_metadata"], row["c_greedy"]
-    row["a_over_b"] = round(a["tokens_per_s"] / b["tokens_per_s"], 3)
-    row["a_over_c"] = round(a["tokens_per_s"] / c["tokens_per_s"], 3)
+    # The issue's flat fields; floors from the bytes each forward reads.
+    row.update(a_ms_per_iteration=a["ms_per_iteration"], a_gpu_idle=a["gpu_idle_share"],
+               a_tokens_per_s=a["tokens_per_s"], c_ms_per_token=c["ms_per_iteration"],
+               c_tokens_per_s=c["tokens_per_s"],
+               a_over_c=round(a["tokens_per_s"] / c["tokens_per_s"], 3))
+    if host.source == SGLANG_SOURCE:  # only sglang's own code is a (b)
+        row.update(b_ms_per_iteration=b["ms_per_iteration"], b_source=f"sglang-{SGLANG_VERSION}",
+                   a_over_b=round(a["tokens_per_s"] / b["tokens_per_s"], 3))
+    else:
+        row["model_b_over_a_ms"] = round(b["ms_per_iteration"] / a["ms_per_iteration"], 3)
+    if bandwidth:
+        nbytes = forward_bytes(models, batch, args.context)
+        a_floor = (nbytes["target"] + s * nbytes["draft"]) / (bandwidth * 1e12) * 1e3
+        c_floor = nbytes["target"] / (bandwidth * 1e12) * 1e3
+        row.update(read_bandwidth_TBps=bandwidth, a_floor_ms=round(a_floor, 4), a_over_floor=round(a["ms_per_iteration"] / a_floor, 3),
+                   c_floor_ms=round(c_floor, 4),
+                   c_roofline_frac=round(c_floor / c["ms_per_iteration"], 4))
     return row
+
+
+def capture_timing(args) -> dict:
+    """Cold compile + capture of an engine with ``args.capture_buckets`` in a
+    fresh process (its own empty inductor cache), then a restart: another
+    fresh process that loads the first one's ``cache_path`` file."""
+    import subprocess
+    import tempfile
+
+    out = {}
+    with tempfile.TemporaryDirectory() as tmp:
+        cache = os.path.join(tmp, "eagle.cache")
+        for phase in ("cold", "restart"):
+            env = dict(os.environ, TORCHINDUCTOR_CACHE_DIR=os.path.join(tmp, f"inductor-{phase}"))
+            cmd = [sys.executable, os.path.abspath(__file__), "--capture-child", cache,
+                   "--preset", args.preset, "--compile", args.compile, "--context", str(args.context),
+                   "--capture-buckets", *map(str, args.capture_buckets)]
+            if args.num_layers:
+                cmd += ["--num-layers", str(args.num_layers)]
+            done = subprocess.run(cmd, env=env, capture_output=True, text=True)
+            if done.returncode:
+                raise SystemExit(f"capture {phase} failed:\n{done.stderr[-3000:]}")
+            out[phase] = json.loads(done.stdout.strip().splitlines()[-1])
+            print(f"capture {phase}: {out[phase]}", flush=True)
+    return out
+
+
+def capture_child(args) -> int:
+    """One process: build the engine of `capture_timing` and time its capture."""
+    models = make_models(args.preset, draft="random", device="cuda", num_layers=args.num_layers)
+    p, k, s, n = CONFIGS[-1]
+    buckets = sorted(args.capture_buckets)
+    spec = fa3_spec.SpecConfig(page_size=p, topk=k, num_steps=s, num_draft_tokens=n,
+                               max_bs=buckets[-1], max_context_len=args.context + 64, num_pages=1)
+    spec = dataclasses.replace(spec, num_pages=1 + buckets[-1] * -(-spec.draft_row_len // p))
+    lc = LoopConfig(spec, max_new_tokens=32, backend="fa3")
+    eng = EagleEngine(lc, models, buckets=buckets, compile_backend=args.compile, device="cuda",
+                      cache_path=args.capture_child)
+    t0 = time.perf_counter()
+    per_bucket = eng.capture()
+    total = time.perf_counter() - t0
+    frames = eng.runner.compile_counter.frame_count
+    print(json.dumps(dict(seconds=round(total, 2), frames=frames, config=list(CONFIGS[-1]),
+                          per_bucket={str(b): round(x, 2) for b, x in per_bucket.items()})))
+    return 0
 
 
 def _resolve_upstream(args):
@@ -503,7 +587,13 @@ def main(argv=None) -> int:
     ap.add_argument("--context", type=int, default=None, help="prompt tokens per request")
     ap.add_argument("--iters", type=int, default=None)
     ap.add_argument("--max-new-tokens", type=int, default=None)
-    ap.add_argument("--compile", default=None, help="torch.compile backend for (a) (default none)")
+    ap.add_argument("--compile", default="auto", choices=list(COMPILE_BACKENDS),
+                    help="torch.compile backend of (a), (b) and (c) alike (default: inductor on "
+                         "CUDA, none on CPU)")
+    ap.add_argument("--capture-buckets", type=int, nargs="+", default=None,
+                    help="also time cold compile + capture of an engine with these buckets, and a "
+                         "restart from its compile cache (fresh processes)")
+    ap.add_argument("--capture-child", metavar="CACHE", default=None, help=argparse.SUPPRESS)
     ap.add_argument("--real-acceptance", action="store_true")
     ap.add_argument("--upstream", choices=("auto", "sglang", "model"), default="auto",
                     help="metadata of (b): sglang 0.5.23's own replay functions (sglang; "
@@ -513,6 +603,10 @@ def main(argv=None) -> int:
     ap.add_argument("--append", action="store_true",
                     help="add rows to an existing --json file (split a long run over calls)")
     args = ap.parse_args(argv)
+    if args.capture_child:
+        args.preset = args.preset or "llama3-8b"
+        args.context = args.context or 1024
+        return capture_child(args)
     if args.smoke:
         args.device, args.backend = "cpu", "torch"
         args.preset = args.preset or "tiny"
@@ -533,20 +627,36 @@ def main(argv=None) -> int:
     if args.append and args.json and os.path.exists(args.json):
         with open(args.json) as fh:
             rows = json.load(fh)["rows"]
-    out = dict(command="python3 benchmarks/eagle_bench.py " + " ".join(sys.argv[1:] if argv is None else argv),
-               torch=torch.__version__, device=torch.cuda.get_device_name() if args.device == "cuda" else "cpu",
-               rows=rows)
+    command = "python3 benchmarks/eagle_bench.py " + " ".join(sys.argv[1:] if argv is None else argv)
+    out = dict(torch=torch.__version__, device=torch.cuda.get_device_name() if args.device == "cuda" else "cpu",
+               commands=[command], rows=rows)
+    if args.append and args.json and os.path.exists(args.json):
+        with open(args.json) as fh:
+            old = json.load(fh)
+        out = {**old, "rows": rows, "commands": old.get("commands", []) + [command]}
+    bandwidth = None
+    if args.device == "cuda":
+        from model_roofline import read_bandwidth
+
+        bandwidth = round(read_bandwidth(), 3)
+        out["read_bandwidth_TBps"] = bandwidth
+        print(f"read bandwidth {bandwidth} TB/s", flush=True)
+    if args.capture_buckets:
+        timing = capture_timing(args)
+        out.update(buckets=sorted(args.capture_buckets), cold_compile_capture_s=timing["cold"]["seconds"],
+                   restart_s=timing["restart"]["seconds"], capture_detail=timing)
     for cfg in configs:
         for batch in batches:
-            row = bench_point(cfg, batch, args, models)
+            row = bench_point(cfg, batch, args, models, bandwidth)
             rows.append(row)
             a, b, c = row["a_in_graph"], row["b_host_metadata"], row["c_greedy"]
-            print(f"P={cfg[0]} topk={cfg[1]} S={cfg[2]} N={cfg[3]} bs={batch} [{row['acceptance'][:9]}]: "
+            print(f"P={cfg[0]} topk={cfg[1]} S={cfg[2]} N={cfg[3]} bs={batch} [{row['acceptance']}]: "
                   f"a {a['tokens_per_s']:.0f} tok/s {a['ms_per_iteration']:.2f} ms/it "
-                  f"syncs {a['host_syncs_per_iteration']} idle {a['gpu_idle_share']} | "
-                  f"b {b['tokens_per_s']:.0f} tok/s {b['ms_per_iteration']:.2f} ms/it "
-                  f"syncs {b['host_syncs_per_iteration']} | c {c['tokens_per_s']:.0f} tok/s | "
-                  f"a/b {row['a_over_b']} a/c {row['a_over_c']}", flush=True)
+                  f"(floor x{row.get('a_over_floor')}) syncs {a['host_syncs_per_iteration']} "
+                  f"idle {a['gpu_idle_share']} | b [{row['b_metadata_source']}] "
+                  f"{b['ms_per_iteration']:.2f} ms/it syncs {b['host_syncs_per_iteration']} | "
+                  f"c {c['ms_per_iteration']:.2f} ms/token ({row.get('c_roofline_frac')} of roofline) | "
+                  f"a/b {row.get('a_over_b')} a/c {row['a_over_c']}", flush=True)
             if args.json:  # rewritten after every row: a cut-off run keeps what it measured
                 os.makedirs(os.path.dirname(os.path.abspath(args.json)), exist_ok=True)
                 with open(args.json, "w") as fh:

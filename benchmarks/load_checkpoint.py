@@ -189,7 +189,8 @@ def loop(models, args, label: str) -> dict:
     spec = dataclasses.replace(spec, num_pages=1 + 2 * args.batch * -(-spec.draft_row_len // p))
     lc = LoopConfig(spec, max_new_tokens=args.new, backend=args.backend, scripted=DEFAULT_SCRIPT)
     cuda = torch.device(args.device).type == "cuda"
-    eng = EagleEngine(lc, models, max_reqs=2 * args.batch, graphs=cuda, device=args.device)
+    eng = EagleEngine(lc, models, max_reqs=2 * args.batch, buckets=[args.batch], graphs=cuda,
+                      compile_backend=args.compile, device=args.device)
     if cuda:
         eng.capture()
     g = torch.Generator().manual_seed(0)
@@ -223,6 +224,9 @@ def main(argv=None) -> int:
     ap.add_argument("--context", type=int, default=512, help="prompt tokens per request")
     ap.add_argument("--new", type=int, default=256, help="new tokens per request")
     ap.add_argument("--device", default=None)
+    ap.add_argument("--compile", default="auto",
+                    help="the engine's compile backend (auto: inductor on CUDA; none: eager "
+                         "capture, minutes faster to start)")
     ap.add_argument("--json", metavar="PATH")
     ap.add_argument("--_load-child", dest="load_child", default=None, help=argparse.SUPPRESS)
     args = ap.parse_args(argv)

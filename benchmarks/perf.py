@@ -86,7 +86,7 @@ def metadata_profile(cfg, world, args, options=None):
         return None, None
     from torch.profiler import ProfilerActivity, profile
 
-    from fa3_spec.probes import capture
+    from fa3_spec.graphs import capture
 
     repeated, _ = capture(lambda: [compiled() for _ in range(REPEAT)])
     _, (device_us, _) = bench._graph_times(repeated, args.iters)

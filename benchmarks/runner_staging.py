@@ -112,11 +112,11 @@ def staging_parts(runner, batch, bucket, bs, iters, sync):
     names = list(static)
     dst = [static[n][:bs] for n in names]
     src = [batch[n] for n in names]
-    groups = runner._plan(bucket, bs)[0]  # the runner's own per-dtype groups
+    groups = runner._plan(bucket, bs).groups  # the runner's own per-dtype groups
 
     def per_dtype():
-        for group, views in groups:
-            torch._foreach_copy_(views, [batch[n] for n in group])
+        for group in groups:
+            torch._foreach_copy_(group.views, [batch[n] for n in group.names])
 
     def per_tensor():
         for d, x in zip(dst, src):

@@ -81,7 +81,7 @@ def run_row(upstream, cfg, bs, iters, device, smoke):
 
     compiled = compile_fullgraph(adapter_iteration, backend="aot_eager" if smoke else "inductor")
     if device.type == "cuda":
-        from fa3_spec.probes import capture
+        from fa3_spec.graphs import capture
 
         graph, _ = capture(compiled)
         run_adapter = graph.replay

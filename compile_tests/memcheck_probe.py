@@ -34,7 +34,7 @@ import sys
 import torch
 
 import fa3_spec
-from fa3_spec.probes import capture
+from fa3_spec.graphs import capture
 from fa3_spec.harness.toy import ToyModel, draft_iteration
 from fa3_spec.harness.worlds import make_world
 from fa3_spec.harness.upstream import UpstreamStyleBuilder

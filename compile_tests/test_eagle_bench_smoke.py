@@ -30,7 +30,12 @@ def _smoke(tmp_path, *extra):
     rows = json.loads(out.read_text())["rows"]
     assert len(rows) == 2
     for row in rows:
-        assert row["acceptance"].startswith("SCRIPTED")
+        assert row["acceptance"] == "scripted:3,4,2,5,3,4"
+        assert row["compile"] == "none"  # the CPU default
+        for field in ("a_ms_per_iteration", "a_tokens_per_s", "c_ms_per_token", "c_tokens_per_s"):
+            assert row[field] > 0
+        # (b)'s flat fields exist only where (b) ran sglang's own code.
+        assert ("b_source" in row) == (row["b_metadata_source"] == SGLANG)
         assert row["a_equals_b"] is True
         assert row["a_state_equals_b"] is True
         assert row["b_metadata_mismatches"] == []

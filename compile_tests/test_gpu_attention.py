@@ -13,7 +13,7 @@ from fa3_spec.attention import fa3_available
 from fa3_spec import MODES, build_metadata as build
 from fa3_spec.harness.oracle import dense_attention, expected_key_slots, num_queries
 from fa3_spec.harness.worlds import fill_kv_cache, make_world
-from fa3_spec.probes import capture
+from fa3_spec.graphs import capture
 from gpu_results import ResultsFile, rel_err as _rel_err
 
 pytestmark = [

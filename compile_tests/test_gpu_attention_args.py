@@ -22,7 +22,7 @@ import fa3_spec
 from fa3_spec.attention import fa3_available, fa3_paged_attention, providers, provider_version
 from fa3_spec.harness.worlds import fill_kv_cache, make_world, rebase_world
 from fa3_spec.harness.oracle import num_queries
-from fa3_spec.probes import capture
+from fa3_spec.graphs import capture
 from gpu_results import ResultsFile, rel_err as _rel_err
 
 pytestmark = [

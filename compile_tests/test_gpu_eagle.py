@@ -99,6 +99,12 @@ def test_llama3_8b_shapes_match_greedy_up_to_near_ties(p, k, s, n):
           buckets=[4], compile_backend=None, label="llama3-8b")
 
 
+def test_llama3_8b_shapes_compiled_by_default_match_greedy_up_to_near_ties():
+    """The default on CUDA: inductor (one static frame per bucket)."""
+    check("llama3-8b", 2, 8, 5, 16, batch=4, requests=6, max_new=24, prompt_len=200,
+          buckets=[4], compile_backend="auto", label="llama3-8b-inductor")
+
+
 def test_eager_iteration_has_zero_host_syncs():
     """The iteration itself (not only its graph) never synchronizes with the host."""
     models = make_models("tiny", device="cuda")

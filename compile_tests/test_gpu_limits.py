@@ -14,7 +14,7 @@ from fa3_spec.attention import fa3_available
 from gpu_results import rel_err as _rel
 from fa3_spec.config import cdiv
 from fa3_spec.graphs import CUDAGraphRunner
-from fa3_spec.probes import capture
+from fa3_spec.graphs import capture
 from fa3_spec.harness.toy import ToyModel, draft_iteration, example_batch
 from fa3_spec.harness.worlds import draft_positions
 

@@ -90,8 +90,8 @@ def test_strided_sources_take_the_per_dtype_copy_and_give_the_same_rows():
     got, want = runner(**strided), ref(**batch)  # ref: contiguous, one byte-view copy
     assert all(torch.equal(g, w) for g, w in zip(got, want))
     assert len(runner._routes) == len(ref._routes) == 1
-    copy_strided = next(iter(runner._routes.values()))[2]
-    copy_bytes = next(iter(ref._routes.values()))[2]
+    copy_strided = next(iter(runner._routes.values())).copy
+    copy_bytes = next(iter(ref._routes.values())).copy
     assert copy_strided.__code__ is not copy_bytes.__code__  # the two copy paths
 
 
@@ -156,6 +156,45 @@ def test_missing_compile_cache_is_not_an_error(tmp_path):
                              cache_path=str(tmp_path / "cache.bin"))
     runner.capture()  # eager compiles nothing: no file
     assert not (tmp_path / "cache.bin").exists()
+
+
+def test_a_garbage_compile_cache_is_reported_as_not_loaded(tmp_path):
+    path = tmp_path / "garbage.bin"
+    path.write_bytes(b"not a cache file")
+    assert load_compile_cache(str(path)) is False  # was True: "loaded"
+
+
+def _flaky_step(fail):
+    def step(req_pool_indices, out_cache_loc, hidden):
+        if fail:  # a Python switch, as a step that raises during warm-up or tracing
+            raise RuntimeError("the step failed during capture")
+        return _step(req_pool_indices, out_cache_loc, hidden)
+    return step
+
+
+def test_a_failed_capture_leaves_the_runner_as_it_was():
+    fail = [True]
+    runner = CUDAGraphRunner(_flaky_step(fail), example=_example, buckets=[4, 8],
+                             strategy="eager")
+    with pytest.raises(RuntimeError, match="failed during capture"):
+        runner.capture()
+    assert runner.capture_seconds == {}  # no half-filled bucket
+    with pytest.raises(RuntimeError, match="failed during capture"):  # the real error again
+        runner(**_batch(3, 0))
+    fail.clear()
+    batch = _batch(3, 1)  # the next call captures, then runs
+    got = runner(**batch)
+    want = _step(**_padded(batch, 4))
+    assert all(torch.equal(g, w[:3]) for g, w in zip(got, want))
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the CPU-only message")
+def test_manual_capture_without_cuda_says_so_every_time():
+    runner = CUDAGraphRunner(_step, example=_example, buckets=[4, 8])  # strategy="manual"
+    for attempt in (runner.capture, lambda: runner(**_batch(3, 0))):
+        with pytest.raises(RuntimeError, match="manual.*needs CUDA"):
+            attempt()  # was an internal error, then KeyError: 4
+    assert runner.capture_seconds == {} and runner.output_buffers(4) is None
 
 
 _COMPILE = """

@@ -52,25 +52,87 @@ Two capture strategies:
   CUDA-graph trees record each bucket on first use. Less code, but recording
   happens lazily on the serving path, and outputs are overwritten by the next
   replay (the runner clones them).
+* ``"compile"``: ``torch.compile(step, fullgraph=True)``, called directly
+  (no graph): what a CPU test of a compiled step needs.
 * ``"eager"``: no compile, no graph: the same padding logic, for CPU tests.
+
+``backend=None`` with ``"manual"`` captures the step uncompiled (eager
+capture, for debugging a compiled step).
+
+Caller-owned buffers (``buffers=``): an engine whose step updates its own
+state in place (the EAGLE loop's `fa3_spec.eagle.step_in_place`) hands the
+runner views of one ``max_bs``-row state, ``state[k][:bucket]``, instead of
+letting it allocate a copy per bucket: consecutive iterations in different
+buckets then share rows with no copy, and the engine keeps the padding rule
+(the runner zero-fills nothing). Such a runner is driven by `replay` only.
+
+Capture is all or nothing: `CUDAGraphRunner.capture` builds every bucket
+aside and keeps them only when all succeeded, so a failed capture (a step
+that raises while warming up, ``"manual"`` without CUDA) leaves the runner as
+it was, and the next call raises the same error or captures again.
 
 Cold start: ``cache_path=`` (or `save_compile_cache` / `load_compile_cache`)
 keeps PyTorch's compile caches (``torch.compiler.save_cache_artifacts``) in
 one file, loaded before the first compile and written after `capture`.
+
+`capture` (one call warmed up on a side stream, then captured) is the
+building block, for any step an engine captures itself.
 """
 
 from __future__ import annotations
 
 import os
 import time
-from typing import Callable, Dict, List, Optional, Sequence, Tuple
+from typing import Callable, Dict, List, NamedTuple, Optional, Sequence, Tuple
 
 import torch
 import torch.utils._pytree as pytree
 
-from .probes import RecordingBackend, capture
+from .probes import RecordingBackend
 
-STRATEGIES = ("manual", "reduce-overhead", "eager")
+STRATEGIES = ("manual", "reduce-overhead", "compile", "eager")
+
+
+def capture(fn: Callable, *args, warmup: int = 2, pool=None, **kwargs):
+    """Warm ``fn(*args, **kwargs)`` up on a side stream, then capture one call.
+
+    Returns ``(graph, out)``: replaying ``graph`` recomputes ``out`` in place
+    from the same input buffers. ``pool`` shares a memory pool between graphs.
+    CUDA only.
+    """
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        for _ in range(warmup):
+            fn(*args, **kwargs)
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph, pool=pool):
+        out = fn(*args, **kwargs)
+    return graph, out
+
+
+class CopyGroup(NamedTuple):
+    """The inputs of one dtype: their names and the live-row views they are copied into."""
+
+    names: List[str]
+    views: List[torch.Tensor]
+
+
+class LivePlan(NamedTuple):
+    """What a call with ``bs`` live rows of a bucket needs, built once per ``(bucket, bs)``."""
+
+    groups: Tuple[CopyGroup, ...]  # per-dtype copy groups of the bucket's inputs
+    outputs: object  # the captured outputs' live rows (manual strategy), else None
+
+
+class Route(NamedTuple):
+    """A checked batch signature: where it goes and how its rows are copied in."""
+
+    bucket: int
+    bs: int
+    copy: Callable[[Dict[str, torch.Tensor]], None]  # copy(batch): the live rows into the buffers
+    plan: LivePlan
 
 #: Inductor settings for a compiled step that builds this library's metadata
 #: (the runner's default; `compile_fullgraph` applies them too).
@@ -115,8 +177,9 @@ class CUDAGraphRunner:
             ``bs`` (values do not matter; shapes, dtypes and device do).
         buckets: batch sizes to capture (a call with ``bs`` uses the
             smallest bucket ``>= bs``).
-        strategy: ``"manual"``, ``"reduce-overhead"`` or ``"eager"``.
-        backend: ``torch.compile`` backend (``"inductor"`` on GPU).
+        strategy: ``"manual"``, ``"reduce-overhead"``, ``"compile"`` or ``"eager"``.
+        backend: ``torch.compile`` backend (``"inductor"`` on GPU); None
+            with ``"manual"``: capture the step uncompiled.
         dynamic_batch: mark the batch dimension dynamic so buckets share a
             compiled graph (``"manual"``).
         warmup: eager-compiled runs before each capture.
@@ -126,6 +189,10 @@ class CUDAGraphRunner:
         inductor_options: inductor config applied while compiling the step
             (default `INDUCTOR_OPTIONS`; ``{}`` for inductor's defaults).
             Ignored by other backends.
+        buffers: ``buffers(bucket) -> dict`` of caller-owned input tensors
+            for the bucket (see the module docstring); ``example`` may then
+            be omitted. The step may update them in place; the runner never
+            zero-fills them.
 
     Attributes: ``compiled_step`` (the step as the strategy compiles it; what
     each bucket captures). After `capture`: ``capture_seconds`` per bucket and
@@ -133,16 +200,23 @@ class CUDAGraphRunner:
     and data-dependent ops seen).
     """
 
-    def __init__(self, step: Callable, *, example: Callable[[int], Dict[str, torch.Tensor]],
-                 buckets: Sequence[int], strategy: str = "manual", backend: str = "inductor",
-                 dynamic_batch: bool = True, warmup: int = 2, cache_path: Optional[str] = None,
-                 inductor_options: Optional[dict] = None):
+    def __init__(self, step: Callable, *,
+                 example: Optional[Callable[[int], Dict[str, torch.Tensor]]] = None,
+                 buckets: Sequence[int], strategy: str = "manual",
+                 backend: Optional[str] = "inductor", dynamic_batch: bool = True, warmup: int = 2,
+                 cache_path: Optional[str] = None, inductor_options: Optional[dict] = None,
+                 buffers: Optional[Callable[[int], Dict[str, torch.Tensor]]] = None):
         if strategy not in STRATEGIES:
             raise ValueError(f"strategy must be one of {STRATEGIES}, got {strategy!r}")
         if not buckets or min(buckets) < 1:
             raise ValueError(f"buckets must be positive batch sizes, got {buckets!r}")
+        if example is None and buffers is None:
+            raise ValueError("give example= (runner-owned buffers) or buffers= (caller-owned)")
+        if backend is None and strategy in ("reduce-overhead", "compile"):
+            raise ValueError(f"strategy={strategy!r} compiles the step: backend must be given")
         self.step = step
-        self.example = example
+        self.example = example if example is not None else buffers
+        self.buffers = buffers
         self.buckets = sorted(set(buckets))
         self.strategy = strategy
         self.dynamic_batch = dynamic_batch
@@ -156,44 +230,74 @@ class CUDAGraphRunner:
         self._out_rows: Optional[List[Tuple[int, int]]] = None  # per output leaf: (a, c)
         self._pool = None
         self.cache_path = cache_path
-        self._routes: Dict[tuple, tuple] = {}  # signature -> (bucket, bs, copy, plan), checked
+        self._routes: Dict[tuple, Route] = {}  # batch signature -> its checked route
         self._dirty: Dict[int, int] = {}  # bucket -> rows [mark:] of its inputs are known zero
-        self._live: Dict[Tuple[int, int], tuple] = {}  # (bucket, bs) -> (names, dst views, outputs)
-        if strategy == "eager":
+        self._live: Dict[Tuple[int, int], LivePlan] = {}  # (bucket, bs) -> its plan
+        if strategy == "eager" or backend is None:
             self.compiled_step = step
         elif strategy == "reduce-overhead":
             # mode="reduce-overhead" is inductor with cudagraph trees on; spelled as
             # options so that the inductor options can join it.
             self.compiled_step = torch.compile(step, fullgraph=True, backend="inductor",
                                                options={"triton.cudagraphs": True, **options})
-        else:
+        else:  # manual, compile
             self.compiled_step = torch.compile(step, fullgraph=True, backend=self.compile_counter)
+
+    @property
+    def captured(self) -> bool:
+        """True once `capture` has built every bucket."""
+        return bool(self._static)
 
     # ---------------------------------------------------------------- capture
     def capture(self) -> Dict[int, float]:
-        """Allocate buffers and capture every bucket (largest first)."""
+        """Allocate buffers and capture every bucket (largest first).
+
+        All or nothing: the buckets are built aside and kept only when every
+        one of them was captured and the outputs' row rule was learnt; on any
+        error the runner is left as it was and the error propagates.
+
+        Raises:
+            RuntimeError: ``strategy="manual"`` without CUDA.
+        """
+        if self.strategy == "manual" and not torch.cuda.is_available():
+            raise RuntimeError("strategy='manual' captures CUDA graphs and needs CUDA; "
+                               "use strategy='eager' on a machine without CUDA")
         if self.cache_path is not None and self.strategy != "eager":
             load_compile_cache(self.cache_path)
-        self._routes.clear()
-        self._live.clear()
+        statics: Dict[int, Dict[str, torch.Tensor]] = {}
+        outputs: Dict[int, object] = {}
+        graphs: Dict[int, torch.cuda.CUDAGraph] = {}
+        seconds: Dict[int, float] = {}
+        pool = self._pool
         for bucket in reversed(self.buckets):
             start = time.perf_counter()
-            static = {k: v.clone() for k, v in self.example(bucket).items()}
-            self._static[bucket] = static
+            if self.buffers is not None:
+                static = dict(self.buffers(bucket))
+            else:
+                static = {k: v.clone() for k, v in self.example(bucket).items()}
+            statics[bucket] = static
+            if self.strategy in ("manual", "compile") and self.dynamic_batch:
+                for t in static.values():
+                    torch._dynamo.maybe_mark_dynamic(t, 0)
             if self.strategy == "manual":
-                if self.dynamic_batch:
-                    for t in static.values():
-                        torch._dynamo.maybe_mark_dynamic(t, 0)
-                self._capture_manual(bucket, static)
+                pool = pool if pool is not None else torch.cuda.graph_pool_handle()
+                graphs[bucket], outputs[bucket] = capture(
+                    self.compiled_step, warmup=self.warmup, pool=pool, **static)
             elif self.strategy == "reduce-overhead":
                 for _ in range(max(self.warmup, 2)):  # cudagraph trees record on the 2nd+ call
                     torch.compiler.cudagraph_mark_step_begin()
                     self.compiled_step(**static)
             if torch.cuda.is_available() and self.strategy != "eager":
                 torch.cuda.synchronize()
-            self.capture_seconds[bucket] = time.perf_counter() - start
-            self._dirty[bucket] = bucket  # example values: the first call zero-fills
-        self._out_rows = self._learn_output_rows()
+            seconds[bucket] = time.perf_counter() - start
+        # Caller-owned buffers without captured outputs: learnt on first use, if any.
+        out_rows = self._learn_output_rows(outputs) if outputs or self.buffers is None else None
+        # Every bucket is built: keep them all.
+        self._static, self._outputs, self._graphs, self._pool = statics, outputs, graphs, pool
+        self._out_rows, self.capture_seconds = out_rows, seconds
+        self._dirty = {bucket: bucket for bucket in statics}  # example values: zero-fill
+        self._routes.clear()
+        self._live.clear()
         if self.cache_path is not None and self.strategy != "eager":
             save_compile_cache(self.cache_path)
         return self.capture_seconds
@@ -209,8 +313,12 @@ class CUDAGraphRunner:
             out = self.step(**fake)
         return [tuple(t.shape) for t in pytree.tree_leaves(out)]
 
-    def _learn_output_rows(self) -> List[Tuple[int, int]]:
-        """Per output leaf ``(a, c)`` with ``rows = a * B + c``; refuse any other layout."""
+    def _learn_output_rows(self, outputs: Dict[int, object]) -> List[Tuple[int, int]]:
+        """Per output leaf ``(a, c)`` with ``rows = a * B + c``; refuse any other layout
+        (checked on the captured ``outputs`` of every bucket too). A step whose
+        captured outputs hold no tensor (an in-place step) needs no tracing."""
+        if outputs and not any(pytree.tree_leaves(out) for out in outputs.values()):
+            return []
         # Two batch sizes the step accepts: two buckets, or the only one and one less.
         b0, b1 = self.buckets[:2] if len(self.buckets) > 1 else (self.buckets[0] - 1, self.buckets[0])
         shapes = [self._output_shapes(b) for b in (b0, b1)]
@@ -230,19 +338,13 @@ class CUDAGraphRunner:
                 raise ValueError(f"output leaf {i} has {s0[0]} rows at batch {b0} and {s1[0]} at "
                                  f"batch {b1}: not a * B + c rows with a >= 0")
             rows.append((a, c))
-        for bucket, out in self._outputs.items():  # check the rule on every captured bucket
+        for bucket, out in outputs.items():  # check the rule on every captured bucket
             for i, (t, (a, c)) in enumerate(zip(pytree.tree_leaves(out), rows)):
                 if t.dim() and t.shape[0] != a * bucket + c:
                     raise ValueError(
                         f"output leaf {i} has {t.shape[0]} rows at bucket {bucket}, not "
                         f"{a} * B + {c}: its leading dimension is not affine in the batch")
         return rows
-
-    def _capture_manual(self, bucket: int, static: Dict[str, torch.Tensor]) -> None:
-        if self._pool is None:
-            self._pool = torch.cuda.graph_pool_handle()
-        self._graphs[bucket], self._outputs[bucket] = capture(
-            self.compiled_step, warmup=self.warmup, pool=self._pool, **static)
 
     # ----------------------------------------------------------------- replay
     def bucket_for(self, bs: int) -> int:
@@ -298,8 +400,8 @@ class CUDAGraphRunner:
         bs = first.shape[0] if isinstance(first, torch.Tensor) and first.dim() else 0
         return self._check_batch(batch, self._static[self.bucket_for(bs)])
 
-    def _route(self, batch: Dict[str, torch.Tensor]) -> tuple:
-        """``(bucket, bs, copy, plan)`` for ``batch``, built once per signature.
+    def _route(self, batch: Dict[str, torch.Tensor]) -> Route:
+        """The `Route` of ``batch``, built once per signature.
 
         The checks (`_check_batch`) are a pure function of the signature and
         of the bucket's buffers (fixed from `capture` on; `capture` clears
@@ -320,11 +422,10 @@ class CUDAGraphRunner:
         bucket = self.bucket_for(bs)
         plan = self._plan(bucket, bs)
         names = list(self._static[bucket])
-        groups = plan[0]
 
         def copy_per_dtype(batch):
-            for group, views in groups:
-                torch._foreach_copy_(views, [batch[name] for name in group])
+            for group in plan.groups:
+                torch._foreach_copy_(group.views, [batch[name] for name in group.names])
 
         try:  # buffers and sources must both have a byte view (last-dimension stride 1)
             dst = [self._static[bucket][name][:bs].view(torch.uint8) for name in names]
@@ -341,48 +442,51 @@ class CUDAGraphRunner:
                 except RuntimeError:
                     return copy_per_dtype(batch)
                 torch._foreach_copy_(dst, src)
-        route = (bucket, bs, copy, plan)
+        route = Route(bucket, bs, copy, plan)
         if sig is not None:
             self._routes[sig] = route
         return route
 
-    def _plan(self, bucket: int, bs: int) -> tuple:
-        """(copy groups, live outputs or None), once per (bucket, bs).
-
-        A copy group is ``(input names, their live-row views)`` for the inputs
-        of one dtype.
-        """
+    def _plan(self, bucket: int, bs: int) -> LivePlan:
+        """The `LivePlan` of ``bs`` live rows in ``bucket``, built once per (bucket, bs)."""
         plan = self._live.get((bucket, bs))
         if plan is None:
-            groups: Dict[torch.dtype, Tuple[list, list]] = {}
+            groups: Dict[torch.dtype, CopyGroup] = {}
             for name, buf in self._static[bucket].items():
-                names, views = groups.setdefault(buf.dtype, ([], []))
-                names.append(name)
-                views.append(buf[:bs])
+                group = groups.setdefault(buf.dtype, CopyGroup([], []))
+                group.names.append(name)
+                group.views.append(buf[:bs])
             live_out = None
             if self.strategy == "manual":
                 live_out = self._live_outputs(self._outputs[bucket], bs)
-            plan = (tuple(groups.values()), live_out)
+            plan = LivePlan(tuple(groups.values()), live_out)
             self._live[(bucket, bs)] = plan
         return plan
 
     def _live_outputs(self, out, bs: int):
         leaves, spec = pytree.tree_flatten(out)
+        if not leaves:
+            return out
+        if self._out_rows is None:
+            self._out_rows = self._learn_output_rows({})
         live = [t[: max(a * bs + c, 0)] if t.dim() else t for t, (a, c) in zip(leaves, self._out_rows)]
         return pytree.tree_unflatten(live, spec)
 
     def _zero_padding(self, bucket: int, bs: int) -> None:
-        """Zero rows ``[bs, mark)`` of the bucket's inputs; rows past the mark are zero already."""
+        """Zero rows ``[bs, mark)`` of the bucket's inputs; rows past the mark are zero already.
+        Caller-owned buffers are the caller's to pad: never touched."""
+        if self.buffers is not None:
+            return
         mark = self._dirty[bucket]
         if mark > bs:
             torch._foreach_zero_([buf[bs:mark] for buf in self._static[bucket].values()])
         self._dirty[bucket] = bs
 
-    def _run(self, bucket: int, bs: int, plan: tuple):
+    def _run(self, bucket: int, bs: int, plan: LivePlan):
         self._zero_padding(bucket, bs)
         if self.strategy == "manual":
             self._graphs[bucket].replay()
-            return plan[1]
+            return plan.outputs
         static = self._static[bucket]
         if self.strategy == "reduce-overhead":
             torch.compiler.cudagraph_mark_step_begin()
@@ -397,11 +501,14 @@ class CUDAGraphRunner:
         Outputs of the manual strategy are views of the captured buffers: the
         next call overwrites them (clone what must outlive it).
         """
+        if self.buffers is not None:
+            raise RuntimeError("a runner with caller-owned buffers is driven by replay(bucket, bs): "
+                               "write the batch into buffers(bucket) and replay")
         if not self._static:
             self.capture()
-        bucket, bs, copy, plan = self._route(batch)
-        copy(batch)
-        return self._run(bucket, bs, plan)
+        route = self._route(batch)
+        route.copy(batch)
+        return self._run(route.bucket, route.bs, route.plan)
 
     def replay(self, bucket: int, bs: int):
         """Zero-copy call: the engine has written rows ``[:bs]`` of every
@@ -448,11 +555,16 @@ def save_compile_cache(path: str) -> bool:
 
 def load_compile_cache(path: str) -> bool:
     """Load artifacts written by `save_compile_cache` into PyTorch's caches
-    (``torch.compiler.load_cache_artifacts``) before compiling; False when
-    ``path`` does not exist. Artifacts from another torch version, device or
-    configuration are simply not hit."""
+    (``torch.compiler.load_cache_artifacts``) before compiling.
+
+    Returns True when artifacts were loaded; False when ``path`` does not
+    exist or holds no artifacts torch can read (an empty, truncated or
+    foreign file: torch logs why; `CUDAGraphRunner.capture` then compiles
+    from scratch and overwrites the file). Artifacts from another torch
+    version, device or configuration load but are simply not hit.
+    """
     if not os.path.exists(path):
         return False
     with open(path, "rb") as fh:
-        torch.compiler.load_cache_artifacts(fh.read())
-    return True
+        data = fh.read()
+    return torch.compiler.load_cache_artifacts(data) is not None

@@ -1,8 +1,8 @@
-"""Compile and capture probes shared by the runner and the audit.
+"""Compile probes shared by the runner and the audit.
 
 Each answers one question about a function, with torch's own machinery:
 
-* `graph_breaks`: where does dynamo break the graph, and why?
+* `graph_break_sites`: where does dynamo break the graph, and why?
 * `RecordingBackend`: a ``torch.compile`` backend that counts compiled
   frames (a second frame for one call site is a recompile) and lists every
   data-dependent node (``item``/``tolist`` and values with unbacked
@@ -13,7 +13,6 @@ Each answers one question about a function, with torch's own machinery:
 * `recompile_reasons`: the guards that failed when dynamo recompiled.
 * `user_frame`: the innermost frame of a stack outside torch and this package's
   probes (where a finding is in the user's source).
-* `capture`: warm up on a side stream, then capture one call in a CUDA graph.
 """
 
 from __future__ import annotations
@@ -222,21 +221,3 @@ def recording_host_syncs() -> Iterator[List[tuple]]:
             yield caught
         finally:
             torch.cuda.set_sync_debug_mode("default")
-
-
-def capture(fn: Callable, *args, warmup: int = 2, pool=None, **kwargs):
-    """Warm ``fn(*args, **kwargs)`` up on a side stream, then capture one call.
-
-    Returns ``(graph, out)``: replaying ``graph`` recomputes ``out`` in place
-    from the same input buffers. ``pool`` shares a memory pool between graphs.
-    """
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        for _ in range(warmup):
-            fn(*args, **kwargs)
-    torch.cuda.current_stream().wait_stream(side)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph, pool=pool):
-        out = fn(*args, **kwargs)
-    return graph, out

@@ -37,7 +37,7 @@ import torch
 
 from ..config import SpecConfig
 from .checkpoint import CheckpointError, draft_kind, from_pretrained
-from .engine import EagleEngine, eos_set, greedy_generate
+from .engine import COMPILE_BACKENDS, EagleEngine, eos_set, greedy_generate
 from .iteration import DEFAULT_SCRIPT, LoopConfig
 from .models import make_models
 from .text import CheckpointTokenizer, checkpoint_eos_ids, read_prompts
@@ -90,8 +90,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--backend", default="auto", choices=["auto", "fa3", "torch"])
     p.add_argument("--graphs", action=argparse.BooleanOptionalAction, default=None,
                    help="capture one CUDA graph per bucket (default: on with CUDA)")
-    p.add_argument("--compile", default=None,
-                   help="torch.compile backend for the iteration (inductor, aot_eager; default none)")
+    p.add_argument("--compile", default="auto", choices=list(COMPILE_BACKENDS),
+                   help="torch.compile backend of the iteration; 'none': no compile (with graphs: "
+                        "eager capture, for debugging); default 'auto': inductor on CUDA, none on CPU")
+    p.add_argument("--compile-cache", metavar="PATH", default=None,
+                   help="file of PyTorch's compile caches: loaded before compiling, written after "
+                        "capture (a restart skips most of inductor's work)")
     p.add_argument("--scripted", default=None, nargs="?", const=",".join(map(str, DEFAULT_SCRIPT)),
                    help="force emitted tokens per iteration from this sequence "
                         f"(default {','.join(map(str, DEFAULT_SCRIPT))}, mean 3.5); output is not the model's")
@@ -235,7 +239,8 @@ def run_eagle(args: argparse.Namespace, *, log=print) -> dict:
                     max_eos=max(4, len(eos)))
     graphs = args.graphs if args.graphs is not None else device == "cuda"
     engine = EagleEngine(lc, models, max_reqs=max_reqs, graphs=graphs,
-                         compile_backend=args.compile, device=device, seed=args.seed,
+                         compile_backend=args.compile, cache_path=args.compile_cache,
+                         device=device, seed=args.seed,
                          count_syncs=args.count_syncs and device == "cuda")
     capture_s = None
     if graphs:
@@ -292,7 +297,7 @@ def run_eagle(args: argparse.Namespace, *, log=print) -> dict:
                     alpha=None if loaded else DEFAULT_ALPHA if args.alpha is None else args.alpha,
                     noise=args.noise, num_layers=models.num_target_layers, eos=list(eos),
                     backend=args.backend,
-                    graphs=graphs, compile=args.compile, scripted=list(scripted) if scripted else None),
+                    graphs=graphs, compile=engine.compile_backend, scripted=list(scripted) if scripted else None),
         outputs=got,
         model=loaded.info if loaded else None,
     )

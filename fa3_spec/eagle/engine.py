@@ -8,7 +8,11 @@ in static device buffers of ``max_bs`` rows. Between iterations the host
   metadata comes from `fa3_spec.build_prefill_metadata`, written into the
   state rows on the device (the first token is picked on the device too);
 * launches one iteration for the smallest bucket that covers every occupied
-  row (``state[:bucket]``): a CUDA-graph replay when captured, else a call;
+  row (``state[:bucket]``) through a `fa3_spec.graphs.CUDAGraphRunner` over
+  caller-owned buffers (the state's bucket views): on CUDA the iteration is
+  compiled once with inductor (the batch dimension dynamic, so every bucket
+  above 1 shares one compiled frame) and captured as one CUDA graph per
+  bucket; on CPU it is called, eagerly by default;
 * copies the state's outputs into pinned host memory with a non-blocking
   copy and records an event, then handles the *previous* iteration's copy:
   the host runs one iteration ahead of what it has read. Finished requests
@@ -31,11 +35,16 @@ import torch
 from .. import build_decode_metadata
 from ..builders.prefill import build_prefill_metadata, extend_query_positions
 from ..config import SpecConfig
-from ..graphs import compile_fullgraph
-from ..probes import capture, recording_host_syncs
+from ..graphs import CUDAGraphRunner
+from ..probes import recording_host_syncs
 from .iteration import LoopConfig, State, eagle_iteration, empty_state, step_in_place
 from .models import KVCache, SpecModel
 from .pool import KVPool
+
+#: ``compile_backend`` values: a ``torch.compile`` backend, or ``"none"`` (no
+#: compile; with graphs, eager capture, for debugging); ``"auto"`` is
+#: ``"inductor"`` on CUDA and ``"none"`` elsewhere.
+COMPILE_BACKENDS = ("auto", "inductor", "aot_eager", "eager", "none")
 
 #: State keys the host reads back after every iteration.
 READBACK = ("out_tokens", "out_len", "seq_lens", "accept_len", "tree_tokens", "parents", "path")
@@ -110,9 +119,14 @@ class EagleEngine:
         max_reqs: ``req_to_token`` rows (default ``2 * max_bs``).
         buckets: batch sizes to run/capture (default: powers of two up to
             ``max_bs``, plus ``max_bs``).
-        graphs: capture one CUDA graph per bucket (CUDA only).
-        compile_backend: ``torch.compile(fullgraph=True)`` backend for the
-            iteration ("inductor", "aot_eager", ...), or None for eager.
+        graphs: capture one CUDA graph per bucket (CUDA only; default: on
+            with CUDA).
+        compile_backend: one of `COMPILE_BACKENDS`: the
+            ``torch.compile(fullgraph=True)`` backend of the iteration
+            (``"auto"``: inductor on CUDA, none on CPU; None means ``"none"``).
+        cache_path: a file for PyTorch's compile caches (loaded before the
+            first compile, written after `capture`), so a restarted process
+            skips most of inductor's work.
         device: where everything lives.
         seed: pool page shuffle.
         count_syncs: on CUDA, count synchronizing calls during each iteration
@@ -120,9 +134,9 @@ class EagleEngine:
     """
 
     def __init__(self, lc: LoopConfig, models: SpecModel, *, max_reqs: Optional[int] = None,
-                 buckets: Optional[Sequence[int]] = None, graphs: bool = False,
-                 compile_backend: Optional[str] = None, device="cpu", seed: int = 0,
-                 count_syncs: bool = False):
+                 buckets: Optional[Sequence[int]] = None, graphs: Optional[bool] = None,
+                 compile_backend: Optional[str] = "auto", cache_path: Optional[str] = None,
+                 device="cpu", seed: int = 0, count_syncs: bool = False):
         self.lc = lc
         self.spec = lc.spec
         self.models = models
@@ -139,21 +153,38 @@ class EagleEngine:
         self.buckets = sorted(set(buckets))
         if self.buckets[-1] < self.max_bs:
             raise ValueError("the largest bucket must be >= max_bs")
-        if graphs and self.device.type != "cuda":
+        cuda = self.device.type == "cuda"
+        if graphs is None:
+            graphs = cuda
+        if graphs and not cuda:
             raise ValueError("graphs=True needs a CUDA device")
+        backend = "none" if compile_backend is None else compile_backend
+        if backend not in COMPILE_BACKENDS:
+            raise ValueError(f"compile_backend must be one of {COMPILE_BACKENDS} or None, "
+                             f"got {compile_backend!r}")
+        if backend == "auto":
+            backend = "inductor" if cuda else "none"
         self.graphs = graphs
-        self.count_syncs = count_syncs and self.device.type == "cuda"
-
-        def iteration(st: State) -> State:
-            return eagle_iteration(lc, models, self.pool.target_kv, self.pool.draft_kv,
-                                   self.pool.req_to_token, st)
-
-        self._iteration = iteration
-        self._fn = iteration
-        if compile_backend is not None:
-            self._fn = compile_fullgraph(iteration, backend=compile_backend, dynamic=False)
-        self._graphs: Dict[int, torch.cuda.CUDAGraph] = {}
+        self.compile_backend = backend
+        self.count_syncs = count_syncs and cuda
         self._views: Dict[int, State] = {}
+
+        def iteration(**st: torch.Tensor) -> dict:
+            step_in_place(lambda s: eagle_iteration(lc, models, self.pool.target_kv,
+                                                    self.pool.draft_kv, self.pool.req_to_token, s),
+                          st)
+            return {}
+
+        strategy = "manual" if graphs else ("eager" if backend == "none" else "compile")
+        # Inductor compiles each bucket at its own static batch: the layers'
+        # nested compile regions with a symbolic batch fail in inductor's
+        # codegen (torch 2.11 and 2.13: "expected [s10] to have been
+        # codegen-ed" / "vr must not be None"); other backends share one
+        # frame across the buckets above 1.
+        self.runner = CUDAGraphRunner(
+            iteration, buckets=self.buckets, strategy=strategy,
+            backend=None if backend == "none" else backend, buffers=self.bucket_state,
+            dynamic_batch=backend != "inductor", warmup=1, cache_path=cache_path)
         self._waiting: List[Request] = []
         self._slots: List[Optional[Request]] = [None] * self.max_bs
         self._done: Dict[int, Request] = {}
@@ -254,55 +285,50 @@ class EagleEngine:
     def bucket_for(self, rows: int) -> int:
         return next(b for b in self.buckets if b >= rows)
 
-    def _view(self, bucket: int) -> State:
+    def bucket_state(self, bucket: int) -> State:
+        """The loop state's first ``bucket`` rows (views of the engine's buffers:
+        what the bucket's graph reads and writes)."""
         if bucket not in self._views:
             self._views[bucket] = {k: v[:bucket] for k, v in self.state.items()}
         return self._views[bucket]
 
-    def capture(self, buckets: Optional[Sequence[int]] = None) -> Dict[int, float]:
-        """Capture the iteration for each bucket (all padding while capturing,
-        so warm-up and capture runs read nothing and write only slot 0)."""
-        if not self.graphs:
-            raise RuntimeError("capture() needs graphs=True")
-        seconds = {}
+    def capture(self) -> Dict[int, float]:
+        """Compile and capture the iteration for every bucket (CUDA graphs), or,
+        without graphs, get the buckets ready; returns seconds per bucket.
+
+        Every row is a padding row while capturing, so warm-up and capture
+        runs read nothing and write only slot 0; the state is restored after.
+        Called on the first launch if not called before.
+        """
         saved = {k: v.clone() for k, v in self.state.items()}
-        live = self.state["seq_lens"].clone()
         self.state["seq_lens"].zero_()
-        pool = None
-        for bucket in sorted(buckets or self.buckets, reverse=True):
-            start = time.perf_counter()
-            view = self._view(bucket)
-            pool = pool or torch.cuda.graph_pool_handle()
-            graph, _ = capture(step_in_place, self._fn, view, pool=pool)
-            self._graphs[bucket] = graph
-            torch.cuda.synchronize()
-            seconds[bucket] = time.perf_counter() - start
-        for k, v in self.state.items():
-            v.copy_(saved[k])
-        self.state["seq_lens"].copy_(live)
-        return seconds
+        try:
+            return self.runner.capture()
+        finally:
+            for k, v in self.state.items():
+                v.copy_(saved[k])
 
-    def _launch(self, bucket: int) -> None:
-        if self.graphs and bucket not in self._graphs:
-            self.capture([bucket])
+    def admit(self) -> None:
+        """Admit waiting requests into free rows now (prefill included), as
+        `step` does before each launch."""
+        self._admit()
 
-        def go():
-            if self.graphs:
-                self._graphs[bucket].replay()
-            else:
-                step_in_place(self._fn, self._view(bucket))
-
+    def launch(self, bucket: int) -> None:
+        """Run one iteration over the first ``bucket`` rows (a graph replay when
+        captured), with no readback: what `step` launches, for benchmarks."""
+        if not self.runner.captured:
+            self.capture()
         start = time.perf_counter()
         if self.count_syncs:
             with recording_host_syncs() as syncs:
-                go()
+                self.runner.replay(bucket, bucket)
             self.stats["host_syncs"].append(len(syncs))
         else:
-            go()
+            self.runner.replay(bucket, bucket)
         self.stats["launch_s"].append(time.perf_counter() - start)
 
     def _readback(self, bucket: int):
-        view = self._view(bucket)
+        view = self.bucket_state(bucket)
         if self.device.type != "cuda":
             return {k: view[k].clone() for k in READBACK}, None
         p = self._parity
@@ -349,7 +375,7 @@ class EagleEngine:
         if occupied:
             bucket = self.bucket_for(occupied[-1] + 1)
             start = time.perf_counter()
-            self._launch(bucket)
+            self.launch(bucket)
             launched = self._readback(bucket) + (self.stats["iterations"], start)
             self.stats["iterations"] += 1
         if self._pending is not None:
