@@ -27,10 +27,11 @@ rows are a report, whatever they say.
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 
 import torch
+
+import timing
 
 
 def _subjects(upstream, cfg, device, bs: int):
@@ -147,7 +148,7 @@ def main(argv=None) -> int:
     if upstream is None:
         print(f"sglang {SGLANG_VERSION}'s code unavailable: {why}", file=sys.stderr)
         return 2
-    from fa3_spec.audit import audit_callable, format_findings
+    from fa3_spec.audit import audit_callable, format_table
     from fa3_spec.integrations.sglang import SglangConfig
 
     cfg = SglangConfig(page_size=2, topk=8, num_steps=5, num_draft_tokens=6, max_bs=args.bs,
@@ -161,7 +162,7 @@ def main(argv=None) -> int:
         rows.append(audit_callable(fn, example, variants=[variant], backend=args.backend,
                                    device=device, writable=writable, restore=restore,
                                    name=name))
-    print(format_findings(rows))
+    print(format_table(rows))
     if device == "cpu":
         print("host syncs and CUDA-graph capture: not measured on CPU")
     if args.json:
@@ -170,8 +171,7 @@ def main(argv=None) -> int:
                     config=dict(page_size=2, topk=8, num_steps=5, bs=args.bs,
                                 context_len=args.context_len),
                     command=" ".join(["python3"] + sys.argv))
-        with open(args.json, "w") as fh:
-            json.dump(dict(meta=meta, rows=[r.to_json() for r in rows]), fh, indent=1)
+        timing.write_json(args.json, dict(meta=meta, rows=[r.to_json() for r in rows]))
         print(f"wrote {args.json}")
     return 0
 

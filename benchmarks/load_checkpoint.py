@@ -184,9 +184,8 @@ def load(target_dir: pathlib.Path, device, reps: int) -> dict:
 def loop(models, args, label: str) -> dict:
     p, k, s, n = args.config
     spec = fa3_spec.SpecConfig(page_size=p, topk=k, num_steps=s, num_draft_tokens=n,
-                               max_bs=args.batch, max_context_len=args.context + args.new + n,
-                               num_pages=1)
-    spec = dataclasses.replace(spec, num_pages=1 + 2 * args.batch * -(-spec.draft_row_len // p))
+                               max_bs=args.batch, max_context_len=args.context + args.new + n)
+    spec = dataclasses.replace(spec, num_pages=spec.pool_pages(2 * args.batch))
     lc = LoopConfig(spec, max_new_tokens=args.new, backend=args.backend, scripted=DEFAULT_SCRIPT)
     cuda = torch.device(args.device).type == "cuda"
     eng = EagleEngine(lc, models, max_reqs=2 * args.batch, buckets=[args.batch], graphs=cuda,

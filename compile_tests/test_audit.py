@@ -16,8 +16,10 @@ def test_default_grid_covers_modes_page_sizes_and_topk():
 
 def test_audit_cli_writes_json_rows(tmp_path, capsys):
     out = tmp_path / "audit.json"
+    # eager backend: the CLI and its rows are what is tested here; the same
+    # steps and loop compile with aot_eager in test_iteration.py and test_eagle_loop.py.
     code = cli.main(["audit", "--page-sizes", "2", "--topks", "8", "--json", str(out),
-                     "--device", "cpu"])
+                     "--device", "cpu", "--backend", "eager"])
     assert code == 0
     rows = json.loads(out.read_text())
     assert {r["mode"] for r in rows} == set(MODES) | {selfaudit.LOOP}
@@ -82,3 +84,25 @@ def test_audit_checks_the_iteration_builder_against_the_per_step_reference(monke
     monkeypatch.setattr(selfaudit, "build_draft_iteration_metadata", last_step_off)
     row = audit_case(case, device="cpu")
     assert not row.parity and any("step 3" in p for p in row.problems)
+
+
+def test_self_audit_rows_are_callable_audits_with_findings_at_their_lines(monkeypatch):
+    """One audit engine: a self-audit row carries `audit_callable`'s findings, each in
+    its column at the user's line, and its own labels (mode, scope, config, step)."""
+    import inspect
+
+    real_build = selfaudit.build_metadata
+
+    def leaky(mode, cfg, *, step=0, **kwargs):
+        md = real_build(mode, cfg, step=step, **kwargs)
+        md.cache_seqlens.sum().item()  # the leak: a host sync
+        return md
+
+    monkeypatch.setattr(selfaudit, "build_metadata", leaky)
+    case = AuditCase("decode", default_grid(page_sizes=(16,), topks=(1,))[0].cfg)
+    row = audit_case(case, device="cpu")
+    line = inspect.getsourcelines(leaky)[1] + 2
+    assert row.scope == "builder" and row.mode == "decode" and row.config["page_size"] == 16
+    assert any(f.file == __file__ and f.line == line for f in row.findings
+               if f.column in ("graph_breaks", "data_dependent")), row.problems
+    assert row.problems == [str(f) for f in row.findings]

@@ -5,13 +5,15 @@ found with `inspect`), and a clean function must come back clean. CPU only:
 host syncs and capture are in ``test_gpu_audit_callable.py``.
 """
 
+import dataclasses
 import inspect
 import json
+import logging
 
 import pytest
 import torch
 
-from fa3_spec.audit import audit_callable, pytree_mismatches
+from fa3_spec.audit import audit_callable, format_table, pytree_mismatches
 from fa3_spec.harness import cli
 
 
@@ -158,6 +160,85 @@ def test_malformed_arguments_are_named():
         audit_callable(clean, (lens, out), variants=[(lens[:2], out)])
 
 
+@dataclasses.dataclass
+class Buffers:  # a plain dataclass: not a registered pytree
+    page_table: torch.Tensor
+
+
+class Holder:  # a plain object with a tensor attribute
+    def __init__(self, page_table):
+        self.page_table = page_table
+
+
+def fill(bufs, seq_lens):
+    bufs.page_table.add_(seq_lens)  # defect
+
+
+@pytest.mark.parametrize("make", [Buffers, Holder], ids=["dataclass", "object"])
+def test_a_write_into_a_non_pytree_argument_is_a_mutation_and_the_callers_tensor_stays(make):
+    """Found by trying to break it: the row came back clean (mutations 0) while the
+    audit's own runs added into the caller's buffer ([0, 3, 6, 9] afterwards)."""
+    bufs = make(torch.zeros(4, dtype=torch.int64))
+    seq = torch.arange(4)
+    row = audit_callable(fill, (bufs, seq), variants=[(make(torch.ones(4, dtype=torch.int64)),
+                                                       seq * 2)])
+    assert not row.clean and row.mutations == 1, row.problems
+    (found,) = [f for f in row.findings if f.column == "mutations"]
+    assert found.op == "add_" and found.line == defect_line(fill) and "'bufs'" in found.message
+    assert bufs.page_table.tolist() == [0, 0, 0, 0]  # never the caller's tensor
+    # Declared writable: compiled and eager fill it alike, and a wrong fill is a parity finding.
+    assert audit_callable(fill, (bufs, seq), writable=["bufs"]).clean
+    row = audit_callable(fill, (bufs, seq), writable=["bufs"],
+                         same=lambda got, want: pytree_mismatches(got, (None, Buffers(seq))))
+    assert not row.parity
+    with pytest.raises(ValueError, match=r"variants\[0\]"):  # the object's tensor is checked too
+        audit_callable(fill, (bufs, seq), variants=[(make(torch.zeros(3, dtype=torch.int64)), seq)])
+
+
+def or_then_copy(mask, x):
+    mask.copy_(mask | x)  # defect
+
+
+def test_a_copy_into_an_input_is_reported_as_copy_not_as_the_or_it_copies():
+    row = audit_callable(or_then_copy, (torch.zeros(4, dtype=torch.bool),
+                                        torch.tensor([True, False, True, False])))
+    (found,) = [f for f in row.findings if f.column == "mutations"]
+    assert found.op == "copy_" and found.line == defect_line(or_then_copy)  # was "or_"
+
+
+def item_for_the_table(lens, out):
+    return out * lens.sum().item()  # defect
+
+
+def test_a_graph_break_reason_is_whole_in_the_row_and_cut_at_a_word_in_the_table():
+    row = audit_callable(item_for_the_table, _example())
+    (found,) = [f for f in row.findings if f.column == "graph_breaks"]
+    assert len(found.message) > 200 and found.message.endswith(found.message.split()[-1])
+    assert json.loads(json.dumps(row.to_json()))["break_reasons"] == [found.message]
+    (shown,) = [line for line in format_table([row]).splitlines() if "graph_breaks" in line]
+    cut = shown.split(": ", 1)[1].split("   | ")[0]
+    assert cut.endswith(" ...") and found.message.startswith(cut[:-4])
+    assert found.message[len(cut) - 4] in " ,;:"  # cut at a word, not inside one
+
+
+def test_torch_warnings_are_held_back_while_auditing():
+    """The findings say it; torch's ~14-line `Tensor.item()` warning came before the table."""
+    warned = getattr(getattr(torch._dynamo.variables.tensor, "TensorVariable", None),
+                     "_warn_capture_scalar_outputs", None)
+    if hasattr(warned, "cache_clear"):
+        warned.cache_clear()  # torch warns once per process: make it warn here
+    seen = []
+    handler = logging.Handler(logging.WARNING)
+    handler.emit = seen.append
+    logger = logging.getLogger("torch._dynamo")  # where torch's own stderr handler sits
+    logger.addHandler(handler)
+    try:
+        assert audit_callable(item_for_the_table, _example()).data_dependent == 1
+    finally:
+        logger.removeHandler(handler)
+    assert [r.getMessage() for r in seen] == []
+
+
 # ------------------------------------------------------------------ the CLI
 def inputs_factory(device="cpu"):
     """``--inputs`` factory: (example, variants) on ``device``."""
@@ -203,3 +284,37 @@ def test_cli_loads_from_the_current_directory_audits_generator_variants_and_exit
         cli.main(["audit", "--callable", "no_such_module_here:f",
                   "--inputs", "gen_variants_mod:inputs", "--device", "cpu"])
     assert exc.value.code == 2
+
+
+def variants_of_another_shape():
+    lens, out = _example()
+    return (lens, out), [(lens[:2], out)]
+
+
+def raises_on_its_example(lens, out):
+    raise KeyError("no such row")
+
+
+@pytest.mark.parametrize("argv", [
+    ["--callable", f"{__name__}:clean", "--inputs", f"{__name__}:variants_of_another_shape"],
+    ["--callable", f"{__name__}:raises_on_its_example", "--inputs", f"{__name__}:inputs_factory"],
+    ["--callable", f"{__name__}:clean", "--inputs", f"{__name__}:no_such_factory"],
+    # --inputs without --callable: a one-row grid, so the old code's full audit is short
+    ["--inputs", f"{__name__}:inputs_factory", "--modes", "decode", "--page-sizes", "1",
+     "--topks", "1", "--no-steps"],
+    ["--num-steps", "1"], ["--page-sizes", "0"],
+], ids=["variant-shape", "raises", "no-factory", "inputs-alone", "num-steps-1", "page-size-0"])
+def test_cli_invalid_invocations_exit_2_with_one_line_and_no_traceback(argv, capsys):
+    """Exit 1 is an unclean row; a variant of another shape printed a traceback and exited 1."""
+    with pytest.raises(SystemExit) as exc:
+        cli.main(["audit", *argv, "--device", "cpu"])
+    assert exc.value.code == 2
+    err = capsys.readouterr().err
+    assert "Traceback" not in err and err.strip().splitlines()[-1].startswith("fa3-spec audit")
+
+
+def test_cli_audit_help_documents_the_exit_status(capsys):
+    with pytest.raises(SystemExit):
+        cli.main(["audit", "--help"])
+    text = " ".join(capsys.readouterr().out.split())
+    assert "Exit status: 0 when every row is clean; 1 when a row is unclean; 2 for an" in text

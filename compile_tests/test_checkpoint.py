@@ -149,9 +149,8 @@ def test_weights_load_in_the_checkpoint_dtype_or_the_one_asked(tmp_path, dtype):
 # ----------------------------------------------------------------- the loop on a loaded target
 def make_engine(models, *, p=2, k=4, s=3, n=6, max_bs=2, max_new=12, max_prompt=16):
     spec = fa3_spec.SpecConfig(page_size=p, topk=k, num_steps=s, num_draft_tokens=n,
-                               max_bs=max_bs, max_context_len=max_prompt + max_new + n,
-                               num_pages=1)
-    spec = dataclasses.replace(spec, num_pages=1 + 2 * max_bs * -(-spec.draft_row_len // p))
+                               max_bs=max_bs, max_context_len=max_prompt + max_new + n)
+    spec = dataclasses.replace(spec, num_pages=spec.pool_pages(2 * max_bs))
     return EagleEngine(LoopConfig(spec, max_new_tokens=max_new, backend="torch"), models,
                        max_reqs=2 * max_bs)
 
@@ -408,8 +407,8 @@ def draft_prefill(models, tokens, shifted):
     (a page-size-1 pool, prefill metadata): draft logits at every position."""
     t = len(tokens)
     spec = fa3_spec.SpecConfig(page_size=1, topk=1, num_steps=2, num_draft_tokens=2, max_bs=1,
-                               max_context_len=t + 4, num_pages=1)
-    spec = dataclasses.replace(spec, num_pages=1 + spec.draft_row_len)
+                               max_context_len=t + 4)
+    spec = dataclasses.replace(spec, num_pages=spec.pool_pages(1))
     pool = KVPool(spec, max_reqs=1, target_layers=models.num_target_layers, draft_layers=1,
                   num_kv_heads=models.num_kv_heads, head_dim=models.head_dim,
                   dtype=models.dtype, device="cpu")
@@ -573,12 +572,90 @@ def test_text_prompts_in_completions_out_exact_and_stopping_at_any_eos(eagle3, t
     assert res["per_request"][0]["completion"] in printed and "EXACT" in printed
 
 
+def _usage_exit(argv, capsys) -> str:
+    """``cli.main(argv)`` must exit 2 with one line and no traceback: that line."""
+    with pytest.raises(SystemExit) as exit_info:
+        cli.main(argv)
+    assert exit_info.value.code == 2
+    err = capsys.readouterr().err
+    assert "Traceback" not in err
+    last = err.strip().splitlines()[-1]
+    assert last.startswith("fa3-spec eagle: error: ")
+    return last
+
+
 @pytest.mark.parametrize("extra", [["--preset", "tiny"], ["--num-layers", "2"],
                                    ["--alpha", "0.1"]])
 def test_preset_options_are_refused_with_a_loaded_model(checkpoints, extra, capsys):
     _, path = checkpoints["tied-mha-odd"]
-    assert cli.main(["--model", str(path), "--device", "cpu"] + extra) == 2
-    assert extra[0] in capsys.readouterr().err
+    assert extra[0] in _usage_exit(["--model", str(path), "--device", "cpu"] + extra, capsys)
+
+
+@pytest.mark.parametrize("extra", [["--draft-model", "x"], ["--prompt", "hi"], ["--chat"]])
+def test_text_and_head_options_need_a_loaded_model(extra, capsys):
+    assert "need(s) --model" in _usage_exit(["--device", "cpu"] + extra, capsys)
+
+
+def test_a_checkpoint_that_cannot_load_is_a_usage_error(checkpoints, tmp_path, capsys):
+    """A `CheckpointError` (here: no config.json, then an unsupported field) is
+    an invalid invocation: exit 2, one line naming the file, as any other."""
+    assert "config.json: not found" in _usage_exit(
+        ["--model", str(tmp_path), "--device", "cpu"], capsys)
+    _, path = checkpoints["tied-mha-odd"]
+    bad = tmp_path / "bad"
+    bad.mkdir()
+    for f in path.iterdir():
+        (bad / f.name).symlink_to(f)
+    cfg = json.loads((path / "config.json").read_text())
+    (bad / "config.json").unlink()
+    (bad / "config.json").write_text(json.dumps(dict(cfg, hidden_act="gelu")))
+    assert "'hidden_act'" in _usage_exit(["--model", str(bad), "--device", "cpu"], capsys)
+
+
+def test_topk_above_an_eagle3_draft_vocabulary_is_a_usage_error(eagle3, capsys):
+    """An EAGLE-3 head proposes from its reduced vocabulary (``draft_vocab_size``
+    = ``V_d``, 37 here, of the target's 101)."""
+    _, path, head, *_ = eagle3
+    models = from_pretrained(path, head)
+    assert models.draft_vocab_size == 37 and models.vocab_size == 101
+    assert from_pretrained(path).draft_vocab_size == 101  # a head made here: the target's
+    with pytest.raises(ValueError, match="topk=38 exceeds the draft's vocabulary of 37"):
+        make_engine(models, k=38)
+    line = _usage_exit(["--model", str(path), "--draft-model", str(head), "--device", "cpu",
+                        "--topk", "38", "--backend", "torch"], capsys)
+    assert "vocabulary of 37" in line
+
+
+def test_out_of_vocabulary_prompts_are_refused_with_eos_sets(eagle3):
+    _, path, *_ = eagle3
+    models = from_pretrained(path)
+    eng = make_engine(models)
+    with pytest.raises(ValueError, match=r"token 101 at position 1 .*vocab_size=101"):
+        eng.submit([3, 101], 4, eos_id=[5, 7])
+    with pytest.raises(ValueError, match=r"prompts\[0\]: token -2 at position 0"):
+        greedy_generate(models, [[-2]], [4], eos_ids=[[5, 7]], backend="torch")
+    assert not eng.has_work
+    rid = eng.submit([3, 4], 6, eos_id=(5, 7))  # a sequence of ids is taken as is
+    eng.run()
+    assert eng.request_stats()[rid]["seconds"] > 0
+
+
+def test_the_configuration_line_names_the_loaded_model_and_its_draft(eagle3, monkeypatch,
+                                                                     capsys):
+    monkeypatch.setattr(cli, "PROGRESS_SECONDS", -1.0)  # a progress line at every chance
+    _, path, head, *_ = eagle3
+    argv = ["--model", str(path), "--device", "cpu", "--backend", "torch", "--batch", "2",
+            "--requests", "3", "--max-new-tokens", "6", "--prompt-len", "8", "--check-greedy"]
+    assert cli.main(argv + ["--draft-model", str(head)]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert lines[0].startswith(f"fa3-spec eagle: model {path} + eagle3 head {head} (4 layers")
+    loop = [i for i, line in enumerate(lines) if line.startswith("  iteration ")]
+    greedy = [i for i, line in enumerate(lines) if line.startswith("  greedy step ")]
+    assert loop and greedy and max(loop) < min(greedy)
+    assert cli.main(argv + ["--draft", "random", "--quiet"]) == 0
+    assert cli.main(argv) == 0
+    first = capsys.readouterr().out.splitlines()[0]
+    assert first.startswith(f"fa3-spec eagle: model {path} + draft derived (made here) (4 layers")
 
 
 def test_a_model_without_tokenizer_runs_the_token_workload(checkpoints, capsys):

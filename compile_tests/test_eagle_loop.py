@@ -2,7 +2,7 @@
 
 Speculative output must equal plain greedy decoding of the target token for
 token, with no tolerance, for batches with joins and finishes mid-run. The
-whole grid of the issue runs in ``test_eagle_sweep.py`` (opt-in, slow).
+full grid runs in ``test_eagle_sweep.py`` (opt-in: FA3_SPEC_EAGLE_SWEEP=1).
 Tiny ops on a shared 2-core machine run far faster on one thread, so these
 tests pin torch to one thread while they run.
 """
@@ -40,8 +40,8 @@ def models_for(draft="derived"):
 def make_engine(models, p, k, s, n, *, max_bs=4, max_new=40, max_prompt=40, scripted=None,
                 **kw):
     spec = fa3_spec.SpecConfig(page_size=p, topk=k, num_steps=s, num_draft_tokens=n,
-                               max_bs=max_bs, max_context_len=max_prompt + max_new + n, num_pages=1)
-    spec = dataclasses.replace(spec, num_pages=1 + 2 * max_bs * -(-spec.draft_row_len // p))
+                               max_bs=max_bs, max_context_len=max_prompt + max_new + n)
+    spec = dataclasses.replace(spec, num_pages=spec.pool_pages(2 * max_bs))
     lc = LoopConfig(spec, max_new_tokens=max_new, backend="torch", scripted=scripted)
     return EagleEngine(lc, models, max_reqs=2 * max_bs, **kw)
 
@@ -240,6 +240,65 @@ def test_loop_config_rejects_impossible_trees():
         LoopConfig(spec, max_new_tokens=8)
 
 
+class _Models:
+    """A `SpecModel` that delegates to another, with attributes replaced."""
+
+    def __init__(self, models, **replaced):
+        self._models = models
+        self.__dict__.update(replaced)
+
+    def __getattr__(self, name):
+        return getattr(self._models, name)
+
+
+def test_topk_above_the_draft_vocabulary_is_refused_at_construction():
+    """Found by trying to break it: the first admission raised a raw `selected index
+    k out of range` and left the request half-admitted (dequeued, row and slot taken)."""
+    models = models_for()
+    with pytest.raises(ValueError, match=r"topk=513 exceeds the draft's vocabulary of 512"):
+        make_engine(models, 2, 513, 2, 4)
+    small_head = _Models(models, draft_vocab_size=6)  # a reduced-vocabulary draft head
+    with pytest.raises(ValueError, match=r"topk=8 exceeds the draft's vocabulary of 6"):
+        make_engine(small_head, 2, 8, 2, 4)
+    make_engine(small_head, 2, 6, 2, 4)  # within it: accepted
+
+
+def test_a_failed_admission_leaves_the_engine_as_it_was():
+    models = models_for()
+    failures = [RuntimeError("prefill failed")]
+
+    def target_forward(*args, **kwargs):
+        if failures:
+            raise failures.pop()
+        return models.target_forward(*args, **kwargs)
+
+    eng = make_engine(_Models(models, target_forward=target_forward), 2, 4, 5, 8, max_bs=4)
+    prompts, news = workload(3, 2)
+    rids = submit_all(eng, prompts, news)
+    pages, rows = eng.pool.free_pages, eng.pool.free_rows
+    with pytest.raises(RuntimeError, match="prefill failed"):
+        eng.step()
+    assert (eng.pool.free_pages, eng.pool.free_rows) == (pages, rows)  # pages and rows free
+    assert eng.active == 0 and eng.stats["admitted"] == 0  # no slot taken
+    assert not eng.state["seq_lens"].any()  # no live row on the device
+    out = eng.run()  # the requests were still queued: served, in order, exactly
+    ref = greedy_generate(models, prompts, news, page_size=2, backend="torch")
+    assert [out[r] for r in rids] == ref
+
+
+def test_out_of_vocabulary_prompt_tokens_are_refused_not_clamped():
+    models = models_for()
+    eng = make_engine(models, 2, 4, 5, 8)
+    for bad in (512, -1):
+        with pytest.raises(ValueError, match=rf"token {bad} at position 1 .*vocab_size=512"):
+            eng.submit([3, bad, 4], 4)
+        with pytest.raises(ValueError, match=rf"prompts\[1\]: token {bad} at position 1"):
+            greedy_generate(models, [[1], [3, bad]], [4, 4], backend="torch")
+    assert not eng.has_work
+    with pytest.raises(ValueError, match="one count >= 1 per prompt"):
+        greedy_generate(models, [[1], [2]], [4], backend="torch")
+
+
 def test_cli_check_greedy_json_and_exit_status(tmp_path, monkeypatch):
     out = tmp_path / "eagle.json"
     argv = ["--preset", "tiny", "--device", "cpu", "--batch", "3", "--requests", "5",
@@ -269,3 +328,40 @@ def test_cli_refuses_non_positive_sizes_as_a_usage_error(flag, capsys):
         cli.main([flag, "0", "--device", "cpu"])
     assert exit_info.value.code == 2
     assert flag in capsys.readouterr().err
+
+
+_SMALL = ["--device", "cpu", "--batch", "2", "--requests", "3", "--page-size", "16", "--topk",
+          "2", "--num-steps", "2", "--num-draft-tokens", "3", "--max-new-tokens", "6",
+          "--prompt-len", "8", "--backend", "torch"]
+
+
+@pytest.mark.parametrize("argv", [
+    ["--num-layers", "0"], ["--num-layers", "-1"],  # were IndexError, exit 1
+    ["--num-draft-tokens", "1"], ["--topk", "1", "--num-steps", "2", "--num-draft-tokens", "8"],
+    ["--topk", "600"], ["--check-greedy", "--scripted"], ["--scripted", "3,x"], ["--graphs"],
+], ids=lambda a: " ".join(a))
+def test_cli_invalid_invocations_exit_2_with_one_line_and_no_traceback(argv, capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        cli.main(argv + ["--device", "cpu"])
+    assert exit_info.value.code == 2
+    err = capsys.readouterr().err
+    assert "Traceback" not in err and err.strip().splitlines()[-1].startswith("fa3-spec eagle")
+
+
+def test_cli_prints_its_configuration_first_and_progress_in_both_phases(monkeypatch, capsys):
+    monkeypatch.setattr(cli, "PROGRESS_SECONDS", -1.0)  # a progress line at every chance
+    assert cli.main(_SMALL + ["--check-greedy"]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert lines[0].startswith("fa3-spec eagle: preset tiny") and "topk=2" in lines[0]
+    loop = [i for i, line in enumerate(lines) if line.startswith("  iteration ")]
+    greedy = [i for i, line in enumerate(lines) if line.startswith("  greedy step ")]
+    check = [i for i, line in enumerate(lines) if "greedy check: EXACT" in line]
+    assert loop and greedy and check and max(loop) < min(greedy) and max(greedy) < check[0]
+
+
+def test_cli_help_documents_the_exit_status(capsys):
+    with pytest.raises(SystemExit):
+        cli.main(["--help"])
+    text = " ".join(capsys.readouterr().out.replace("`", "").split())
+    assert "Exit status: 0" in text and "1 when --check-greedy found a mismatch" in text
+    assert "2 for an invalid invocation" in text

@@ -1,50 +1,78 @@
 """Audit a function for CUDA-graph readiness: the engine behind ``fa3-spec audit``.
 
-`audit_function` takes a function and two (or more) argument lists of equal
-shapes and dtypes but different values, and reports, as one `AuditRow`:
+`audit_callable` takes a function, one example call and variants of it (same
+shapes and dtypes, other values), and returns one `AuditRow` whose
+``findings`` give, for every problem, the column it counts in, the file,
+line and op, and a message (`Finding`):
 
 1. graph breaks when dynamo traces it, with their reasons;
 2. recompiles when only values change (a second compiled frame), and every
    data-dependent node of the graph (``item``, unbacked symbols from
    ``nonzero`` or value-sized shapes): each is a host sync on CUDA;
-3. parity: the compiled function equals eager on every argument list, and
-   eager equals a reference (both comparisons supplied by the caller);
-4. on CUDA only: host syncs of an eager and a compiled run under
+3. mutations: an argument written that was not declared writable, whether
+   its tensors sit in a pytree or in the fields and attributes of a plain
+   object (an unregistered dataclass, a buffers holder); the caller's own
+   tensors are never written, every run gets copies;
+4. parity: the compiled function equals eager on every call, and eager
+   equals a reference when one is given;
+5. on CUDA only: host syncs of an eager and a compiled run under
    ``torch.cuda.set_sync_debug_mode("warn")``, then a CUDA-graph capture of
-   the compiled function on the first argument list, refilled with the
-   second, replayed and compared with eager. On CPU these are reported as
-   not measured (``host_syncs = None``, ``cuda_graph = "skipped"``).
+   the compiled function on the example, refilled with each variant,
+   replayed and compared with eager. On CPU these are reported as not
+   measured (``host_syncs = None``, ``cuda_graph = "skipped"``).
 
-The project's self-audit (`fa3_spec.harness.selfaudit`) runs it on every
-builder and whole step.
-
-`audit_callable` is the same audit for anyone's function (an engine's own
-metadata code): it takes one example call and variants of it (same shapes and
-dtypes, other values), compares compiled with eager itself (pytree-wise by
-default), also checks that inputs are not written unless declared writable,
-and returns one row whose ``findings`` give, for every problem, the column it
-counts in, the file, line and op, and a message (`Finding`). The CLI is
-``fa3-spec audit --callable module:function --inputs module:factory``.
+`audit_function` is the thin layer the project's self-audit
+(`fa3_spec.harness.selfaudit`) runs on every builder and whole step:
+positional argument lists, an output comparison, a reference, and the row's
+labels. `format_table` prints rows of either kind. The CLI is ``fa3-spec
+audit`` (the self-audit) and ``fa3-spec audit --callable module:function
+--inputs module:factory`` (any function).
 """
 
 from __future__ import annotations
 
+import contextlib
+import copy
 import dataclasses
+import enum
 import inspect
+import logging
 import os
 import time
-from typing import Callable, Iterable, Optional, Sequence
+import types
+import warnings
+from typing import Callable, Iterable, Iterator, Optional, Sequence
 
 import torch
 from torch.utils import _pytree
 
 from . import _validate
-from .probes import (RecordingBackend, capture, count_host_syncs, graph_break_sites,
-                     graph_breaks, host_sync_sites, recompile_reasons, user_frame)
+from .graphs import capture
+from .probes import (RecordingBackend, graph_break_sites, host_sync_sites, recompile_reasons,
+                     user_frame)
 
 #: The columns a `Finding` can count in (``AuditRow`` fields of the same names).
 COLUMNS = ("graph_breaks", "data_dependent", "recompiles", "mutations", "host_syncs",
            "cuda_graph", "parity")
+
+#: Characters of a finding's message shown in a `format_table` line (cut at a
+#: word); `Finding.message` and the JSON keep the whole text.
+TABLE_MESSAGE_CHARS = 200
+
+
+def _cut(text: str, limit: int) -> str:
+    """``text`` on one line, cut at the last word boundary before ``limit`` characters."""
+    text = " ".join(text.split())
+    if len(text) <= limit:
+        return text
+    head = text[:limit + 1]
+    cut = head.rfind(" ")
+    return (head[:cut] if cut > limit // 2 else text[:limit]).rstrip(" ,;:") + " ..."
+
+
+class EagerCallFailed(RuntimeError):
+    """The audited function raised when run eagerly on the example or a variant:
+    nothing can be measured. Its exception is ``__cause__``."""
 
 
 @dataclasses.dataclass
@@ -56,7 +84,7 @@ class Finding:
         op: the operation (``item``, ``nonzero``, ``add_``, a guard, ...).
         file, line: where it is in the user's source (None when unknown).
         code: that source line, stripped ("" when unknown).
-        message: what torch said, or what the audit saw.
+        message: what torch said, or what the audit saw (whole).
     """
 
     column: str
@@ -66,14 +94,30 @@ class Finding:
     message: str
     code: str = ""
 
-    def __str__(self) -> str:
+    def summary(self, limit: Optional[int] = None) -> str:
+        """One line: column, place, op and message (cut at a word to ``limit``
+        characters when given), then the source line."""
         where = f"{os.path.basename(self.file)}:{self.line}" if self.file else "?"
-        text = f"{self.column:<14} {where:<28} {self.op}: {self.message}"
+        message = self.message if limit is None else _cut(self.message, limit)
+        op = self.op if limit is None else _cut(self.op, 80)
+        text = f"{self.column:<14} {where:<28} {op}: {message}"
         return text + (f"   | {self.code}" if self.code else "")
+
+    def __str__(self) -> str:
+        return self.summary()
 
 
 @dataclasses.dataclass
 class AuditRow:
+    """One audited function: a count per column, and the findings behind them.
+
+    ``mode`` labels the row (a self-audit row's forward mode, or the audited
+    function's name); ``scope`` is ``"builder"``, ``"step"`` or ``"loop"``
+    for self-audit rows and ``"callable"`` for `audit_callable`; ``config``
+    and ``step`` label self-audit rows. ``break_reasons`` and ``problems``
+    are the graph-break findings' messages and every finding as text, whole.
+    """
+
     mode: str
     scope: str
     config: dict
@@ -111,7 +155,7 @@ def audit_function(
     args: Sequence[Sequence[torch.Tensor]],
     *,
     same: Callable[[object, object], list],
-    reference_problems: Callable[[int, object], list] = lambda i, out: [],
+    reference_problems: Optional[Callable[[int, object], list]] = None,
     restore: Callable[[], None] = lambda: None,
     backend: str = "aot_eager",
     device: str = "cpu",
@@ -119,144 +163,195 @@ def audit_function(
     scope: str = "function",
     config: Optional[dict] = None,
     step: Optional[int] = None,
-) -> "AuditRow":
-    """Audit ``fn(*args[i])``; see the module docstring for what is checked.
+) -> AuditRow:
+    """`audit_callable` on positional argument lists, labelled as a self-audit row.
 
     Args:
         fn: the function, taking positional tensors.
-        args: at least two argument lists, equal shapes/dtypes, other values.
-        same: ``same(got, want) -> list of problems`` (empty when equal).
+        args: at least two argument lists, equal shapes/dtypes, other values:
+            the first is the example call, the others its variants.
+        same: ``same(got, want) -> list of problems`` (empty when equal)
+            between two outputs of ``fn``.
         reference_problems: ``(i, eager_output) -> problems`` against an
             independent reference (optional).
-        restore: resets mutable state (e.g. KV caches) before each run.
-        backend: ``torch.compile`` backend for the compiled runs.
-        device: ``"cpu"`` or ``"cuda"``: host syncs and capture on CUDA only.
+        restore, backend, device: as for `audit_callable`.
         mode, scope, config, step: labels copied into the row.
     """
-    start = time.perf_counter()
-    parity_problems, other = [], []
-
-    restore()
-    breaks, reasons = graph_breaks(fn, *args[0])
-    counter = RecordingBackend(backend)
-    compiled = torch.compile(fn, fullgraph=True, backend=counter)
-    compiles = True
-    for i, arg in enumerate(args):
-        restore()
-        eager = fn(*arg)
-        parity_problems += reference_problems(i, eager)
-        restore()
-        try:
-            got = compiled(*arg)
-        except Exception as exc:  # a fullgraph failure is a finding, not a crash
-            parity_problems.append(
-                f"fullgraph compile failed: {type(exc).__name__}: {str(exc).splitlines()[0]}")
-            compiles = False
-            break
-        parity_problems += [f"compiled vs eager: {m}" for m in same(got, eager)]
-    recompiles = max(counter.frame_count - 1, 0)
-    other += [f"data-dependent op: {op}" + (f" at {os.path.basename(w[0])}:{w[1]}" if w else "")
-              for op, w in counter.data_dependent_sites]
-
-    host_syncs, cuda_graph = None, ("skipped" if compiles else "fail")
-    if compiles and device != "cpu" and torch.cuda.is_available():
-        syncs = []
-        for f in (fn, compiled):
-            restore()
-            syncs.append(count_host_syncs(f, *args[0]))
-        host_syncs = sum(n for n, _ in syncs)
-        other += [f"host sync: {m}" for _, msgs in syncs for m in msgs[:3]]
-        try:
-            restore()
-            want = fn(*args[1])
-            restore()
-            cuda_graph = _capture_and_replay(compiled, args[0], args[1], want, same, restore)
-        except Exception as exc:  # report, do not abort the audit
-            cuda_graph = "fail"
-            other.append(f"capture: {type(exc).__name__}: {exc}")
-    restore()
-
-    return AuditRow(
-        mode=mode,
-        scope=scope,
-        config=dict(config or {}),
-        step=step,
-        graph_breaks=breaks,
-        break_reasons=reasons,
-        recompiles=recompiles,
-        data_dependent=len(counter.data_dependent_sites),
-        host_syncs=host_syncs,
-        cuda_graph=cuda_graph,
-        parity=not parity_problems,
-        problems=parity_problems + other,
-        seconds=round(time.perf_counter() - start, 2),
-    )
+    row = audit_callable(fn, tuple(args[0]), variants=[tuple(a) for a in args[1:]],
+                         backend=backend, device=device, restore=restore, name=mode,
+                         same=lambda got, want: same(got[0], want[0]),
+                         reference=reference_problems)
+    return dataclasses.replace(row, scope=scope, config=dict(config or {}), step=step)
 
 
-def _capture_and_replay(fn: Callable, args_a, args_b, expected, same: Callable,
-                        restore: Callable) -> str:
-    """Capture ``fn`` on copies of ``args_a``, refill with ``args_b``, replay, compare."""
-    static = [a.clone() for a in args_a]
-    graph, out = capture(fn, *static)
-    for dst, src in zip(static, args_b):
-        dst.copy_(src)
-    restore()  # e.g. reset KV caches the warm-up runs wrote into
-    graph.replay()
-    torch.cuda.synchronize()
-    return "fail" if same(out, expected) else "ok"
+# ------------------------------------------------------------------ the table
+def _syncs(r: AuditRow) -> str:
+    return "-" if r.host_syncs is None else str(r.host_syncs)
+
+
+#: Columns of `format_table`: ``(header, format spec, value of a row)``; a
+#: str between them is printed as it is. Self-audit rows and function rows.
+_OUTCOME = (
+    "  ", ("graph", "<8", lambda r: r.cuda_graph),
+    ("parity", "<7", lambda r: "yes" if r.parity else "NO"), ("sec", ">6.1f", lambda r: r.seconds),
+)
+_CASE_COLUMNS = (
+    ("mode", "<16", lambda r: r.mode), ("scope", "<8", lambda r: r.scope),
+    ("P", ">4", lambda r: r.config.get("page_size", "-")),
+    ("K", ">3", lambda r: r.config.get("topk", "-")),
+    ("S", ">3", lambda r: r.config.get("num_steps", "-")),
+    ("step", ">5", lambda r: "-" if r.step is None else str(r.step)), "  ",
+    ("breaks", ">6", lambda r: r.graph_breaks), ("recomp", ">7", lambda r: r.recompiles),
+    ("dd", ">4", lambda r: r.data_dependent), ("syncs", ">6", _syncs),
+) + _OUTCOME
+_FUNCTION_COLUMNS = (
+    ("function", "<40", lambda r: r.mode[:39]),
+    ("breaks", ">7", lambda r: r.graph_breaks), ("recomp", ">7", lambda r: r.recompiles),
+    ("dd", ">4", lambda r: r.data_dependent), ("mut", ">4", lambda r: r.mutations),
+    ("syncs", ">6", _syncs),
+) + _OUTCOME
 
 
 def format_table(rows: list) -> str:
-    """A fixed-width table of audit rows, one line each, plus a summary."""
-    head = f"{'mode':<16}{'scope':<8}{'P':>4}{'K':>3}{'S':>3}{'step':>5}  {'breaks':>6}{'recomp':>7}{'dd':>4}{'syncs':>6}  {'graph':<8}{'parity':<7}{'sec':>6}"
+    """A fixed-width table of audit rows, one line each followed by its
+    findings (messages cut at a word to `TABLE_MESSAGE_CHARS`), and a summary.
+
+    Rows of `audit_callable` (scope ``"callable"``) are labelled by function
+    and show input mutations; self-audit rows by mode, scope, page size,
+    topk, draft steps and step.
+    """
+    functions = bool(rows) and all(r.scope == "callable" for r in rows)
+    columns = _FUNCTION_COLUMNS if functions else _CASE_COLUMNS
+
+    def line(cell) -> str:
+        return "".join(c if isinstance(c, str) else cell(*c) for c in columns)
+
+    head = line(lambda header, spec, _: format(header, spec.split(".")[0]))
     lines = [head, "-" * len(head)]
     for r in rows:
-        c = r.config
-        syncs = "-" if r.host_syncs is None else str(r.host_syncs)
-        step = "-" if r.step is None else str(r.step)
-        lines.append(
-            f"{r.mode:<16}{r.scope:<8}{c['page_size']:>4}{c['topk']:>3}{c['num_steps']:>3}{step:>5}  "
-            f"{r.graph_breaks:>6}{r.recompiles:>7}{r.data_dependent:>4}{syncs:>6}  {r.cuda_graph:<8}"
-            f"{'yes' if r.parity else 'NO':<7}{r.seconds:>6.1f}"
-        )
-        for reason in r.break_reasons + r.problems:
-            lines.append(f"    ! {reason}")
+        lines.append(line(lambda _, spec, value: format(value(r), spec)))
+        lines += [f"    ! {f.summary(TABLE_MESSAGE_CHARS)}" for f in r.findings]
     bad = sum(not r.clean for r in rows)
     lines.append("-" * len(head))
-    lines.append(f"{len(rows)} cases, {len(rows) - bad} clean, {bad} unclean")
+    lines.append(f"{len(rows)} {'functions' if functions else 'cases'}, {len(rows) - bad} clean, "
+                 f"{bad} unclean")
     return "\n".join(lines)
 
 
-# ------------------------------------------------------------------ any callable
+# ------------------------------------------------------------------ arguments
+#: Values never entered when looking for tensors.
+_PLAIN = (bool, int, float, complex, str, bytes, type(None), torch.dtype, torch.device,
+          enum.Enum, type, types.ModuleType, types.FunctionType, types.BuiltinFunctionType,
+          types.MethodType)
+
+
+def _attribute_dict(x) -> Optional[dict]:
+    """The fields of a dataclass that is not a registered pytree, or the
+    ``__dict__`` of another plain object; None for tensors, pytree nodes and
+    Python values."""
+    if isinstance(x, (torch.Tensor,) + _PLAIN):
+        return None
+    if _pytree._get_node_type(x) in _pytree.SUPPORTED_NODES:
+        return None
+    if dataclasses.is_dataclass(x):
+        return {f.name: getattr(x, f.name) for f in dataclasses.fields(x)}
+    attrs = getattr(x, "__dict__", None)
+    return dict(attrs) if isinstance(attrs, dict) else None
+
+
+def _reaches_a_tensor(tree, seen: set) -> bool:
+    for leaf in _pytree.tree_leaves(tree):
+        if isinstance(leaf, torch.Tensor):
+            return True
+        attrs = _attribute_dict(leaf)
+        if attrs is not None and id(leaf) not in seen:
+            seen.add(id(leaf))
+            if _reaches_a_tensor(attrs, seen):
+                return True
+    return False
+
+
+def _object_attributes(x) -> Optional[dict]:
+    """`_attribute_dict` of ``x`` when a tensor is reachable through it, else None.
+
+    Such objects (a plain ``@dataclass Buffers``, an object with tensor
+    attributes) are leaves to ``torch.utils._pytree``: the audit enters them
+    itself, to copy, compare and refill their tensors.
+    """
+    attrs = _attribute_dict(x)
+    return attrs if attrs is not None and _reaches_a_tensor(attrs, {id(x)}) else None
+
+
+def _enter(x, path: tuple) -> tuple:
+    if id(x) in path:
+        raise TypeError(f"an argument holds a {type(x).__name__} that refers back to itself: "
+                        "the audit cannot copy it; pass the tensors it holds instead")
+    return path + (id(x),)
+
+
+def _expand(tree, _path: tuple = ()):
+    """``tree`` with each plain object holding tensors replaced by
+    ``{"<module.Type>": its attributes}`` (recursively): a pytree whose leaves
+    are the same tensors and values, whose structure names the types."""
+    def leaf(x):
+        attrs = _object_attributes(x)
+        if attrs is None:
+            return x
+        kind = f"<{type(x).__module__}.{type(x).__qualname__}>"
+        return {kind: _expand(attrs, _enter(x, _path))}
+
+    return _pytree.tree_map(leaf, tree)
+
+
+def _clone(tree, _path: tuple = ()):
+    """A copy of ``tree`` whose tensors are fresh clones, plain objects holding
+    tensors included (each copied, its tensors cloned); other leaves shared."""
+    def leaf(x):
+        if isinstance(x, torch.Tensor):
+            return x.clone()
+        attrs = _object_attributes(x)
+        if attrs is None:
+            return x
+        path = _enter(x, _path)
+        try:
+            twin = copy.copy(x)
+        except Exception as exc:
+            raise TypeError(f"an argument holds a {type(x).__name__} with tensors that the "
+                            f"audit cannot copy ({type(exc).__name__}: {exc}); pass the "
+                            "tensors it holds instead") from exc
+        for name, value in attrs.items():
+            object.__setattr__(twin, name, _clone(value, path))
+        return twin
+
+    return _pytree.tree_map(leaf, tree)
+
+
 def pytree_mismatches(got, want, *, rtol: Optional[float] = None,
                       atol: Optional[float] = None) -> list:
     """Problems (empty when equal) between two pytrees of tensors and Python values.
 
     Tensors: equal shape and dtype, then values exactly for integer and bool
     dtypes and within ``torch.testing.assert_close``'s dtype tolerances (or
-    ``rtol``/``atol``) for floating ones, NaNs equal. Dataclasses that are not
-    registered pytrees are compared field by field; other leaves with ``==``.
+    ``rtol``/``atol``) for floating ones, NaNs equal. Plain objects that hold
+    tensors (dataclasses that are not registered pytrees, objects with tensor
+    attributes) are compared type and attribute by attribute; other leaves
+    with ``==``.
     """
-    if dataclasses.is_dataclass(got) and not isinstance(got, type) and type(got) is type(want) \
-            and _pytree._get_node_type(got) not in _pytree.SUPPORTED_NODES:
-        got = {f.name: getattr(got, f.name) for f in dataclasses.fields(got)}
-        want = {f.name: getattr(want, f.name) for f in dataclasses.fields(want)}
-    got_leaves, got_spec = _pytree.tree_flatten(got)
-    want_leaves, want_spec = _pytree.tree_flatten(want)
+    got_leaves, got_spec = _pytree.tree_flatten(_expand(got))
+    want_leaves, want_spec = _pytree.tree_flatten(_expand(want))
     if got_spec != want_spec:
         return [f"structure differs: {got_spec} vs {want_spec}"]
     problems = []
     for i, (g, w) in enumerate(zip(got_leaves, want_leaves)):
         if isinstance(g, torch.Tensor) and isinstance(w, torch.Tensor):
             if g.shape != w.shape or g.dtype != w.dtype:
-                problems.append(f"leaf {i}: {tuple(g.shape)} {g.dtype} vs {tuple(w.shape)} {w.dtype}")
+                problems.append(f"leaf {i}: {tuple(g.shape)} {g.dtype} vs "
+                                f"{tuple(w.shape)} {w.dtype}")
                 continue
             try:
                 torch.testing.assert_close(g.cpu(), w.cpu(), rtol=rtol, atol=atol, equal_nan=True)
             except AssertionError as exc:
-                problems.append(f"leaf {i}: " + " ".join(str(exc).split())[:160])
-        elif dataclasses.is_dataclass(g) and not isinstance(g, type):
-            problems += [f"leaf {i}.{m}" for m in pytree_mismatches(g, w, rtol=rtol, atol=atol)]
+                problems.append(f"leaf {i}: " + _cut(str(exc), 160))
         else:
             try:
                 equal = bool(g == w)
@@ -265,11 +360,6 @@ def pytree_mismatches(got, want, *, rtol: Optional[float] = None,
             if not equal:
                 problems.append(f"leaf {i}: {g!r} vs {w!r}")
     return problems
-
-
-def _clone(tree):
-    """A copy of ``tree`` whose tensors are fresh clones (other leaves shared)."""
-    return _pytree.tree_map(lambda x: x.clone() if isinstance(x, torch.Tensor) else x, tree)
 
 
 def _call(fn: Callable, call: tuple):
@@ -290,6 +380,26 @@ def _argument_names(fn: Callable, call: tuple) -> list:
     return named + list(kwargs.items())
 
 
+def check_call_layout(example, variants: Iterable = ()) -> list:
+    """``[(args, kwargs)]`` of ``example`` and each variant, checked.
+
+    Raises:
+        TypeError, ValueError: ``example`` is not a tuple/list/dict of
+            arguments, or a variant differs from it in structure, type, or a
+            tensor's shape, dtype or device (the message names it); an
+            argument holds tensors in an object the audit cannot copy.
+    """
+    calls = [_validate.call_arguments("example", example)]
+    layout = _expand(calls[0])
+    for i, v in enumerate(variants):
+        call = _validate.call_arguments(f"variants[{i}]", v)
+        _validate.same_call_layout(f"variants[{i}]", _expand(call), layout)
+        calls.append(call)
+    _clone(calls[0])  # raises now, naming the object, if one cannot be copied
+    return calls
+
+
+# ------------------------------------------------------------------ findings
 def _frame_finding(column: str, op: str, message: str, frame) -> Finding:
     if frame is None:
         return Finding(column, op, None, None, message)
@@ -312,6 +422,22 @@ def _failure_finding(exc: BaseException) -> Finding:
     return _frame_finding("graph_breaks", str(op), f"fullgraph compile failed: {first}", frame)
 
 
+@contextlib.contextmanager
+def _quiet_torch() -> Iterator[None]:
+    """Hold back torch's own warnings (log records and Python warnings) while
+    auditing: what they say is in the findings, at the user's line."""
+    logger = logging.getLogger("torch")
+    level = logger.level
+    logger.setLevel(logging.ERROR)
+    try:
+        with warnings.catch_warnings():
+            warnings.filterwarnings("ignore", module=r"torch(\.|$)")
+            yield
+    finally:
+        logger.setLevel(level)
+
+
+# ------------------------------------------------------------------ the audit
 def audit_callable(
     fn: Callable,
     example,
@@ -320,6 +446,7 @@ def audit_callable(
     backend: str = "aot_eager",
     device: Optional[str] = None,
     same: Optional[Callable[[object, object], list]] = None,
+    reference: Optional[Callable[[int, object], list]] = None,
     writable: Iterable[str] = (),
     restore: Callable[[], None] = lambda: None,
     name: Optional[str] = None,
@@ -329,10 +456,13 @@ def audit_callable(
     Args:
         fn: the function (or any callable) to audit.
         example: its arguments: a tuple/list of positional arguments, or a dict
-            of keyword arguments. Tensors, Python values and pytrees of
-            tensors (lists, tuples, dicts, registered dataclasses) are fine.
+            of keyword arguments. Tensors, Python values, pytrees of tensors
+            (lists, tuples, dicts, registered dataclasses) and plain objects
+            holding tensors (unregistered dataclasses, objects with tensor
+            attributes: copied by `copy.copy`, their tensors cloned) are fine.
+            The caller's tensors are never written: every run gets copies.
         variants: other argument values for ``fn``, each of the layout of
-            ``example`` (same pytree structure; tensors of the same shapes,
+            ``example`` (same structure and types; tensors of the same shapes,
             dtypes and devices). A recompile on one of them is a
             value-dependent guard; give at least one to measure recompiles.
         backend: ``torch.compile`` backend (``aot_eager``, ``eager``, ``inductor``).
@@ -345,6 +475,9 @@ def audit_callable(
             for floats). It compares ``(output, arguments after the call)``,
             so a function that fills caller-provided buffers is compared on
             what it wrote.
+        reference: ``reference(i, eager_output) -> list of problems`` of call
+            ``i`` (0 = the example) against an independent reference; each is
+            a ``parity`` finding.
         writable: names of top-level arguments ``fn`` may write (the buffers
             an engine's fill function fills). Writing any other input is a
             ``mutations`` finding.
@@ -373,36 +506,55 @@ def audit_callable(
           and a count for the compiled one;
         * ``cuda_graph`` (CUDA): a capture failure (message and user line), or
           a replay (refilled with each variant) that differs from eager;
-        * ``parity``: compiled differs from eager on some call.
+        * ``parity``: compiled differs from eager on some call, or eager from
+          the reference.
+
+        torch's own warnings are held back while it runs (the findings say
+        what they would).
 
     Raises:
-        TypeError, ValueError: ``example``/``variants`` malformed (named).
+        TypeError, ValueError: ``example``/``variants`` malformed (named; see
+            `check_call_layout`).
+        EagerCallFailed: ``fn`` raised when run eagerly on a call.
     """
     start = time.perf_counter()
-    calls = [_validate.call_arguments("example", example)]
-    for i, v in enumerate(variants):
-        call = _validate.call_arguments(f"variants[{i}]", v)
-        _validate.same_call_layout(f"variants[{i}]", call, calls[0])
-        calls.append(call)
+    calls = check_call_layout(example, variants)
     writable = set(writable)
     same = same or pytree_mismatches
-    leaves = [x for x in _pytree.tree_leaves(calls[0]) if isinstance(x, torch.Tensor)]
+    leaves = [x for x in _pytree.tree_leaves(_expand(calls[0])) if isinstance(x, torch.Tensor)]
     if device is None:
         device = "cuda" if any(x.is_cuda for x in leaves) else "cpu"
     label = name or getattr(fn, "__qualname__", None) or type(fn).__name__
+    with _quiet_torch():
+        return _audit(fn, calls, label=label, start=start, backend=backend, device=device,
+                      same=same, reference=reference, writable=writable, restore=restore)
+
+
+def _audit(fn: Callable, calls: list, *, label: str, start: float, backend: str, device: str,
+           same: Callable, reference: Optional[Callable], writable: set,
+           restore: Callable) -> AuditRow:
+    """The runs behind `audit_callable`, on checked ``calls``."""
     findings: list = []
 
     # 1. Eager: the reference observations, and inputs written.
     eager_obs, mutated = [], {}
-    for call in calls:
+    for i, call in enumerate(calls):
         fresh = _clone(call)
         restore()
-        out = _call(fn, fresh)
+        try:
+            out = _call(fn, fresh)
+        except Exception as exc:
+            what = "the example" if i == 0 else f"variants[{i - 1}]"
+            raise EagerCallFailed(f"{label} raised {type(exc).__name__} on {what} (eager): "
+                                  f"{exc}") from exc
         eager_obs.append(_clone((out, fresh)))
         for (arg, before), (_, after) in zip(_argument_names(fn, call), _argument_names(fn, fresh)):
             if arg not in writable and arg not in mutated and pytree_mismatches(after, before,
                                                                                  rtol=0, atol=0):
                 mutated[arg] = True
+        if reference is not None:
+            findings += [Finding("parity", "vs reference", None, None, f"call {i}: {m}")
+                         for m in reference(i, eager_obs[i][0])]
 
     # 2. Graph breaks as dynamo's explain sees them.
     sites: dict = {}
@@ -411,7 +563,7 @@ def audit_callable(
         _, breaks = graph_break_sites(fn, *_clone(calls[0])[0], **_clone(calls[0])[1])
         for reason, frame in breaks:
             head, _, rest = reason.strip().partition("\n")
-            f = _frame_finding("graph_breaks", head[:80], " ".join(rest.split())[:200]
+            f = _frame_finding("graph_breaks", head.strip(), " ".join(rest.split())
                                or "graph break", frame)
             sites.setdefault((f.file, f.line), f)
     except Exception as exc:  # explain itself failed: report, go on
@@ -465,7 +617,7 @@ def audit_callable(
         host_syncs = len(eager_syncs) + len(compiled_syncs)
         seen = set()
         for message, frame in eager_syncs:
-            f = _frame_finding("host_syncs", "synchronizing call", " ".join(message.split())[:160],
+            f = _frame_finding("host_syncs", "synchronizing call", " ".join(message.split()),
                                frame)
             if (f.file, f.line) not in seen:
                 seen.add((f.file, f.line))
@@ -474,7 +626,7 @@ def audit_callable(
             findings.append(Finding("host_syncs", "synchronizing call (compiled)", None, None,
                                     f"{len(compiled_syncs)} in 2 compiled calls"))
         restore()
-        cuda_graph = _capture_callable(compiled, calls, eager_obs, same, findings, restore)
+        cuda_graph = _capture_and_replay(compiled, calls, eager_obs, same, findings, restore)
     restore()
 
     return AuditRow(
@@ -491,8 +643,8 @@ def audit_callable(
     )
 
 
-def _capture_callable(compiled: Callable, calls: list, eager_obs: list, same: Callable,
-                      findings: list, restore: Callable[[], None]) -> str:
+def _capture_and_replay(compiled: Callable, calls: list, eager_obs: list, same: Callable,
+                        findings: list, restore: Callable[[], None]) -> str:
     """Capture ``compiled`` on a copy of ``calls[0]``; refill with each call
     (variants, or the example alone), replay, compare with eager."""
     static = _clone(calls[0])
@@ -506,10 +658,10 @@ def _capture_callable(compiled: Callable, calls: list, eager_obs: list, same: Ca
                                        + (str(exc).strip().splitlines() or [""])[0], frame))
         return "fail"
     status = "ok"
-    static_leaves = _pytree.tree_leaves(static)
+    static_leaves = _pytree.tree_leaves(_expand(static))
     refills = list(range(1, len(calls))) or [0]
     for i in refills:
-        new_leaves = _pytree.tree_leaves(calls[i])
+        new_leaves = _pytree.tree_leaves(_expand(calls[i]))
         if any(not isinstance(s, torch.Tensor) and s != n
                for s, n in zip(static_leaves, new_leaves)):
             findings.append(Finding("cuda_graph", "replay", None, None,
@@ -527,20 +679,3 @@ def _capture_callable(compiled: Callable, calls: list, eager_obs: list, same: Ca
                                     f"replay of call {i} differs from eager: {m}"))
             status = "fail"
     return status
-
-
-def format_findings(rows: list) -> str:
-    """A table of `audit_callable` rows, each followed by its findings."""
-    head = (f"{'function':<40}{'breaks':>7}{'recomp':>7}{'dd':>4}{'mut':>4}{'syncs':>6}  "
-            f"{'graph':<8}{'parity':<7}{'sec':>6}")
-    lines = [head, "-" * len(head)]
-    for r in rows:
-        syncs = "-" if r.host_syncs is None else str(r.host_syncs)
-        lines.append(f"{r.mode[:39]:<40}{r.graph_breaks:>7}{r.recompiles:>7}{r.data_dependent:>4}"
-                     f"{r.mutations:>4}{syncs:>6}  {r.cuda_graph:<8}"
-                     f"{'yes' if r.parity else 'NO':<7}{r.seconds:>6.1f}")
-        lines += [f"    ! {f}" for f in r.findings]
-    bad = sum(not r.clean for r in rows)
-    lines.append("-" * len(head))
-    lines.append(f"{len(rows)} functions, {len(rows) - bad} clean, {bad} unclean")
-    return "\n".join(lines)

@@ -8,16 +8,21 @@ Each answers one question about a function, with torch's own machinery:
   data-dependent node (``item``/``tolist`` and values with unbacked
   symbols): each is a host sync on CUDA, even when ``fullgraph=True``
   accepted it (torch 2.13 captures ``Tensor.item`` as an unbacked symbol).
-* `count_host_syncs`: synchronising CUDA calls, via
+* `host_sync_sites`: synchronising CUDA calls, via
   ``torch.cuda.set_sync_debug_mode``, each with the user frame that made it.
 * `recompile_reasons`: the guards that failed when dynamo recompiled.
 * `user_frame`: the innermost frame of a stack outside torch and this package's
   probes (where a finding is in the user's source).
+
+`fa3_spec.audit` is built on them. `graph_breaks` and `count_host_syncs` are
+thin wrappers (counts and messages, no frames) for tests and notebooks.
+CUDA-graph capture itself is `fa3_spec.graphs.capture`.
 """
 
 from __future__ import annotations
 
 import contextlib
+import operator
 import os
 import re
 import traceback
@@ -65,19 +70,20 @@ def stack_trace_frame(stack_trace: Optional[str]) -> Optional[tuple]:
 
 
 def graph_breaks(fn: Callable, *args, **kwargs) -> tuple:
-    """``(count, reasons)`` of graph breaks when dynamo traces ``fn(*args, **kwargs)``.
-
-    Counted from the break reasons as well as ``graph_break_count``: on some
-    torch versions (seen on 2.13) a break that ends the frame is listed in
-    ``break_reasons`` while ``graph_break_count`` stays 0.
-    """
+    """``(count, reasons)``: `graph_break_sites` without the frames."""
     count, sites = graph_break_sites(fn, *args, **kwargs)
     return count, [reason for reason, _ in sites]
 
 
 def graph_break_sites(fn: Callable, *args, **kwargs) -> tuple:
-    """``(count, [(reason, frame)])``: as `graph_breaks`, each reason with the
-    user frame (`traceback.FrameSummary` or None) where dynamo broke."""
+    """``(count, [(reason, frame)])`` of graph breaks when dynamo traces
+    ``fn(*args, **kwargs)``, each reason with the user frame
+    (`traceback.FrameSummary` or None) where dynamo broke.
+
+    Counted from the break reasons as well as ``graph_break_count``: on some
+    torch versions (seen on 2.13) a break that ends the frame is listed in
+    ``break_reasons`` while ``graph_break_count`` stays 0.
+    """
     torch._dynamo.reset()
     explained = torch._dynamo.explain(fn)(*args, **kwargs)
     sites = [(str(r.reason), user_frame(getattr(r, "user_stack", None)))
@@ -119,7 +125,7 @@ class RecordingBackend:
         self.frame_count = 0
         self.data_dependent: list = []  # "op_kind:op" per data-dependent node
         self.data_dependent_sites: list = []  # (op, (file, line, code) or None)
-        self.inplace_on_inputs: list = []  # (input name, op, (file, line, code) or None)
+        self.inplace_on_inputs: list = []  # (input placeholder, op, (file, line, code) or None)
 
     def __call__(self, gm, example_inputs):
         from torch.fx.experimental.symbolic_shapes import free_unbacked_symbols
@@ -129,6 +135,11 @@ class RecordingBackend:
             return free_unbacked_symbols(value) if value is not None else set()
 
         self.frame_count += 1
+        inputs = {}  # storage of each graph input -> its placeholder
+        for node in gm.graph.nodes:
+            key = _storage(node) if node.op == "placeholder" else None
+            if key is not None:
+                inputs.setdefault(key, str(node.target))
         for node in gm.graph.nodes:
             op = getattr(node.target, "__name__", str(node.target))
             where = stack_trace_frame(node.meta.get("stack_trace"))
@@ -141,12 +152,14 @@ class RecordingBackend:
                     unbacked(node) - inherited):
                 self.data_dependent.append(f"{node.op}:{op}")
                 self.data_dependent_sites.append((op, where))
-            if node.op in ("call_method", "call_function") and _writes_in_place(node, op):
-                root = node.args[0] if node.args else None
-                while hasattr(root, "op") and root.op != "placeholder" and root.args:
-                    root = root.args[0]  # through views: x[0].add_(1), x.view(-1).copy_(y)
-                if hasattr(root, "op") and root.op == "placeholder":
-                    self.inplace_on_inputs.append((str(root.target), op, where))
+            if node.op in ("call_method", "call_function") and node.args \
+                    and _writes_in_place(node, op):
+                # The written tensor shares an input's storage: the input itself
+                # or a view of it (x[0].add_(1), x.view(-1).copy_(y)); a fresh
+                # tensor computed from an input (x | y) is not the input.
+                written = inputs.get(_storage(node.args[0]))
+                if written is not None:
+                    self.inplace_on_inputs.append((written, op, where))
         compiler = torch._dynamo.lookup_backend(self.backend)
         if self.options and self.backend == "inductor":
             from torch._inductor import config as inductor_config
@@ -170,27 +183,50 @@ def _reads_a_python_scalar(node) -> bool:
         getattr(grapharg, "pass_arg_as_tensor", False))
 
 
+#: Python's augmented assignments and ``x[i] = v``: in place on a tensor.
+_INPLACE_OPERATORS = frozenset({
+    operator.iadd, operator.isub, operator.imul, operator.itruediv, operator.ifloordiv,
+    operator.imod, operator.ipow, operator.imatmul, operator.iand, operator.ior, operator.ixor,
+    operator.ilshift, operator.irshift, operator.setitem})
+
+
 def _writes_in_place(node, op: str) -> bool:
-    """``x.add_(...)``, ``torch.Tensor.copy_``, ``x[i] = v`` (``setitem``)."""
-    if op == "setitem":
+    """``x.add_(...)``, ``torch.Tensor.copy_``, ``x |= y``, ``x[i] = v``; not
+    ``operator.or_`` / ``and_`` (``x | y``), whose names merely end in ``_``."""
+    if node.target in _INPLACE_OPERATORS:
         return True
+    if getattr(node.target, "__module__", None) in ("_operator", "operator"):
+        return False
     return op.endswith("_") and not op.startswith("_")
 
 
-def count_host_syncs(fn: Callable, *args, calls: int = 2, **kwargs) -> tuple:
-    """``(count, messages)`` of synchronizing CUDA calls in ``calls`` runs.
+def _storage(node):
+    """A hashable handle on the storage of ``node``'s example tensor, or None."""
+    from torch.multiprocessing.reductions import StorageWeakRef
 
-    One un-counted warm-up call comes first, so one-time process set-up
-    (lazy CUDA/library initialisation) is not charged to the step.
-    """
+    value = getattr(node, "meta", {}).get("example_value")
+    if not isinstance(value, torch.Tensor):
+        return None
+    try:
+        return StorageWeakRef(value.untyped_storage())
+    except (RuntimeError, NotImplementedError):  # a tensor without a storage
+        return None
+
+
+def count_host_syncs(fn: Callable, *args, calls: int = 2, **kwargs) -> tuple:
+    """``(count, messages)``: `host_sync_sites` without the frames."""
     sites = host_sync_sites(fn, *args, calls=calls, **kwargs)
     return len(sites), [message for message, _ in sites]
 
 
 def host_sync_sites(fn: Callable, *args, calls: int = 2, **kwargs) -> list:
     """``[(message, frame)]``: each synchronizing CUDA call of ``calls`` runs of
-    ``fn(*args, **kwargs)`` (after one un-counted warm-up), with the user frame
-    (`traceback.FrameSummary` or None) that made it."""
+    ``fn(*args, **kwargs)``, with the user frame (`traceback.FrameSummary` or
+    None) that made it.
+
+    One un-counted warm-up call comes first, so one-time process set-up
+    (lazy CUDA/library initialisation) is not charged to the step.
+    """
     fn(*args, **kwargs)
     torch.cuda.synchronize()
     with recording_host_syncs() as caught:

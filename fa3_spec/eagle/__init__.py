@@ -16,7 +16,8 @@ from .models import (
     PRESETS, Eagle3Draft, EagleDraft, EagleModels, KVCache, LlamaTarget, ModelShape, SpecModel,
     make_models,
 )
-from .pool import KVPool, draft_positions
+from ..builders import draft_positions
+from .pool import KVPool
 
 __all__ = [
     "CheckpointError", "DEFAULT_SCRIPT", "Eagle3Draft", "EagleDraft", "EagleEngine",

@@ -12,7 +12,7 @@ boundaries (1, P-1, P, P+1, 2P, ...) and random ones, each with its own
 ``--check-greedy`` the same prompts are decoded by plain greedy decoding of
 the target and compared token for token; any mismatch makes the exit status 1.
 ``--scripted`` forces the accepted length of each iteration (benchmarks with
-random weights): its output is not the model's and is never checked.
+random weights): its output is not the model's and cannot be checked.
 
 ``--model DIR`` loads a local Hugging Face Llama checkpoint instead of a
 preset (``--draft-model DIR``: a published EAGLE-1/2 or EAGLE-3 head; without
@@ -21,6 +21,19 @@ or ``--prompts FILE.jsonl`` with the checkpoint's own tokenizer (``--chat``:
 through its chat template; needs transformers), stops at the checkpoint's
 EOS ids, and prints each completion. Without tokenizer files or prompts it
 runs the token-id workload above on the loaded model.
+
+It prints its configuration first (the preset, or the loaded model and its
+draft head), then progress through both phases (the loop, then the greedy
+reference), then the result.
+
+Exit status: 0 when the run finished (and, with ``--check-greedy``, matched
+greedy decoding exactly); 1 when ``--check-greedy`` found a mismatch; 2 for
+an invalid invocation or configuration, with one line naming the problem and
+no traceback (a size below 1, ``--num-draft-tokens 1``, a tree that cannot
+fill ``--num-draft-tokens``, ``--topk`` above the vocabulary, ``--device
+cuda`` or ``--graphs`` without CUDA, ``--check-greedy`` with ``--scripted``,
+preset options with ``--model`` or text options without it, a checkpoint
+that cannot be loaded, prompts longer than the model's positions).
 """
 
 from __future__ import annotations
@@ -31,12 +44,12 @@ import json
 import random
 import sys
 import time
-from typing import List, Optional, Tuple
+from typing import List, NoReturn, Optional, Tuple
 
 import torch
 
 from ..config import SpecConfig
-from .checkpoint import CheckpointError, draft_kind, from_pretrained
+from .checkpoint import draft_kind, from_pretrained
 from .engine import COMPILE_BACKENDS, EagleEngine, eos_set, greedy_generate
 from .iteration import DEFAULT_SCRIPT, LoopConfig
 from .models import make_models
@@ -53,15 +66,34 @@ DTYPES = {"float64": torch.float64, "float32": torch.float32, "bfloat16": torch.
           "float16": torch.float16}
 
 
-def _positive(text: str) -> int:
-    """argparse type: an int >= 1 (a usage error otherwise, not a crash later)."""
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected an integer, got {text!r}") from None
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"must be >= 1, got {value}")
-    return value
+class UsageError(ValueError):
+    """An invalid invocation or configuration: exit status 2, one line, no traceback."""
+
+
+def usage_exit(command: str, problem: object) -> NoReturn:
+    """Print ``fa3-spec COMMAND: error: PROBLEM`` (one line) to stderr and exit
+    with status 2, as argparse does for the errors it finds itself."""
+    text = " ".join(str(problem).split())
+    print(f"fa3-spec {command}: error: {text}", file=sys.stderr)
+    raise SystemExit(2)
+
+
+def at_least(minimum: int):
+    """argparse type: an int >= ``minimum`` (a usage error otherwise, not a crash later)."""
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected an integer, got {text!r}") from None
+        if value < minimum:
+            raise argparse.ArgumentTypeError(f"must be >= {minimum}, got {value}")
+        return value
+
+    parse.__name__ = f"int >= {minimum}"  # argparse names the type in its message
+    return parse
+
+
+_positive = at_least(1)
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -85,7 +117,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="residual scale of target layers 1.. (derived draft of a preset; default "
                         f"{DEFAULT_ALPHA}; smaller: more agreement)")
     p.add_argument("--noise", type=float, default=0.0, help="relative noise on the derived draft")
-    p.add_argument("--num-layers", type=int, default=None, help="override the preset's depth")
+    p.add_argument("--num-layers", type=_positive, default=None,
+                   help="override the preset's depth")
     p.add_argument("--eos", type=int, default=-1, help="EOS token id (-1: none)")
     p.add_argument("--backend", default="auto", choices=["auto", "fa3", "torch"])
     p.add_argument("--graphs", action=argparse.BooleanOptionalAction, default=None,
@@ -124,7 +157,8 @@ def add_model_arguments(p: argparse.ArgumentParser) -> None:
 
 def add_parser(subparsers) -> argparse.ArgumentParser:
     """Register ``eagle`` on the ``fa3-spec`` command's subparsers."""
-    p = subparsers.add_parser("eagle", help="run the EAGLE speculative loop (exact to greedy)",
+    p = subparsers.add_parser("eagle", help="run the EAGLE speculative loop (exact to greedy); "
+                              "exit 0 exact, 1 mismatch, 2 invalid invocation",
                               description=__doc__,
                               formatter_class=argparse.RawDescriptionHelpFormatter)
     add_arguments(p)
@@ -151,11 +185,13 @@ def workload(n: int, *, page_size: int, max_prompt: int, max_new: int, vocab: in
 def _resolve_device(name: str) -> str:
     if name == "auto":
         return "cuda" if torch.cuda.is_available() else "cpu"
+    try:
+        kind = torch.device(name).type
+    except RuntimeError:
+        raise UsageError(f"--device must be cpu, cuda or auto, got {name!r}") from None
+    if kind == "cuda" and not torch.cuda.is_available():
+        raise UsageError(f"--device {name}: no CUDA device is available")
     return name
-
-
-class UsageError(ValueError):
-    """Options or inputs that cannot run (exit status 2)."""
 
 
 @dataclasses.dataclass
@@ -202,63 +238,140 @@ def load_model(args: argparse.Namespace, device: str, dtype) -> LoadedModel:
     return LoadedModel(models, checkpoint_eos_ids(args.model), texts, prompts, news, tok, info)
 
 
-def run_eagle(args: argparse.Namespace, *, log=print) -> dict:
-    """Run the loop as ``args`` says; return the result dictionary (see `run`)."""
-    device = _resolve_device(args.device)
-    dtype = DTYPES[args.dtype] if args.dtype else None
-    loaded = load_model(args, device, dtype) if args.model else None
-    if loaded is None:
-        models = make_models(args.preset or "tiny", draft=args.draft,
-                             alpha=DEFAULT_ALPHA if args.alpha is None else args.alpha,
-                             noise=args.noise, seed=args.seed, dtype=dtype, device=device,
-                             num_layers=args.num_layers)
+def _scripted(args: argparse.Namespace) -> Optional[tuple]:
+    if not args.scripted:
+        return None
+    try:
+        scripted = tuple(int(x) for x in args.scripted.split(","))
+    except ValueError:
+        raise UsageError(f"--scripted must be comma-separated positive integers, got "
+                         f"{args.scripted!r}") from None
+    if args.check_greedy:
+        raise UsageError("--check-greedy cannot check a --scripted run: its emitted tokens "
+                         "are forced, not the model's")
+    return scripted
+
+
+def _describe(c: dict, scripted: Optional[tuple], model: Optional[dict] = None) -> str:
+    """The configuration line printed first: the preset, or the loaded model
+    (``model``: `LoadedModel.info`) and its draft head's kind."""
+    label = (f" [SCRIPTED: emitted tokens per iteration forced to {list(scripted)}]"
+             if scripted else "")
+    if model is None:
+        name = f"preset {c['preset']}"
+    elif model["draft_path"]:
+        name = f"model {model['path']} + {model['draft_kind']} head {model['draft_path']}"
     else:
-        models = loaded.models
+        name = f"model {model['path']} + draft {model['draft_kind']}"
+    return (f"fa3-spec eagle: {name} ({c['num_layers']} layers, {c['dtype']}) on "
+            f"{c['device']}, batch {c['batch']}, {c['requests']} requests, P={c['page_size']} "
+            f"topk={c['topk']} steps={c['num_steps']} N={c['num_draft_tokens']}, "
+            f"max_new_tokens={c['max_new_tokens']}, backend {c['backend']}, "
+            f"graphs {'on' if c['graphs'] else 'off'}{label}")
+
+
+#: Seconds between two progress lines.
+PROGRESS_SECONDS = 2.0
+
+
+class _Every:
+    """Calls ``log(text())`` at most every `PROGRESS_SECONDS` (progress lines)."""
+
+    def __init__(self, log):
+        self.log, self.last = log, time.perf_counter()
+
+    def __call__(self, text) -> None:
+        now = time.perf_counter()
+        if now - self.last > PROGRESS_SECONDS:
+            self.last = now
+            self.log(text(), flush=True)
+
+
+def run_eagle(args: argparse.Namespace, *, log=print) -> dict:
+    """Run the loop as ``args`` says; return the result dictionary (see `run`).
+
+    Prints (through ``log``) the configuration first, then progress lines
+    through the loop and the greedy reference.
+
+    Raises:
+        UsageError: an invalid invocation or configuration (options that do
+            not go together, a checkpoint that cannot be loaded, prompts that
+            do not fit), found before anything runs.
+    """
+    problem = usage_error(args)
+    if problem is not None:
+        raise UsageError(problem)
+    device = _resolve_device(args.device)
+    scripted = _scripted(args)
+    dtype = DTYPES[args.dtype] if args.dtype else None
     n_req = args.requests if args.requests is not None else 2 * args.batch
-    prompts, news = workload(n_req, page_size=args.page_size, max_prompt=args.prompt_len,
-                             max_new=args.max_new_tokens, vocab=models.vocab_size, seed=args.seed)
-    eos = eos_set(args.eos)
-    if loaded is not None:
-        eos = eos_set(loaded.eos + eos)
-        if loaded.prompts:
-            prompts, news, n_req = loaded.prompts, loaded.news, len(loaded.prompts)
-    scripted = tuple(int(x) for x in args.scripted.split(",")) if args.scripted else None
     n = args.num_draft_tokens
-    max_new = max([args.max_new_tokens] + news)
-    context = max([args.prompt_len] + [len(p) for p in prompts]) + max_new + n
-    if context > models.max_positions:
-        raise UsageError(f"prompts + max_new_tokens + num_draft_tokens = {context} positions "
-                         f"exceed the model's RoPE table ({models.max_positions})")
-    spec = SpecConfig(page_size=args.page_size, topk=args.topk, num_steps=args.num_steps,
-                      num_draft_tokens=n, max_bs=args.batch, max_context_len=context, num_pages=1)
-    max_reqs = 2 * args.batch
-    # Enough pages for every row's largest reservation, plus the reserved page 0.
-    row_pages = -(-(spec.draft_row_len) // args.page_size)
-    spec = dataclasses.replace(spec, num_pages=1 + max_reqs * row_pages)
-    lc = LoopConfig(spec, max_new_tokens=max_new, backend=args.backend, scripted=scripted,
-                    max_eos=max(4, len(eos)))
     graphs = args.graphs if args.graphs is not None else device == "cuda"
-    engine = EagleEngine(lc, models, max_reqs=max_reqs, graphs=graphs,
-                         compile_backend=args.compile, cache_path=args.compile_cache,
-                         device=device, seed=args.seed,
-                         count_syncs=args.count_syncs and device == "cuda")
+    if graphs and torch.device(device).type != "cuda":
+        raise UsageError("--graphs captures CUDA graphs and needs --device cuda")
+    loaded = None
+    try:  # every configuration error surfaces here, before the run (CheckpointError too)
+        if args.model:
+            loaded = load_model(args, device, dtype)
+            models = loaded.models
+        else:
+            models = make_models(args.preset or "tiny", draft=args.draft,
+                                 alpha=DEFAULT_ALPHA if args.alpha is None else args.alpha,
+                                 noise=args.noise, seed=args.seed, dtype=dtype, device=device,
+                                 num_layers=args.num_layers)
+        prompts, news = workload(n_req, page_size=args.page_size, max_prompt=args.prompt_len,
+                                 max_new=args.max_new_tokens, vocab=models.vocab_size,
+                                 seed=args.seed)
+        eos = eos_set(args.eos)
+        if loaded is not None:
+            eos = eos_set(loaded.eos + eos)
+            if loaded.prompts:
+                prompts, news, n_req = loaded.prompts, loaded.news, len(loaded.prompts)
+        max_new = max([args.max_new_tokens] + news)
+        context = max([args.prompt_len] + [len(p) for p in prompts]) + max_new + n
+        if context > models.max_positions:
+            raise UsageError(f"prompts + max_new_tokens + num_draft_tokens = {context} "
+                             f"positions exceed the model's RoPE table ({models.max_positions})")
+        spec = SpecConfig(page_size=args.page_size, topk=args.topk, num_steps=args.num_steps,
+                          num_draft_tokens=n, max_bs=args.batch, max_context_len=context)
+        max_reqs = 2 * args.batch
+        # Enough pages for every row's largest reservation, plus the reserved page 0.
+        spec = dataclasses.replace(spec, num_pages=spec.pool_pages(max_reqs))
+        lc = LoopConfig(spec, max_new_tokens=max_new, backend=args.backend, scripted=scripted,
+                        max_eos=max(4, len(eos)))
+        engine = EagleEngine(lc, models, max_reqs=max_reqs, graphs=graphs,
+                             compile_backend=args.compile, cache_path=args.compile_cache,
+                             device=device, seed=args.seed,
+                             count_syncs=args.count_syncs and device == "cuda")
+        for prompt, m in zip(prompts, news):
+            engine.submit(prompt, m, eos_id=eos)
+    except (ValueError, TypeError) as exc:  # UsageError and CheckpointError are ValueErrors
+        raise UsageError(str(exc)) from exc
+    config = dict(preset=None if loaded else args.preset or "tiny", device=device,
+                  dtype=str(models.dtype).replace("torch.", ""),
+                  batch=args.batch, requests=n_req, page_size=args.page_size, topk=args.topk,
+                  num_steps=args.num_steps, num_draft_tokens=n,
+                  max_new_tokens=args.max_new_tokens, prompt_len=args.prompt_len,
+                  seed=args.seed, draft=args.draft,
+                  alpha=None if loaded else DEFAULT_ALPHA if args.alpha is None else args.alpha,
+                  noise=args.noise, num_layers=models.num_target_layers, eos=list(eos),
+                  backend=args.backend, graphs=graphs, compile=engine.compile_backend,
+                  scripted=list(scripted) if scripted else None)
+    log(_describe(config, scripted, loaded.info if loaded else None), flush=True)
+
     capture_s = None
     if graphs:
+        log("  capturing one CUDA graph per bucket ...", flush=True)
         t0 = time.perf_counter()
         engine.capture()
         capture_s = time.perf_counter() - t0
-    for prompt, m in zip(prompts, news):
-        engine.submit(prompt, m, eos_id=eos)
-
-    last_print = [time.perf_counter()]
+    log(f"  EAGLE loop: {n_req} requests ...", flush=True)
+    every = _Every(log)
 
     def progress(eng, host):
-        now = time.perf_counter()
-        if not args.quiet and now - last_print[0] > 2.0:
-            last_print[0] = now
-            acc = eng.stats["accept_lens"]
-            log(f"  iteration {eng.stats['iterations']}: {eng.stats['finished']}/{n_req} done, "
-                f"mean accept {sum(acc) / max(len(acc), 1):.2f}", flush=True)
+        acc = eng.stats["accept_lens"]
+        every(lambda: f"  iteration {eng.stats['iterations']}: {eng.stats['finished']}/{n_req} "
+                      f"done, mean accept {sum(acc) / max(len(acc), 1):.2f}")
 
     if device == "cuda":
         torch.cuda.synchronize()
@@ -288,16 +401,7 @@ def run_eagle(args: argparse.Namespace, *, log=print) -> dict:
         capture_s=capture_s,
         scripted_acceptance=(f"SCRIPTED: emitted tokens per iteration forced to {list(scripted)}; "
                              "outputs are not the model's" if scripted else None),
-        config=dict(preset=None if loaded else args.preset or "tiny", device=device,
-                    dtype=str(models.dtype).replace("torch.", ""),
-                    batch=args.batch, requests=n_req, page_size=args.page_size, topk=args.topk,
-                    num_steps=args.num_steps, num_draft_tokens=n,
-                    max_new_tokens=args.max_new_tokens, prompt_len=args.prompt_len,
-                    seed=args.seed, draft=args.draft,
-                    alpha=None if loaded else DEFAULT_ALPHA if args.alpha is None else args.alpha,
-                    noise=args.noise, num_layers=models.num_target_layers, eos=list(eos),
-                    backend=args.backend,
-                    graphs=graphs, compile=engine.compile_backend, scripted=list(scripted) if scripted else None),
+        config=config,
         outputs=got,
         model=loaded.info if loaded else None,
     )
@@ -310,20 +414,26 @@ def run_eagle(args: argparse.Namespace, *, log=print) -> dict:
     if loaded is not None and loaded.tokenizer is not None:
         for entry, text, out in zip(per_request, loaded.texts, got):
             entry.update(prompt=text, completion=loaded.tokenizer.decode(out))
-    if args.check_greedy and not scripted:
+    if args.check_greedy:  # never with --scripted (`_scripted` refuses it)
         logits: list = []
+        log(f"  greedy reference: {n_req} requests, up to {max(news)} tokens each ...", flush=True)
+        every = _Every(log)
         greedy_start = time.perf_counter()
         ref = greedy_generate(models, prompts, news, eos_ids=[eos] * n_req,
                               page_size=args.page_size, backend=args.backend, device=device,
-                              logits_out=logits)
+                              logits_out=logits,
+                              on_step=lambda i, steps: every(
+                                  lambda: f"  greedy step {i}/{steps}"))
         greedy_s = time.perf_counter() - greedy_start
         result["greedy_tokens_per_s"] = sum(map(len, ref)) / greedy_s if greedy_s > 0 else None
         if loaded is not None and loaded.prompts:  # per prompt, each decoded alone
-            for entry, prompt, m in zip(per_request, prompts, news):
+            for r, (entry, prompt, m) in enumerate(zip(per_request, prompts, news)):
                 one = time.perf_counter()
-                alone = greedy_generate(models, [prompt], [m], eos_ids=[eos],
-                                        page_size=args.page_size, backend=args.backend,
-                                        device=device)[0]
+                alone = greedy_generate(
+                    models, [prompt], [m], eos_ids=[eos], page_size=args.page_size,
+                    backend=args.backend, device=device,
+                    on_step=lambda i, steps, r=r: every(
+                        lambda: f"  greedy step {i}/{steps} (request {r} alone)"))[0]
                 entry["greedy_tokens_per_s"] = len(alone) / (time.perf_counter() - one)
         diverge = []
         for i, (a, b) in enumerate(zip(got, ref)):
@@ -357,26 +467,17 @@ def usage_error(args: argparse.Namespace) -> Optional[str]:
 
 
 def run(args: argparse.Namespace) -> int:
-    """Entry point of ``fa3-spec eagle``; 1 when ``--check-greedy`` finds a mismatch,
-    2 for options that do not go together or a checkpoint that cannot be loaded."""
+    """Entry point of ``fa3-spec eagle``: 0 done (exact with ``--check-greedy``),
+    1 when ``--check-greedy`` finds a mismatch; an invalid invocation or
+    configuration (options that do not go together, a checkpoint that cannot
+    be loaded) exits with status 2 (`usage_exit`)."""
     log = (lambda *a, **k: None) if args.quiet else print
-    problem = usage_error(args)
-    if problem is not None:
-        print(f"fa3-spec eagle: {problem}", file=sys.stderr)
-        return 2
     try:
         res = run_eagle(args, log=log)
-    except (CheckpointError, UsageError) as exc:
-        print(f"fa3-spec eagle: {exc}", file=sys.stderr)
-        return 2
+    except UsageError as exc:
+        usage_exit("eagle", exc)
     c = res["config"]
-    label = f" [{res['scripted_acceptance']}]" if res["scripted_acceptance"] else ""
     model = res["model"]
-    name = (f"model {model['path']} + {model['draft_kind']}" if model
-            else f"preset {c['preset']}")
-    log(f"fa3-spec eagle: {name} ({c['num_layers']} layers, {c['dtype']}) on "
-        f"{c['device']}, batch {c['batch']}, {c['requests']} requests, P={c['page_size']} "
-        f"topk={c['topk']} steps={c['num_steps']} N={c['num_draft_tokens']}{label}")
     syncs = res["host_syncs_per_iteration"]
     log(f"  {res['tokens']} tokens in {res['iterations']} iterations, mean accept length "
         f"{res['mean_accept_len'] or 0:.2f}, {res['tokens_per_s'] or 0:.1f} tokens/s, "

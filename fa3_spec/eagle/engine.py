@@ -65,6 +65,26 @@ class Request:
     finished_s: float = 0.0  # host clock when its finish was read back
 
 
+def _draft_vocab_size(models: SpecModel) -> int:
+    """Tokens the draft head proposes from: ``models.draft_vocab_size`` when the
+    model defines it (a reduced-vocabulary draft head), else ``vocab_size``."""
+    return int(getattr(models, "draft_vocab_size", models.vocab_size))
+
+
+def _check_prompt(name: str, prompt: Sequence[int], vocab_size: int) -> List[int]:
+    """``prompt`` as a list of ints, every token in ``[0, vocab_size)``.
+
+    Raises:
+        ValueError: a token outside the vocabulary (named, with its position).
+    """
+    tokens = [int(t) for t in prompt]
+    bad = next((i for i, t in enumerate(tokens) if not 0 <= t < vocab_size), None)
+    if bad is not None:
+        raise ValueError(f"{name}: token {tokens[bad]} at position {bad} is outside the "
+                         f"vocabulary (vocab_size={vocab_size}: ids 0..{vocab_size - 1})")
+    return tokens
+
+
 def _prefill_forward(models: SpecModel, spec: SpecConfig, kv_target: KVCache,
                      kv_draft: Optional[KVCache], req_to_token: torch.Tensor,
                      rows: List[int], prompts: List[List[int]], *, backend: str,
@@ -114,7 +134,8 @@ class EagleEngine:
 
     Args:
         lc: `LoopConfig` (``lc.spec.max_bs`` = batch rows; ``lc.spec.num_pages``
-            = pool size).
+            = pool size). ``lc.spec.topk`` must not exceed the draft's
+            vocabulary (``models.draft_vocab_size`` when it has one, else ``vocab_size``).
         models: a `SpecModel`.
         max_reqs: ``req_to_token`` rows (default ``2 * max_bs``).
         buckets: batch sizes to run/capture (default: powers of two up to
@@ -137,6 +158,11 @@ class EagleEngine:
                  buckets: Optional[Sequence[int]] = None, graphs: Optional[bool] = None,
                  compile_backend: Optional[str] = "auto", cache_path: Optional[str] = None,
                  device="cpu", seed: int = 0, count_syncs: bool = False):
+        if lc.spec.topk > _draft_vocab_size(models):
+            raise ValueError(
+                f"topk={lc.spec.topk} exceeds the draft's vocabulary of "
+                f"{_draft_vocab_size(models)} tokens: every tree node draws its topk children "
+                "from it")
         self.lc = lc
         self.spec = lc.spec
         self.models = models
@@ -202,8 +228,13 @@ class EagleEngine:
 
         ``eos_id``: one EOS token id or several (at most ``lc.max_eos``);
         the output stops after the first of them (included). -1: none.
+
+        Raises:
+            ValueError: a prompt token outside ``[0, vocab_size)``, more EOS
+                ids than ``lc.max_eos``, or a request that can never fit the
+                configuration (`KVPool.check_request`).
         """
-        prompt = [int(t) for t in prompt]
+        prompt = _check_prompt("prompt", prompt, self.models.vocab_size)
         if max_new_tokens > self.lc.max_new_tokens:
             raise ValueError(f"max_new_tokens={max_new_tokens} exceeds the loop's "
                              f"max_new_tokens={self.lc.max_new_tokens}")
@@ -237,21 +268,40 @@ class EagleEngine:
 
     # ------------------------------------------------------------ admission
     def _admit(self) -> None:
+        """Admit waiting requests into free rows: pool rows and pages, prefill,
+        then their state rows.
+
+        All or nothing: if anything fails (the prefill, a device write), the
+        batch's rows, slots and pages are freed, its requests go back to the
+        head of the queue, no state row is live (``seq_lens``, which makes a
+        row live, is written last), and the error propagates.
+        """
         batch: List[Request] = []
         free = [i for i, r in enumerate(self._slots) if r is None]
-        while self._waiting and free:
-            req = self._waiting[0]
-            if not self.pool.can_allocate(len(req.prompt), req.max_new_tokens):
-                break
-            self._waiting.pop(0)
-            req.row = self.pool.allocate(len(req.prompt), req.max_new_tokens)
-            req.slot = free.pop(0)
-            req.since = self.stats["iterations"]
-            req.admitted_s = time.perf_counter()
-            self._slots[req.slot] = req
-            batch.append(req)
-        if not batch:
-            return
+        try:
+            while self._waiting and free:
+                req = self._waiting[0]
+                if not self.pool.can_allocate(len(req.prompt), req.max_new_tokens):
+                    break
+                req.row = self.pool.allocate(len(req.prompt), req.max_new_tokens)
+                self._waiting.pop(0)
+                req.slot = free.pop(0)
+                req.since = self.stats["iterations"]
+                req.admitted_s = time.perf_counter()
+                self._slots[req.slot] = req
+                batch.append(req)
+            if batch:
+                self._start(batch)
+        except BaseException:
+            for req in batch:
+                self.pool.release(req.row)
+                self._slots[req.slot] = None
+                req.row = req.slot = -1
+            self._waiting[:0] = batch
+            raise
+
+    def _start(self, batch: List[Request]) -> None:
+        """Prefill ``batch`` (rows and slots assigned) and write its state rows."""
         pool, st, dev = self.pool, self.state, self.device
         first, h, scores, cand, _ = _prefill_forward(
             self.models, self.spec, pool.target_kv, pool.draft_kv, pool.req_to_token,
@@ -266,7 +316,6 @@ class EagleEngine:
         done = (first.unsqueeze(1) == eos).any(1) | (max_new <= 1)  # on the device: no sync
         st["req_pool_indices"][idx] = torch.tensor([r.row for r in batch], dtype=torch.int64,
                                                    device=dev)
-        st["seq_lens"][idx] = torch.where(done, 0, lens)
         st["root"][idx] = first
         st["cand_tokens"][idx] = cand
         st["cand_scores"][idx] = scores
@@ -279,6 +328,7 @@ class EagleEngine:
         st["eos"][idx] = eos
         st["iters"][idx] = 0
         st["accept_len"][idx] = 0
+        st["seq_lens"][idx] = torch.where(done, 0, lens)  # last: the rows are live from here
         self.stats["admitted"] += len(batch)
 
     # ------------------------------------------------------------- iteration
@@ -405,7 +455,8 @@ def greedy_generate(models: SpecModel, prompts: Sequence[Sequence[int]],
                     max_new_tokens: Sequence[int], *,
                     eos_ids: Optional[Sequence[Union[int, Sequence[int]]]] = None,
                     page_size: int = 1, backend: str = "auto", device="cpu",
-                    logits_out: Optional[list] = None) -> List[List[int]]:
+                    logits_out: Optional[list] = None,
+                    on_step: Optional[Callable[[int, int], None]] = None) -> List[List[int]]:
     """Plain greedy decoding of the target (no speculation): the reference.
 
     Prefill through `build_prefill_metadata`, then one token per request per
@@ -414,14 +465,30 @@ def greedy_generate(models: SpecModel, prompts: Sequence[Sequence[int]],
     ``eos_ids[i]``: one id or several, as `EagleEngine.submit` takes them).
     ``logits_out``, if given, receives each step's float32 logits ``[B, V]``
     on the CPU (step 0 = after the prompt), for near-tie analysis.
+    ``on_step(i, steps)``, if given, is called after each of the ``steps``
+    token steps (progress; ``i`` from 1).
+
+    Raises:
+        ValueError: no prompts, an empty prompt, a prompt token outside
+            ``[0, vocab_size)``, ``max_new_tokens`` (or ``eos_ids``) not one
+            per prompt, or a ``max_new_tokens`` below 1.
     """
-    prompts = [list(map(int, p)) for p in prompts]
+    prompts = [_check_prompt(f"prompts[{i}]", p, models.vocab_size) for i, p in enumerate(prompts)]
+    max_new_tokens = [int(m) for m in max_new_tokens]
+    if not prompts or min(map(len, prompts)) < 1:
+        raise ValueError("prompts must be one or more non-empty token lists")
+    if len(max_new_tokens) != len(prompts) or min(max_new_tokens) < 1:
+        raise ValueError(f"max_new_tokens must give one count >= 1 per prompt ({len(prompts)}), "
+                         f"got {max_new_tokens}")
+    if eos_ids is not None and len(eos_ids) != len(prompts):
+        raise ValueError(f"eos_ids must give one id per prompt ({len(prompts)}), got "
+                         f"{len(eos_ids)}")
     bs = len(prompts)
     steps = max(max_new_tokens)
     ctx = max(len(p) for p in prompts) + steps + 1
     spec = SpecConfig(page_size=page_size, topk=1, num_steps=2, num_draft_tokens=1,
-                      max_bs=max(bs, 1), max_context_len=ctx, num_pages=1)
-    spec = dataclasses.replace(spec, num_pages=1 + bs * -(-spec.draft_row_len // page_size))
+                      max_bs=max(bs, 1), max_context_len=ctx)
+    spec = dataclasses.replace(spec, num_pages=spec.pool_pages(bs))
     pool = KVPool(spec, max_reqs=bs, target_layers=models.num_target_layers, draft_layers=1,
                   num_kv_heads=models.num_kv_heads, head_dim=models.head_dim,
                   dtype=models.dtype, device=device, seed=1)
@@ -435,7 +502,9 @@ def greedy_generate(models: SpecModel, prompts: Sequence[Sequence[int]],
     seq = torch.tensor([len(q) for q in prompts], dtype=torch.int64, device=device)
     tokens = [first]
     cur = first
-    for _ in range(steps - 1):
+    if on_step is not None:
+        on_step(1, steps)
+    for i in range(2, steps + 1):
         md = build_decode_metadata(spec, req_to_token=r2t, req_pool_indices=rpi, seq_lens=seq + 1)
         slots = r2t[rpi, seq].to(torch.int64)
         hidden = models.target_forward(cur, seq, slots, md, pool.target_kv, backend=backend)
@@ -445,6 +514,8 @@ def greedy_generate(models: SpecModel, prompts: Sequence[Sequence[int]],
         cur = logits.argmax(-1)
         tokens.append(cur)
         seq = seq + 1
+        if on_step is not None:
+            on_step(i, steps)
     table = torch.stack(tokens, 1).cpu().tolist()  # ok-host: host readback, between iterations
     eos_ids = list(eos_ids) if eos_ids is not None else [-1] * bs
     out = []

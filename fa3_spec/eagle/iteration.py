@@ -52,19 +52,19 @@ from typing import Dict, Optional, Tuple
 
 import torch
 
-from .._paged import BatchView, in_pool
 from ..batch import SpecBatch
 from ..builders import (
     build_draft_extend_metadata,
     build_draft_iteration_metadata,
     build_target_verify_metadata,
+    draft_positions,
     draft_tail_copy_slots,
 )
 from ..builders.prefill import extend_query_positions
 from ..config import SpecConfig
+from ..paged import BatchView, in_pool
 from ..tree import tree_mask_from_parents
 from .models import KVCache, SpecModel
-from .pool import draft_positions
 
 #: Emitted tokens per iteration (accepted drafts + bonus) forced in scripted
 #: mode; mean 3.5.

@@ -536,6 +536,11 @@ class SpecModel(Protocol):
     token ids (a reduced draft vocabulary is mapped back here) with their
     log-probabilities. Everything must trace under
     ``torch.compile(fullgraph=True)`` and capture in a CUDA graph.
+
+    Optional: ``draft_vocab_size``, the tokens the draft head proposes from
+    (a reduced-vocabulary head such as EAGLE-3's ``V_d``, the width of
+    ``draft_logits``); ``vocab_size`` when absent. `EagleEngine` refuses a
+    ``topk`` above it.
     """
 
     hidden_size: int
@@ -601,6 +606,13 @@ class EagleModels:
     @property
     def dtype(self) -> torch.dtype:
         return self.target.embed.dtype
+
+    @property
+    def draft_vocab_size(self) -> int:
+        """Tokens the draft proposes from: an `Eagle3Draft`'s reduced vocabulary
+        ``V_d`` (its ``d2t`` entries), else the target's ``vocab_size``."""
+        d2t = getattr(self.draft, "d2t", None)
+        return self.vocab_size if d2t is None else int(d2t.shape[0])
 
     @property
     def capture(self) -> Tuple[int, ...]:

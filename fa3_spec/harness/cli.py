@@ -9,20 +9,35 @@ import sys
 
 import torch
 
+from ..eagle import cli as eagle_cli
 from ..modes import MODES
+
+AUDIT_HELP = """\
+Audit every metadata builder, whole step and EAGLE iteration (56 rows by
+default), or, with --callable and --inputs, any function: graph breaks,
+recompiles when only values change, data-dependent ops, input mutations,
+parity, and on CUDA host syncs and CUDA-graph capture + replay.
+
+Exit status: 0 when every row is clean; 1 when a row is unclean; 2 for an
+invalid invocation (one line naming the problem, no traceback): a flag that
+needs another (--inputs, --writable without --callable), a module or factory
+that does not load or run, variants whose structure, shapes or dtypes differ
+from the example, a function that raises on its own example, --device cuda
+without CUDA, sizes out of range."""
+
+
+def _usage(problem: object):
+    eagle_cli.usage_exit("audit", problem)
 
 
 def _load(spec: str, flag: str):
     """``package.module:attribute`` -> the attribute (the module is imported)."""
     import importlib
-
     import os
-    import sys
 
     module, sep, attr = spec.partition(":")
     if not sep or not module or not attr:
-        print(f"fa3-spec audit: {flag} must be package.module:name, got {spec!r}", file=sys.stderr)
-        raise SystemExit(2)
+        _usage(f"{flag} must be package.module:name, got {spec!r}")
     if os.getcwd() not in sys.path:  # as `python3 -m` would: modules of the current directory
         sys.path.insert(0, os.getcwd())
     try:
@@ -30,9 +45,7 @@ def _load(spec: str, flag: str):
         for part in attr.split("."):
             obj = getattr(obj, part)
     except (ImportError, AttributeError) as exc:
-        print(f"fa3-spec audit: cannot load {flag} {spec!r}: {type(exc).__name__}: {exc}",
-              file=sys.stderr)
-        raise SystemExit(2) from None
+        _usage(f"cannot load {flag} {spec!r}: {type(exc).__name__}: {exc}")
     return obj
 
 
@@ -40,27 +53,35 @@ def _audit_callable(args: argparse.Namespace, device: str) -> int:
     """``--callable module:fn --inputs module:factory``: one `audit_callable` row."""
     import inspect
 
-    from ..audit import audit_callable, format_findings
+    from ..audit import EagerCallFailed, audit_callable, check_call_layout, format_table
 
     if not args.inputs:
-        print("fa3-spec audit: --callable needs --inputs package.module:factory", file=sys.stderr)
-        raise SystemExit(2)
+        _usage("--callable needs --inputs package.module:factory")
     fn, factory = _load(args.callable, "--callable"), _load(args.inputs, "--inputs")
     try:
         takes_device = "device" in inspect.signature(factory).parameters
     except (TypeError, ValueError):
         takes_device = False
-    made = factory(device=device) if takes_device else factory()
+    try:
+        made = factory(device=device) if takes_device else factory()
+    except Exception as exc:
+        _usage(f"{args.inputs} raised {type(exc).__name__}: {exc}")
     if not (isinstance(made, tuple) and len(made) == 2):
-        print(f"fa3-spec audit: {args.inputs} must return (example, variants)", file=sys.stderr)
-        raise SystemExit(2)
+        _usage(f"{args.inputs} must return (example, variants)")
     example, variants = made
-    variants = list(variants)  # a generator would be used up by the count below
+    try:
+        variants = list(variants)  # a generator would be used up by the count below
+        check_call_layout(example, variants)
+    except (TypeError, ValueError) as exc:
+        _usage(f"{args.inputs}: {exc}")
     print(f"fa3-spec audit: {args.callable}, {len(variants)} variants, torch "
           f"{torch.__version__}, device {device}, backend {args.backend}", flush=True)
-    row = audit_callable(fn, example, variants=variants, backend=args.backend, device=device,
-                         writable=args.writable, name=args.callable)
-    print(format_findings([row]))
+    try:
+        row = audit_callable(fn, example, variants=variants, backend=args.backend,
+                             device=device, writable=args.writable, name=args.callable)
+    except EagerCallFailed as exc:  # nothing can be measured on a call that does not run
+        _usage(exc)
+    print(format_table([row]))
     if row.host_syncs is None:
         print("host syncs and CUDA-graph capture: not measured on CPU "
               "(run with --device cuda on a CUDA machine)")
@@ -78,8 +99,15 @@ def _audit(args: argparse.Namespace) -> int:
     device = args.device
     if device == "auto":
         device = "cuda" if torch.cuda.is_available() else "cpu"
+    if device not in ("cpu", "cuda"):
+        _usage(f"--device must be cpu, cuda or auto, got {device!r}")
+    if device == "cuda" and not torch.cuda.is_available():
+        _usage("--device cuda: no CUDA device is available")
     if args.callable:
         return _audit_callable(args, device)
+    for flag, value in (("--inputs", args.inputs), ("--writable", args.writable)):
+        if value:
+            _usage(f"{flag} goes with --callable")
     cases = default_grid(page_sizes=args.page_sizes, topks=args.topks, num_steps=args.num_steps)
     if not args.no_steps:
         cases += step_grid(page_sizes=args.page_sizes, topks=args.topks, num_steps=args.num_steps)
@@ -114,7 +142,9 @@ def main(argv=None) -> int:
     audit = sub.add_parser(
         "audit",
         help="trace every metadata builder (or --callable): graph breaks, recompiles, "
-        "data-dependent ops, input mutations, parity, host syncs and CUDA-graph capture (on CUDA)",
+        "data-dependent ops, input mutations, parity, host syncs and CUDA-graph capture (on "
+        "CUDA); exit 0 clean, 1 unclean, 2 invalid invocation",
+        description=AUDIT_HELP, formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     audit.add_argument("--callable", metavar="MODULE:FUNCTION",
                        help="audit this function instead of fa3_spec's builders")
@@ -127,16 +157,16 @@ def main(argv=None) -> int:
     audit.add_argument("--backend", default="aot_eager",
                        help="torch.compile backend (aot_eager, inductor, eager)")
     audit.add_argument("--device", default="auto", help="cpu, cuda or auto")
-    audit.add_argument("--page-sizes", type=int, nargs="+", default=[1, 2, 16, 64])
-    audit.add_argument("--topks", type=int, nargs="+", default=[1, 8])
-    audit.add_argument("--num-steps", type=int, default=5)
+    audit.add_argument("--page-sizes", type=eagle_cli.at_least(1), nargs="+",
+                       default=[1, 2, 16, 64])
+    audit.add_argument("--topks", type=eagle_cli.at_least(1), nargs="+", default=[1, 8])
+    audit.add_argument("--num-steps", type=eagle_cli.at_least(2), default=5,
+                       help="draft steps S (>= 2: the grid audits draft-decode steps 0 and S-2)")
     audit.add_argument("--modes", nargs="+", choices=list(MODES))
     audit.add_argument("--no-steps", action="store_true",
                        help="skip the whole-step rows (metadata + attention + merge) and the "
                        "EAGLE-iteration rows")
     audit.add_argument("-v", "--verbose", action="store_true")
-    from ..eagle import cli as eagle_cli
-
     eagle_cli.add_parser(sub)
     args = parser.parse_args(argv)
     if args.command == "audit":

@@ -6,8 +6,8 @@ configuration x draft step, or every draft step built together, ``step =
 whole captured step of `fa3_spec.harness.toy` (metadata + attention + LSE
 merge + KV writes: the full draft iteration, verify, or extend), with FA3 on
 CUDA and the torch backend on CPU; its parity is compiled vs eager (relative
-error <= 1e-2 in bf16, 1e-4 in fp32). What each row checks is
-`fa3_spec.audit.audit_function`'s list.
+error <= 1e-2 in bf16, 1e-4 in fp32). Each row is one `fa3_spec.audit.audit_callable`
+run (through `fa3_spec.audit.audit_function`, which labels it), and checks its list.
 """
 
 from __future__ import annotations
@@ -77,7 +77,7 @@ def step_grid(page_sizes: Iterable[int] = (1, 2, 16, 64), topks: Iterable[int] =
     """Whole-step cases: draft iteration, verify (tree when topk > 1), extend.
 
     One configuration per topk (compiling whole steps costs more than
-    builders): page size 2 for topk > 1 when selected (the seed's case),
+    builders): page size 2 for topk > 1 when selected (the #27360 case),
     else the first page size.
     """
     page_sizes = list(page_sizes)
@@ -135,7 +135,7 @@ class _Subject:
         self.fn = fn
         self.args = args  # two lists of tensors: equal shapes, other values
         self.same = same  # same(got, want) -> list of problems
-        self.reference_problems = reference_problems  # (index, eager out) -> problems
+        self.reference_problems = reference_problems  # (index, eager out) -> problems, or None
         self.restore = restore  # reset mutable state (KV caches) before a run
 
 
@@ -199,7 +199,7 @@ def _step_subject(case: AuditCase, device: str) -> _Subject:
         err = float((got.float() - want.float()).norm() / want.float().norm().clamp(min=1e-6))
         return [] if err <= tol else [f"relative error {err:.2e} > {tol:.0e}"]
 
-    return _Subject(fn, args, same, lambda i, eager: [], restore)
+    return _Subject(fn, args, same, None, restore)
 
 
 def _loop_subject(case: AuditCase, device: str) -> _Subject:
@@ -213,7 +213,7 @@ def _loop_subject(case: AuditCase, device: str) -> _Subject:
     cfg = case.cfg
     models = make_models("tiny", seed=0, device=device,
                          dtype=torch.bfloat16 if device != "cpu" else torch.float32)
-    spec = dc.replace(cfg, num_pages=1 + 2 * cfg.max_bs * -(-cfg.draft_row_len // cfg.page_size))
+    spec = dc.replace(cfg, num_pages=cfg.pool_pages(2 * cfg.max_bs))
     lc = LoopConfig(spec, max_new_tokens=24, backend="auto" if device != "cpu" else "torch")
     engine = EagleEngine(lc, models, device=device)
     prompts, news = workload(cfg.max_bs - 1, page_size=cfg.page_size, max_prompt=32, max_new=24,
@@ -248,12 +248,11 @@ def _loop_subject(case: AuditCase, device: str) -> _Subject:
                 return [f"{n} differs"]
         return []
 
-    return _Subject(fn, [[st[n] for n in names] for st in states], same, lambda i, eager: [],
-                    restore)
+    return _Subject(fn, [[st[n] for n in names] for st in states], same, None, restore)
 
 
 def audit_case(case: AuditCase, *, backend: str = "aot_eager", device: str = "cpu") -> AuditRow:
-    """Audit one case with `fa3_spec.audit.audit_function`."""
+    """Audit one case (`fa3_spec.audit.audit_function`: `audit_callable`, labelled)."""
     cfg = case.cfg
     subject = {"builder": _builder_subject, "step": _step_subject,
                "loop": _loop_subject}[case.scope](case, device)
