@@ -107,6 +107,25 @@ def test_eos_stops_requests_early():
     assert len(eng.results()[0]) == ref[0].index(eos) + 1
 
 
+def test_several_eos_ids_stop_at_the_first_of_any():
+    models = models_for()
+    prompts, news = workload(4, 2)
+    free = greedy_generate(models, prompts, news, page_size=2, backend="torch")
+    eos = [free[0][9], free[1][4], free[2][6]]  # Llama 3.1 has three
+    eng = make_engine(models, 2, 4, 5, 8, max_bs=2)
+    ids = submit_all(eng, prompts, news, eos_id=eos)
+    out = eng.run()
+    got = [out[i] for i in ids]
+    assert got == greedy_generate(models, prompts, news, eos_ids=[eos] * 4, page_size=2,
+                                  backend="torch")
+    for row, g in zip(free, got):  # each stops at the first of any of the ids, if any
+        stops = [j for j, t in enumerate(row) if t in eos]
+        assert g == (row[: stops[0] + 1] if stops else row)
+    assert len(got[1]) <= 5
+    with pytest.raises(ValueError, match="max_eos=4"):
+        eng.submit(prompts[0], 4, eos_id=[1, 2, 3, 4, 5])
+
+
 def test_a_request_that_joins_gives_the_same_tokens_as_alone():
     models = models_for()
     prompts, news = workload(7, 16)
