@@ -27,10 +27,11 @@ rows are a report, whatever they say.
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 
 import torch
+
+import timing
 
 
 def _subjects(upstream, cfg, device, bs: int):
@@ -170,8 +171,7 @@ def main(argv=None) -> int:
                     config=dict(page_size=2, topk=8, num_steps=5, bs=args.bs,
                                 context_len=args.context_len),
                     command=" ".join(["python3"] + sys.argv))
-        with open(args.json, "w") as fh:
-            json.dump(dict(meta=meta, rows=[r.to_json() for r in rows]), fh, indent=1)
+        timing.write_json(args.json, dict(meta=meta, rows=[r.to_json() for r in rows]))
         print(f"wrote {args.json}")
     return 0
 

@@ -1,8 +1,10 @@
 """Metadata cost, the draft loop and verify: fa3_spec vs an upstream-style host path.
 
-One entry point for every benchmark (H200 + FA3; ``--smoke`` is a tiny CPU run)::
+The benchmark of the metadata, the draft loop, verify and compile (H200 + FA3;
+``--smoke`` is a tiny CPU run); the other scripts in ``benchmarks/`` measure one
+thing each (README, "Layout")::
 
-    python3 benchmarks/bench.py --json h200.json                  # the issue's table, all kinds
+    python3 benchmarks/bench.py --json h200.json                  # the TABLE scenarios, all kinds
     python3 benchmarks/bench.py --scenarios scale-batch scale-context scale-topk \
         --kinds metadata draft_loop --json scaling.json           # scaling curves
     python3 benchmarks/bench.py --kinds compile --json compile.json  # 16 buckets x all modes
@@ -41,7 +43,6 @@ import argparse
 import dataclasses
 import json
 import os
-import statistics
 import subprocess
 import sys
 import time
@@ -58,6 +59,8 @@ from fa3_spec.harness.worlds import make_world
 from fa3_spec.tree import flat_from_tree_mask
 from fa3_spec.harness.upstream import UpstreamStyleBuilder
 
+import timing
+
 # name: (batches, contexts, [(num_steps, topk, num_draft_tokens)], page sizes)
 SCENARIOS = {
     "seed": ([1, 8, 32], [4096], [(5, 8, 16)], [2]),
@@ -66,57 +69,20 @@ SCENARIOS = {
     "page-sweep": ([8], [8192], [(5, 4, 8)], [1, 2, 16, 64, 128]),
     "throughput": ([64], [4096], [(5, 4, 8), (3, 1, 4)], [16]),
     "long-context": ([16], [32768], [(5, 4, 8)], [1, 64]),
-    # Scaling curves around the seed configuration (P = 2, topk = 8, 5 steps).
+    # Scaling curves around the "seed" scenario (P = 2, topk = 8, 5 steps).
     # With "seed" they give batch 1..256, context 1K..128K and topk 1..10.
     "scale-batch": ([4, 16, 64, 256], [4096], [(5, 8, 16)], [2]),
     "scale-context": ([8], [1024, 16384, 131072], [(5, 8, 16)], [2]),
     "scale-topk": ([8], [4096], [(5, k, 16) for k in (1, 4, 10)], [2]),
 }
-#: Scenarios of the issue's table (the scaling ones add points around "seed").
+#: Scenarios of the metadata / draft loop / verify tables of RESULTS.md (the
+#: scaling ones add points around "seed").
 TABLE = ("seed", "latency", "wide-tree", "page-sweep", "throughput", "long-context")
 HEADS, KV_HEADS, HEAD_DIM = 32, 8, 128  # Llama-3-8B
 
 
-def _stats(samples_s):
-    us = sorted(x * 1e6 for x in samples_s)
-    q = statistics.quantiles(us, n=4) if len(us) >= 4 else [us[0], us[len(us) // 2], us[-1]]
-    return round(statistics.median(us), 2), round(q[2] - q[0], 2)
-
-
-def _sync(device):
-    if device == "cuda":
-        torch.cuda.synchronize()
-
-
 def _wall(fn, iters, device):
-    for _ in range(3):
-        fn()
-    _sync(device)
-    samples = []
-    for _ in range(iters):
-        start = time.perf_counter()
-        fn()
-        _sync(device)
-        samples.append(time.perf_counter() - start)
-    return _stats(samples)
-
-
-def _graph_times(graph, iters):
-    """(launch wall, device time via events) of ``graph.replay()``."""
-    for _ in range(3):
-        graph.replay()
-    torch.cuda.synchronize()
-    launch, device = [], []
-    for _ in range(iters):
-        begin, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        begin.record()
-        t0 = time.perf_counter()
-        graph.replay()
-        launch.append(time.perf_counter() - t0)
-        end.record()
-        end.synchronize()
-        device.append(begin.elapsed_time(end) / 1e3)
-    return _stats(launch), _stats(device)
+    return timing.wall_us(fn, iters, timing.synchronizer(device))
 
 
 def _kernels(fn):
@@ -148,19 +114,13 @@ def _print_profile(label, fn, top=12):
     print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=top, max_name_column_width=60))
 
 
-def _copy_leaves(static, fresh):
-    """Copy metadata ``fresh`` into the captured buffers ``static`` (same pytree)."""
-    for dst, src in zip(torch.utils._pytree.tree_leaves(static), torch.utils._pytree.tree_leaves(fresh)):
-        dst.copy_(src)
-
-
 def _three_way(row, upstream, ours_graph, floor_graph, iters, device):
     """Time upstream-style vs fa3_spec's graph vs the floor's graph into ``row``."""
     row["upstream_us"], row["upstream_iqr_us"] = _wall(upstream, iters, device)
     row["fa3_spec_us"], row["fa3_spec_iqr_us"] = _wall(ours_graph.replay, iters, device)
     row["floor_us"], row["floor_iqr_us"] = _wall(floor_graph.replay, iters, device)
-    _, (row["fa3_spec_device_us"], _) = _graph_times(ours_graph, iters)
-    _, (row["floor_device_us"], _) = _graph_times(floor_graph, iters)
+    _, (row["fa3_spec_device_us"], _) = timing.event_us(ours_graph.replay, iters)
+    _, (row["floor_device_us"], _) = timing.event_us(floor_graph.replay, iters)
     row["upstream_over_fa3_spec"] = round(row["upstream_us"] / row["fa3_spec_us"], 2)
     row["fa3_spec_over_floor_minus_1"] = round(row["fa3_spec_device_us"] / row["floor_device_us"] - 1, 4)
 
@@ -203,7 +163,7 @@ def metadata_row(cfg, world, bs, args):
     row["compiled_eager_host_us"], row["compiled_eager_host_iqr_us"] = _wall(ours, iters, device)
     if device == "cuda":
         graph, _ = capture(ours)
-        (row["graph_launch_us"], row["graph_launch_iqr_us"]), (row["graph_device_us"], row["graph_device_iqr_us"]) = _graph_times(graph, iters)
+        (row["graph_launch_us"], row["graph_launch_iqr_us"]), (row["graph_device_us"], row["graph_device_iqr_us"]) = timing.event_us(graph.replay, iters)
         row["upstream_over_graph_device"] = round(row["upstream_host_us"] / row["graph_device_us"], 1)
         row["kernels_per_iteration"] = _kernels(ours)
     return row
@@ -326,7 +286,7 @@ def draft_loop_row(cfg, world, bs, args):
         def upstream_loop():
             for s, (graph, out) in enumerate(graphs):
                 if sglang_steps is None:
-                    _copy_leaves(static_mds[s], ref.draft_decode(s, **kw, out_cache_loc=loc))
+                    timing.copy_leaves(static_mds[s], ref.draft_decode(s, **kw, out_cache_loc=loc))
                 else:
                     sglang_steps[s]()
                 graph.replay()
@@ -399,7 +359,7 @@ def verify_row(cfg, world, bs, args):
     up_graph, _ = capture(upstream_c)
 
     def upstream():
-        _copy_leaves(static_md, ref.target_verify(**kw, custom_mask=flat))
+        timing.copy_leaves(static_md, ref.target_verify(**kw, custom_mask=flat))
         up_graph.replay()
 
     floor_graph, _ = capture(floor_c)
@@ -441,10 +401,9 @@ def points(names, smoke, args_batches=None):
 
 def _write(path, args, rows):
     device = torch.cuda.get_device_name() if args.device == "cuda" else "cpu"
-    with open(path, "w") as fh:
-        json.dump(dict(device=device, torch=torch.__version__, fa3=provider_version(),
-                       command="python3 benchmarks/bench.py " + " ".join(sys.argv[1:]),
-                       rows=rows), fh, indent=1)
+    timing.write_json(path, dict(device=device, torch=torch.__version__, fa3=provider_version(),
+                                 command="python3 benchmarks/bench.py " + " ".join(sys.argv[1:]),
+                                 rows=rows))
 
 
 def main():
@@ -462,7 +421,7 @@ def main():
                              "loads (auto; FA3_SPEC_SGLANG_SRC offline), else the model")
     args = parser.parse_args()
     args.device = "cpu" if args.smoke else "cuda"
-    args.backend = "aot_eager" if args.smoke else "inductor"
+    args.backend = "eager" if args.smoke else "inductor"  # smoke: tracing, no compile
     args.upstream = load_sglang(args)
     if args.smoke:
         args.iters = min(args.iters, 3)

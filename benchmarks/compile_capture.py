@@ -39,6 +39,8 @@ from fa3_spec.probes import recompile_reasons  # noqa: E402
 from fa3_spec.harness.toy import STEP_VARIANTS, ToyModel, example_batch, make_step, world_batch  # noqa: E402
 from fa3_spec.harness.worlds import make_world, rebase_world  # noqa: E402
 
+import timing  # noqa: E402
+
 BUCKETS = [1, 2, 3, 4, 5, 6, 7, 8, 12, 16, 20, 24, 32, 40, 48, 64]
 
 
@@ -122,8 +124,7 @@ def main():
     if args.json == "-":  # one JSON line on stdout, for benchmarks/bench.py --kinds compile
         print(json.dumps(dict(torch=torch.__version__, rows=rows)), flush=True)
     elif args.json:
-        with open(args.json, "w") as fh:
-            json.dump(dict(torch=torch.__version__, rows=rows), fh, indent=1)
+        timing.write_json(args.json, dict(torch=torch.__version__, rows=rows))
 
 
 if __name__ == "__main__":

@@ -77,6 +77,8 @@ from fa3_spec.harness.upstream import UpstreamStyleBuilder
 from fa3_spec.harness.sglang_upstream import SGLANG_VERSION, load_upstream_or_reason
 from fa3_spec.integrations import sglang
 
+import timing
+
 #: (page_size, topk, num_steps, num_draft_tokens): the issue's three configs
 #: (the seed's P = 2, topk = 8 with its 5 steps and 16 draft tokens).
 CONFIGS = [(16, 1, 5, 6), (16, 4, 5, 8), (2, 8, 5, 16)]
@@ -112,11 +114,6 @@ class Segment:
         else:
             fresh = self.fn()
             pytree.tree_map(lambda d, s: d.copy_(s), self.out, fresh)
-
-
-def _copy_leaves(static, fresh):
-    for dst, src in zip(pytree.tree_leaves(static), pytree.tree_leaves(fresh)):
-        dst.copy_(src)
 
 
 def _static_clone(md):
@@ -199,7 +196,7 @@ class HostMetadataLoop:
     def fill_draft(self, batch, loc):
         fresh = [self.ref.draft_decode(i, **batch, out_cache_loc=loc)
                  for i in range(self.spec.num_steps - 1)]
-        _copy_leaves(self.md_draft, tuple(fresh))
+        timing.copy_leaves(self.md_draft, tuple(fresh))
 
     def fill_verify(self, batch, tree_mask):
         if self.spec.topk == 1:
@@ -207,13 +204,13 @@ class HostMetadataLoop:
         else:
             seq_host = batch["seq_lens"].tolist()  # host sync, as upstream engines hold seq_lens on the CPU
             verify = self.ref.target_verify(**batch, custom_mask=flat_custom_mask(tree_mask, seq_host))
-        _copy_leaves(self.md_verify, verify)
+        timing.copy_leaves(self.md_verify, verify)
 
     def fill_extend(self, batch, new_seq_lens, extend_seq_lens):
         ext = self.ref.draft_extend(req_to_token=batch["req_to_token"],
                                     req_pool_indices=batch["req_pool_indices"],
                                     seq_lens=new_seq_lens, extend_seq_lens=extend_seq_lens)
-        _copy_leaves(self.md_extend, ext)
+        timing.copy_leaves(self.md_extend, ext)
 
     def iteration(self):
         batch = self._batch()
@@ -425,8 +422,8 @@ def bench_point(cfg_tuple, batch, args, models, bandwidth=None) -> dict:
     total_iters = 2 + args.iters + 1 + 3 + 3  # warm-up, timed, sync count, profiler
     max_new = args.max_new_tokens or 2 * (total_iters * min(n, s + 1) + 8)
     spec = fa3_spec.SpecConfig(page_size=p, topk=k, num_steps=s, num_draft_tokens=n,
-                               max_bs=batch, max_context_len=args.context + max_new + n, num_pages=1)
-    spec = dataclasses.replace(spec, num_pages=1 + batch * -(-spec.draft_row_len // p))
+                               max_bs=batch, max_context_len=args.context + max_new + n)
+    spec = dataclasses.replace(spec, num_pages=spec.pool_pages(batch))
     lc = LoopConfig(spec, max_new_tokens=max_new, backend=args.backend, scripted=scripted)
     eng = EagleEngine(lc, models, max_reqs=batch, buckets=[batch], graphs=cuda,
                       compile_backend=args.compile, device=args.device)
@@ -545,8 +542,8 @@ def capture_child(args) -> int:
     p, k, s, n = CONFIGS[-1]
     buckets = sorted(args.capture_buckets)
     spec = fa3_spec.SpecConfig(page_size=p, topk=k, num_steps=s, num_draft_tokens=n,
-                               max_bs=buckets[-1], max_context_len=args.context + 64, num_pages=1)
-    spec = dataclasses.replace(spec, num_pages=1 + buckets[-1] * -(-spec.draft_row_len // p))
+                               max_bs=buckets[-1], max_context_len=args.context + 64)
+    spec = dataclasses.replace(spec, num_pages=spec.pool_pages(buckets[-1]))
     lc = LoopConfig(spec, max_new_tokens=32, backend="fa3")
     eng = EagleEngine(lc, models, buckets=buckets, compile_backend=args.compile, device="cuda",
                       cache_path=args.capture_child)

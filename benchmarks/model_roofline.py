@@ -133,7 +133,7 @@ def decode_rows(models, batches, context, bandwidth, compile_backends, page_size
     for bs in batches:
         spec = fa3_spec.SpecConfig(page_size=page_size, topk=1, num_steps=2, num_draft_tokens=1,
                                    max_bs=bs, max_context_len=context + 64)
-        spec = dataclasses.replace(spec, num_pages=1 + bs * -(-spec.draft_row_len // page_size))
+        spec = dataclasses.replace(spec, num_pages=spec.pool_pages(bs))
         pool = KVPool(spec, max_reqs=bs, target_layers=models.num_target_layers, draft_layers=1,
                       num_kv_heads=models.num_kv_heads, head_dim=models.head_dim,
                       dtype=models.dtype, device="cuda")

@@ -1,4 +1,4 @@
-"""Issue 14's table in one run: `benchmarks/results/perf_h200.json`.
+"""The performance pass of RESULTS.md in one run: `benchmarks/results/perf_h200.json`.
 
     python3 benchmarks/perf.py --json benchmarks/results/perf_h200.json   # H200 + FA3
     python3 benchmarks/perf.py --smoke --json /tmp/perf.json              # CPU, tiny
@@ -46,10 +46,11 @@ from fa3_spec import builders
 from fa3_spec.graphs import INDUCTOR_OPTIONS, compile_fullgraph
 from fa3_spec.harness.worlds import make_world
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-import bench  # noqa: E402
+import bench
+import timing
 
-#: (scenario, batch, page_size, topk, num_steps, num_draft_tokens, context): the issue's table.
+#: (scenario, batch, page_size, topk, num_steps, num_draft_tokens, context): the
+#: draft-loop points of the performance pass.
 POINTS = [
     ("seed", 1, 2, 8, 5, 16, 4096),
     ("seed", 8, 2, 8, 5, 16, 4096),
@@ -89,7 +90,7 @@ def metadata_profile(cfg, world, args, options=None):
     from fa3_spec.graphs import capture
 
     repeated, _ = capture(lambda: [compiled() for _ in range(REPEAT)])
-    _, (device_us, _) = bench._graph_times(repeated, args.iters)
+    _, (device_us, _) = timing.event_us(repeated.replay, args.iters)
     device_us = round(device_us / REPEAT, 2)
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
         repeated.replay()
@@ -130,7 +131,7 @@ def main():
         INDUCTOR_OPTIONS.clear()
         INDUCTOR_OPTIONS.update(args.inductor_options)
     args.device = "cpu" if args.smoke else "cuda"
-    args.backend = "aot_eager" if args.smoke else "inductor"
+    args.backend = "eager" if args.smoke else "inductor"  # smoke: tracing, no compile
     args.profile = False
     args.layers = 1
     if args.smoke:
@@ -147,7 +148,7 @@ def main():
     doc["commands"].append(command)
     if not args.no_compile:
         doc["cold_capture_s"], doc["warm_capture_s"], doc["compile_rows"] = compile_times(args.smoke)
-        _write(doc, args.json)
+        timing.write_json(args.json, doc)
     points = (SMOKE + VERIFY_SMOKE) if args.smoke else (POINTS + VERIFY_POINTS)
     for index, point in enumerate(points):
         if args.points is not None and index not in args.points:
@@ -167,14 +168,14 @@ def main():
         doc["rows"].append(row)
         print(json.dumps({k: v for k, v in row.items() if k not in ("draft_loop", "verify")}),
               flush=True)
-        _write(doc, args.json)  # after every row: a cut-off run keeps its rows
+        timing.write_json(args.json, doc)  # after every row: a cut-off run keeps its rows
         del world
         if args.device == "cuda":
             torch.cuda.empty_cache()
 
 
 def draft_point(cfg, world, bs, args):
-    """The issue's fields for one draft-loop point."""
+    """The performance pass's fields for one draft-loop point."""
     torch._dynamo.reset()
     loop = bench.draft_loop_row(cfg, world, bs, args)
     over = loop.get("fa3_spec_over_floor_minus_1")
@@ -200,11 +201,6 @@ def verify_point(cfg, world, bs, args):
                 upstream_over_fa3_spec=verify.get("upstream_over_fa3_spec"),
                 upstream_baseline=verify["upstream_baseline"], verify=verify)
 
-
-def _write(doc, path):
-    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
-    with open(path, "w") as fh:
-        json.dump(doc, fh, indent=1)
 
 if __name__ == "__main__":
     main()

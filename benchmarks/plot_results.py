@@ -2,9 +2,9 @@
 
     python3 benchmarks/plot_results.py [benchmarks/results/h200.json]
 
-Writes ``metadata_cost.png`` (the issue's scenarios) and ``scaling.png`` (draft
-loop and metadata against batch, context and topk around the seed
-configuration P = 2, topk = 8, 5 steps, 4K context, batch 8). A point missing
+Writes ``metadata_cost.png`` (bench.py's TABLE scenarios) and ``scaling.png``
+(draft loop and metadata against batch, context and topk around the "seed"
+scenario's point P = 2, topk = 8, 5 steps, 4K context, batch 8). A point missing
 from the JSON is missing from the plot.
 """
 
@@ -26,7 +26,7 @@ META = (("upstream_host_us", "upstream-style host"), ("graph_device_us", "fa3_sp
 
 
 def _curve(rows, kind, axis, scenario):
-    """Rows of ``scenario`` plus the seed point, along ``axis`` (others at the seed values)."""
+    """Rows of ``scenario`` plus the "seed" point, along ``axis`` (others at its values)."""
     fixed = {k: v for k, v in SEED.items() if k != axis}
     pts = [r for r in rows if r["kind"] == kind and r["scenario"] in (scenario, "seed")
            and all(r[k] == v for k, v in fixed.items())]

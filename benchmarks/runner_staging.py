@@ -21,43 +21,20 @@ from __future__ import annotations
 
 import argparse
 import json
-import statistics
 import sys
-import time
 
 import torch
 
 import fa3_spec
 from fa3_spec.graphs import CUDAGraphRunner
 
+import timing
+
 HEADS, KV_HEADS, HEAD_DIM = 32, 8, 128
 
 
-def _median_us(fn, iters, sync):
-    for _ in range(5):
-        fn()
-    sync()
-    samples = []
-    for _ in range(iters):
-        sync()
-        start = time.perf_counter()
-        fn()
-        samples.append(time.perf_counter() - start)
-    sync()
-    return round(statistics.median(samples) * 1e6, 2)
-
-
 def _device_us(fn, iters):
-    begin, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    samples = []
-    for _ in range(iters):
-        torch.cuda.synchronize()
-        begin.record()
-        fn()
-        end.record()
-        end.synchronize()
-        samples.append(begin.elapsed_time(end) * 1e3)
-    return round(statistics.median(samples), 2)
+    return timing.median_us(timing.event_samples(fn, iters)[1])
 
 
 def draft_setup(cfg, bs, device):
@@ -88,13 +65,13 @@ def staging_row(runner, batch, bs, iters, device):
         sync, replay_only = torch.cuda.synchronize, runner.graph(bucket).replay
     else:  # eager strategy: the "replay" is the step itself on the static buffers
         static = runner.static_inputs(bucket)
-        sync, replay_only = (lambda: None), (lambda: runner.compiled_step(**static))
+        sync, replay_only = timing.no_sync, (lambda: runner.compiled_step(**static))
     row = dict(batch=bs, bucket=bucket)
-    row["call_host_us"] = _median_us(lambda: runner(**batch), iters, sync)
-    row["replay_host_us"] = _median_us(replay_only, iters, sync)
+    row["call_host_us"] = timing.host_us(lambda: runner(**batch), iters, sync)
+    row["replay_host_us"] = timing.host_us(replay_only, iters, sync)
     row["runner_staging_us"] = round(row["call_host_us"] - row["replay_host_us"], 2)
     if hasattr(runner, "replay"):  # zero-copy: the engine writes the static inputs itself
-        row["zero_copy_host_us"] = _median_us(lambda: runner.replay(bucket, bs), iters, sync)
+        row["zero_copy_host_us"] = timing.host_us(lambda: runner.replay(bucket, bs), iters, sync)
         row["zero_copy_staging_us"] = round(row["zero_copy_host_us"] - row["replay_host_us"], 2)
     if device == "cuda":
         row["call_device_us"] = _device_us(lambda: runner(**batch), iters)
@@ -112,7 +89,7 @@ def staging_parts(runner, batch, bucket, bs, iters, sync):
     names = list(static)
     dst = [static[n][:bs] for n in names]
     src = [batch[n] for n in names]
-    groups = runner._plan(bucket, bs).groups  # the runner's own per-dtype groups
+    groups = runner.copy_groups(bucket, bs)  # the runner's own per-dtype groups
 
     def per_dtype():
         for group in groups:
@@ -129,11 +106,11 @@ def staging_parts(runner, batch, bucket, bs, iters, sync):
 
     return dict(
         inputs=len(names), input_dtypes=len(groups),
-        copy_bytes_foreach_us=_median_us(as_bytes, iters, sync),
-        route_lookup_us=_median_us(lambda: runner._route(batch), iters, sync),
-        copy_mixed_foreach_us=_median_us(lambda: torch._foreach_copy_(dst, src), iters, sync),
-        copy_per_dtype_foreach_us=_median_us(per_dtype, iters, sync),
-        copy_per_tensor_us=_median_us(per_tensor, iters, sync))
+        copy_bytes_foreach_us=timing.host_us(as_bytes, iters, sync),
+        route_lookup_us=timing.host_us(lambda: runner.route(batch), iters, sync),
+        copy_mixed_foreach_us=timing.host_us(lambda: torch._foreach_copy_(dst, src), iters, sync),
+        copy_per_dtype_foreach_us=timing.host_us(per_dtype, iters, sync),
+        copy_per_tensor_us=timing.host_us(per_tensor, iters, sync))
 
 
 def smoke_setup(bs, k=4, s=5, hidden=64):
@@ -173,9 +150,8 @@ def main():
         rows.append(row)
         print(json.dumps(row), flush=True)
     if args.json:
-        with open(args.json, "w") as fh:
-            json.dump(dict(torch=torch.__version__, command="python3 benchmarks/runner_staging.py "
-                           + " ".join(sys.argv[1:]), rows=rows), fh, indent=1)
+        command = "python3 benchmarks/runner_staging.py " + " ".join(sys.argv[1:])
+        timing.write_json(args.json, dict(torch=torch.__version__, command=command, rows=rows))
 
 
 if __name__ == "__main__":

@@ -24,10 +24,7 @@ and the adapter, and their ratios. On the H200 sglang's source comes from
 from __future__ import annotations
 
 import argparse
-import json
-import statistics
 import sys
-import time
 
 import torch
 
@@ -37,19 +34,12 @@ from fa3_spec.harness.sglang_upstream import (
 from fa3_spec.graphs import compile_fullgraph
 from fa3_spec.integrations import sglang as sgl
 
+import timing
 
-def _median_us(fn, iters, sync):
-    host, wall = [], []
-    for _ in range(iters):
-        sync()
-        t0 = time.perf_counter()
-        fn()
-        t1 = time.perf_counter()
-        sync()
-        t2 = time.perf_counter()
-        host.append(t1 - t0)
-        wall.append(t2 - t0)
-    return statistics.median(host) * 1e6, statistics.median(wall) * 1e6
+
+def _host_wall_us(fn, iters, sync):
+    host, wall = timing.samples(fn, iters, sync)
+    return timing.median_us(host), timing.median_us(wall)
 
 
 def _equal(a: dict, b: dict) -> bool:
@@ -104,9 +94,9 @@ def run_row(upstream, cfg, bs, iters, device, smoke):
         adapter_replay(kw)
         parity &= all(_equal(buf, up.buffers) for up, buf in zip(backends, mine))
 
-    sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
-    up_host, up_wall = _median_us(lambda: upstream_iteration(kws[1]), iters, sync)
-    ad_host, ad_wall = _median_us(lambda: adapter_replay(kws[1]), iters, sync)
+    sync = timing.synchronizer(device)
+    up_host, up_wall = _host_wall_us(lambda: upstream_iteration(kws[1]), iters, sync)
+    ad_host, ad_wall = _host_wall_us(lambda: adapter_replay(kws[1]), iters, sync)
     return dict(
         bs=bs, page_size=cfg.page_size, topk=cfg.topk, num_steps=cfg.num_steps,
         context_len=cfg.context_len, parity=bool(parity), iters=iters,
@@ -147,8 +137,7 @@ def main(argv=None):
         meta = dict(device=torch.cuda.get_device_name() if device.type == "cuda" else "cpu",
                     torch=torch.__version__, sglang=SGLANG_VERSION, smoke=args.smoke,
                     command=" ".join(sys.argv))
-        with open(args.json, "w") as f:
-            json.dump(dict(meta=meta, rows=rows), f, indent=1)
+        timing.write_json(args.json, dict(meta=meta, rows=rows))
     return 0 if all(r["parity"] for r in rows) else 1
 
 

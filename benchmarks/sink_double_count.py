@@ -30,6 +30,8 @@ from fa3_spec.attention import merge_attention_states, provider_version, provide
 from fa3_spec.harness.worlds import fill_kv_cache, make_world
 from fa3_spec.harness.oracle import num_queries
 
+import timing
+
 HEADS, KV_HEADS, DIM = 64, 8, 64  # gpt-oss-20b/120b attention shape
 
 
@@ -96,10 +98,9 @@ def main():
     args = ap.parse_args()
     rows = run(args)
     if args.json:
-        with open(args.json, "w") as fh:
-            json.dump(dict(fa3=provider_version(), torch=torch.__version__,
-                           device=torch.cuda.get_device_name(), heads=[HEADS, KV_HEADS, DIM],
-                           rows=rows), fh, indent=1)
+        timing.write_json(args.json, dict(fa3=provider_version(), torch=torch.__version__,
+                                          device=torch.cuda.get_device_name(),
+                                          heads=[HEADS, KV_HEADS, DIM], rows=rows))
 
 
 if __name__ == "__main__":

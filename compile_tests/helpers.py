@@ -1,5 +1,7 @@
 """Hypothesis strategies and assertions shared by the property and parity tests."""
 
+import os
+
 import torch
 from hypothesis import strategies as st
 
@@ -14,6 +16,11 @@ from fa3_spec.harness.oracle import (
 )
 from fa3_spec.harness.worlds import make_world
 from fa3_spec.harness.upstream import UpstreamStyleBuilder
+
+#: Examples per fuzz property (test_fuzz.py; a quarter of it, at least 50, in
+#: test_iteration_metadata.py). The default keeps the CI suite short; set
+#: FA3_SPEC_FUZZ_EXAMPLES=1000 or more for a long run.
+FUZZ_EXAMPLES = int(os.environ.get("FA3_SPEC_FUZZ_EXAMPLES", "250"))
 
 NARROW = dict(page_sizes=st.sampled_from([1, 2, 3, 4, 7, 16, 64, 128]), max_topk=10, max_steps=8,
               max_n=12, max_bs=32, max_ctx=160)
@@ -78,3 +85,23 @@ def garbage_inputs(cfg, bs, mode, seed, *, pool_rows=3, r2t_dtype=torch.int32):
     elif mode == "draft_extend":
         kwargs["extend_seq_lens"] = garbage((bs,))
     return kwargs
+
+
+def symbol_recorder(record: list, delegate="eager"):
+    """A ``torch.compile`` backend that appends, per compiled graph, the sources
+    of the symbols left in its inputs' sizes (after dynamo's replacements: a
+    symbol pinned to a constant by a guard is no symbol), then runs ``delegate``."""
+    def backend(gm, example_inputs):
+        env = torch._guards.TracingContext.try_get().fake_mode.shape_env
+        found = set()
+        for node in gm.graph.find_nodes(op="placeholder"):
+            value = node.meta.get("example_value")
+            sizes = (list(value.shape) if isinstance(value, torch.Tensor)
+                     else [value] if isinstance(value, torch.SymInt) else [])
+            for size in sizes:
+                if isinstance(size, torch.SymInt):
+                    for sym in env.replace(size.node.expr).free_symbols:
+                        found |= {src.name for src in env.var_to_sources.get(sym, [])}
+        record.append(found)
+        return torch._dynamo.lookup_backend(delegate)(gm, example_inputs)
+    return backend

@@ -221,6 +221,19 @@ def test_window_is_refused_on_non_causal_multi_query_rows():
     fa3_spec.cascade_attention(q, kc, vc, md, backend="torch", window_size=(-1, -1))  # no window: fine
 
 
+def test_a_huge_window_size_is_refused_by_name_not_overflowed():
+    world = _world(2, 1)
+    kc, vc = fill_kv_cache(world, num_kv_heads=HKV, head_dim=DIM)
+    md = _metadata(world, "decode", 0, False)
+    q = torch.randn(num_queries(world, "decode"), HQ, DIM)
+    for window in [(2**64, 0), (2**63, -1), (0, 2**70)]:
+        with pytest.raises(ValueError, match="window_size"):
+            fa3_spec.cascade_attention(q, kc, vc, md, backend="torch", window_size=window)
+    wide = fa3_spec.cascade_attention(q, kc, vc, md, backend="torch", window_size=(2**62, 0))
+    full = fa3_spec.cascade_attention(q, kc, vc, md, backend="torch")
+    torch.testing.assert_close(wide, full)
+
+
 def test_window_on_a_cascade_asks_for_sliding_window_metadata():
     world = _world(2, 4)
     kc, vc = fill_kv_cache(world, num_kv_heads=HKV, head_dim=DIM)
@@ -551,3 +564,75 @@ def test_a_sink_of_minus_inf_is_no_sink_and_never_nan():
     assert torch.isneginf(want_lse).any()  # the padding row's queries
     torch.testing.assert_close(got, want)
     assert torch.equal(got_lse, want_lse)
+
+
+def test_a_window_on_a_non_causal_multi_query_call_is_refused():
+    cfg = fa3_spec.SpecConfig(page_size=1, topk=4, num_steps=3, num_draft_tokens=4, max_bs=4,
+                              max_context_len=16)
+    w = make_world(cfg, 1, seq_lens=[10])
+    prefix = fa3_spec.build_draft_prefix_metadata(cfg, **w.batch())
+    kv = torch.randn(w.num_pages, 1, 1, 8)
+    with pytest.raises(ValueError, match="non-causal"):
+        fa3_spec.cascade_attention(torch.randn(4, 1, 8), kv, kv, prefix, backend="torch",
+                                   window_size=(3, -1))
+
+
+def test_sinks_keep_float64():
+    cfg = fa3_spec.SpecConfig(page_size=2, topk=1, num_steps=2, num_draft_tokens=1, max_bs=4,
+                              max_context_len=16)
+    w = make_world(cfg, 2, seq_lens=[7, 3])
+    md = fa3_spec.build_decode_metadata(cfg, **w.batch())
+    g = torch.Generator().manual_seed(0)
+    k = torch.randn(w.num_pages, 2, 2, 8, generator=g, dtype=torch.float64)
+    v = torch.randn(w.num_pages, 2, 2, 8, generator=g, dtype=torch.float64)
+    q = torch.randn(2, 2, 8, generator=g, dtype=torch.float64)
+    sinks = torch.tensor([0.5, -1.0], dtype=torch.float64)
+    out, lse = fa3_spec.cascade_attention(q, k, v, md, backend="torch", sinks=sinks,
+                                          return_lse=True)
+    assert out.dtype == torch.float64
+    base, base_lse = fa3_spec.cascade_attention(q, k, v, md, backend="torch", return_lse=True)
+    want = base * torch.sigmoid(base_lse - sinks[:, None]).transpose(0, 1).unsqueeze(-1)
+    assert torch.allclose(out, want, atol=1e-12, rtol=1e-12)
+
+
+# Provider discovery inside a compiled step
+def test_provider_discovery_is_a_constant_after_one_eager_call(monkeypatch):
+    from fa3_spec.probes import graph_breaks
+
+    monkeypatch.setattr(providers, "_FOUND", {})
+
+    def uses_provider(x):
+        return x + (1 if providers.find_provider() is None else 2)
+
+    with pytest.raises(Exception, match="cannot happen inside torch.compile"):
+        torch.compile(uses_provider, fullgraph=True, backend="eager")(torch.zeros(2))
+    torch._dynamo.reset()
+    eager = uses_provider(torch.zeros(2))  # discovers (an import), outside any compiled region
+    breaks, reasons = graph_breaks(uses_provider, torch.zeros(2))
+    assert breaks == 0, reasons
+    assert torch.equal(torch.compile(uses_provider, fullgraph=True, backend="eager")(torch.zeros(2)),
+                       eager)
+
+
+def test_a_window_past_the_key_bound_reaches_fa3_as_unbounded(monkeypatch):
+    seen = []
+
+    def fake_kernel(q, k, v, table, seqlens, cu_q, max_q, scale, causal, splits, softcap,
+                    left, right, *rest):
+        seen.append((left, right))
+        return torch.zeros(q.shape[0], q.shape[1], v.shape[-1]), torch.zeros(q.shape[1], q.shape[0])
+
+    monkeypatch.setattr(cascade_mod, "fa3_paged_attention", fake_kernel)
+    cfg = fa3_spec.SpecConfig(page_size=2, topk=1, num_steps=3, num_draft_tokens=3, max_bs=4,
+                              max_context_len=16)
+    w = make_world(cfg, 2, seq_lens=[9, 16], seed=3)
+    kv = torch.zeros(w.num_pages, 2, 1, 8)
+    q = torch.zeros(2, 1, 8)
+    for window, md in [((2**40, 0), fa3_spec.build_decode_metadata(cfg, **w.batch())),
+                       (None, fa3_spec.build_metadata("decode", cfg, **w.mode_kwargs("decode"),
+                                                      window_left=2**40)),
+                       ((3, 0), fa3_spec.build_decode_metadata(cfg, **w.batch()))]:
+        kw = {} if window is None else dict(window_size=window)
+        cascade_mod.attention_call(q, kv, kv, md, softmax_scale=1.0, backend="fa3", num_splits=1,
+                                   **kw)
+    assert seen == [(-1, 0), (-1, 0), (3, 0)]

@@ -47,3 +47,18 @@ def test_perf_smoke_writes_the_issue_schema(tmp_path):
 def test_runner_staging_smoke(tmp_path):
     rows = _run("runner_staging.py", tmp_path)
     assert [r["batch"] for r in rows] == [1, 8, 64] and all(r["call_host_us"] > 0 for r in rows)
+
+
+def test_load_checkpoint_smoke(tmp_path):
+    import pytest
+
+    pytest.importorskip("transformers")
+    out = tmp_path / "load.json"
+    subprocess.run([sys.executable, str(ROOT / "benchmarks" / "load_checkpoint.py"), "--smoke",
+                    "--dir", str(tmp_path / "ckpt"), "--json", str(out)], check=True, cwd=ROOT,
+                   capture_output=True, timeout=600)
+    doc = json.loads(out.read_text())
+    assert doc["read"]["bytes"] > 0 and doc["load"]["load_s"] > 0
+    assert [r["models"] for r in doc["loop"]] == ["preset random", "loaded + random draft",
+                                                  "loaded + EAGLE-3 head"]
+    assert all(r["tokens"] > 0 and r["acceptance"].startswith("SCRIPTED") for r in doc["loop"])

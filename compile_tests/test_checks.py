@@ -14,10 +14,11 @@ CFG = fa3_spec.SpecConfig(page_size=4, topk=3, num_steps=4, num_draft_tokens=5, 
                           max_context_len=40)
 
 
-def _flags(world, mode, step=2, num_pages=None, **over):
+def _flags(world, mode, step=2, **over):
     kw = world.mode_kwargs(mode)
     kw.update(over)
-    return int(error_flags(world.cfg, mode, step=step, num_pages=num_pages or world.num_pages, **kw))
+    num_pages = kw.pop("num_pages", world.num_pages)
+    return int(error_flags(world.cfg, mode, step=step, num_pages=num_pages, **kw))
 
 
 @pytest.mark.parametrize("mode", MODES)
@@ -29,6 +30,28 @@ def test_valid_world_sets_no_flag(mode):
 
 def _world():
     return make_world(CFG, 4, seq_lens=[9, 13, 40, 0], seed=2)
+
+
+@pytest.mark.parametrize("p, k", [(1, 3), (2, 8), (4, 3), (16, 1)])
+def test_draft_positions_is_the_layout_checked_mode_accepts(p, k):
+    """One implementation, exported by the library and the EAGLE loop: slots read
+    from a page-aligned row at ``draft_positions`` pass the DRAFT_LAYOUT check."""
+    from fa3_spec import eagle
+    from fa3_spec.harness import worlds
+
+    assert fa3_spec.draft_positions is eagle.draft_positions is worlds.draft_positions
+    cfg = fa3_spec.SpecConfig(page_size=p, topk=k, num_steps=4, num_draft_tokens=5, max_bs=8,
+                              max_context_len=40)
+    seq = torch.tensor([1, 7, 40, 0, 13])
+    rows = torch.randperm(5, generator=torch.Generator().manual_seed(p * k))
+    pages = torch.randperm(cfg.pool_pages(5) - 1, generator=torch.Generator().manual_seed(k)) + 1
+    width = -(-cfg.draft_row_len // p) * p  # whole pages per row: page aligned
+    pos = torch.arange(5 * width)
+    r2t = (pages[pos // p] * p + pos % p).view(5, width).to(torch.int32)
+    loc = r2t[rows.view(5, 1, 1), fa3_spec.draft_positions(cfg, seq)]
+    kw = dict(req_to_token=r2t, req_pool_indices=rows, seq_lens=seq, out_cache_loc=loc)
+    for step in range(cfg.num_steps - 1):
+        assert int(error_flags(cfg, "draft_decode", step=step, num_pages=cfg.pool_pages(5), **kw)) == 0
 
 
 def test_request_index_out_of_range():
@@ -186,3 +209,147 @@ def test_each_planted_violation_eager_and_compiled(index):
     eager = int(fn(*kw.values()))
     compiled = int(torch.compile(fn, fullgraph=True, backend="aot_eager")(*kw.values()))
     assert eager & bit and compiled == eager
+
+
+# Slot values that do not fit in int32
+@pytest.mark.parametrize("num_pages", [None, "pool"])
+def test_slots_past_int32_are_flagged_not_wrapped(num_pages):
+    world = make_world(CFG, 2, seq_lens=[9, 13], seed=3)
+    r2t = world.req_to_token.to(torch.int64)
+    row = int(world.req_pool_indices[0])
+    r2t[row, 0:4] = 2**32 * 4 + 7 * 4 + torch.arange(4)  # page 2^32 + 7, page aligned
+    md = fa3_spec.build_decode_metadata(CFG, req_to_token=r2t, **{
+        k: v for k, v in world.batch().items() if k != "req_to_token"})
+    assert int(md.page_table[0, 0]) == 7  # what FA3 would read: the wrap
+    pages = world.num_pages if num_pages == "pool" else None
+    flags = int(error_flags(CFG, "decode", num_pages=pages, req_to_token=r2t,
+                            req_pool_indices=world.req_pool_indices, seq_lens=world.seq_lens))
+    assert flags & ErrorFlag.PAGE_ID_OUT_OF_RANGE
+
+
+# The full draft layout
+def _layout_world():
+    cfg = fa3_spec.SpecConfig(page_size=4, topk=3, num_steps=4, num_draft_tokens=5, max_bs=8,
+                              max_context_len=40)
+    return cfg, make_world(cfg, 2, seq_lens=[9, 14], seed=4)  # last = 1 and 2
+
+
+def test_draft_token_at_the_wrong_in_page_offset_is_flagged():
+    cfg, w = _layout_world()
+    loc = w.out_cache_loc.view(2, cfg.topk, cfg.num_steps).clone()
+    assert _flags(w, "draft_decode", out_cache_loc=loc.reshape(-1)) == 0
+    loc[0, 0, 1] += 1  # token 1 of branch 0: offset 2 -> 3, same page, same page count
+    assert _flags(w, "draft_decode", out_cache_loc=loc.reshape(-1)) & ErrorFlag.DRAFT_LAYOUT
+
+
+def test_duplicate_draft_slots_are_flagged():
+    cfg, w = _layout_world()
+    loc = w.out_cache_loc.view(2, cfg.topk, cfg.num_steps).clone()
+    loc[1, 2] = loc[1, 1]  # branch 2 reuses branch 1's slots: a valid shape on its own
+    assert _flags(w, "draft_decode", out_cache_loc=loc.reshape(-1)) & ErrorFlag.DRAFT_LAYOUT
+
+
+def test_branch_pages_must_be_fresh_at_each_boundary():
+    cfg = fa3_spec.SpecConfig(page_size=2, topk=2, num_steps=6, num_draft_tokens=5, max_bs=4,
+                              max_context_len=40)
+    w = make_world(cfg, 1, seq_lens=[9], seed=5)  # last = 1: pages hold (tail,d0) (d1,d2) (d3,d4)
+    loc = w.out_cache_loc.view(1, 2, 6).clone()
+    assert _flags(w, "draft_decode", step=4, out_cache_loc=loc.reshape(-1)) == 0
+    loc[0, 1, 3:5] = loc[0, 1, 1:3]  # third page of branch 1 = its second page again
+    assert _flags(w, "draft_decode", step=4, out_cache_loc=loc.reshape(-1)) & ErrorFlag.DRAFT_LAYOUT
+
+
+# Exact tree masks
+@pytest.mark.parametrize("how", ["cycle", "two_parents", "own_child"])
+def test_non_trees_are_flagged(how):
+    w = make_world(CFG, 2, seq_lens=[9, 13], seed=6)
+    n = CFG.num_draft_tokens
+    mask = torch.eye(n, dtype=torch.bool).unsqueeze(0).repeat(2, 1, 1)
+    mask[:, :, 0] = True  # a star: every token hangs from the root
+    assert _flags(w, "target_verify", tree_mask=mask) == 0
+    if how == "cycle":
+        mask[0, 0, 1] = True  # root <-> 1
+    elif how == "two_parents":
+        mask[0, 3, 1] = mask[0, 3, 2] = True  # 3 under both 1 and 2 (siblings)
+    else:
+        mask[0, 2, 4] = True  # 2 attends its own (later) child 4
+        mask[0, 4, 2] = True
+    assert _flags(w, "target_verify", tree_mask=mask) & ErrorFlag.TREE_MASK_NOT_A_TREE
+
+
+def test_every_parent_array_gives_an_unflagged_mask():
+    w = make_world(CFG, 2, seq_lens=[9, 13], seed=7)
+    g = torch.Generator().manual_seed(0)
+    for _ in range(50):
+        parents = torch.full((2, CFG.num_draft_tokens), -1, dtype=torch.int64)
+        for c in range(1, CFG.num_draft_tokens):
+            parents[:, c] = torch.randint(0, c, (2,), generator=g)
+        mask = fa3_spec.tree_mask_from_parents(parents)
+        assert _flags(w, "target_verify", tree_mask=mask) == 0
+
+
+# Misaligned req_to_token rows
+@pytest.mark.parametrize("mode", list(fa3_spec.MODES))
+def test_misaligned_rows_are_flagged(mode):
+    w = make_world(CFG, 2, seq_lens=[12, 13], seed=8)
+    assert not _flags(w, mode) & ErrorFlag.MISALIGNED_ROW
+    r2t = w.req_to_token.clone()
+    row = int(w.req_pool_indices[0])
+    r2t[row, 4] = r2t[row, 7]  # page 1 of the row now holds slots 43, 41, 42, 43 (say)
+    assert _flags(w, mode, req_to_token=r2t) & ErrorFlag.MISALIGNED_ROW
+
+
+# error_flags validates its arguments as the builders do
+@pytest.mark.parametrize("over, error, match", [
+    (dict(out_cache_loc="float"), TypeError, "out_cache_loc"),
+    (dict(out_cache_loc=None), ValueError, "out_cache_loc"),
+    (dict(num_pages=0), ValueError, "num_pages"),
+    (dict(num_pages=-5), ValueError, "num_pages"),
+    (dict(num_pages=3.5), TypeError, "num_pages"),
+])
+def test_error_flags_validates_like_the_builders(over, error, match):
+    w = make_world(CFG, 2, seed=10)
+    if over.get("out_cache_loc") == "float":
+        over = dict(out_cache_loc=w.out_cache_loc.float())
+    with pytest.raises(error, match=match):
+        _flags(w, "draft_decode", **over)
+
+
+def test_error_flags_refuses_an_integer_tree_mask():
+    w = make_world(CFG, 2, seed=11)
+    with pytest.raises(TypeError, match="tree_mask"):
+        _flags(w, "target_verify", tree_mask=w.tree_mask.to(torch.int32))
+
+
+def test_padding_rows_with_a_negative_request_index_are_exempt():
+    w = make_world(CFG, 3, seq_lens=[9, 13, 0], seed=12)
+    rpi = w.req_pool_indices.clone()
+    rpi[2] = -1  # a padding row (seq_len 0)
+    for mode in fa3_spec.MODES:
+        assert _flags(w, mode, req_pool_indices=rpi) == 0, mode
+    rpi[1] = -1  # a live row: flagged
+    assert _flags(w, "decode", req_pool_indices=rpi) & ErrorFlag.REQUEST_INDEX_OUT_OF_RANGE
+
+
+# Overlaps between branches, and branches on the prefix's pages
+def _one_request(loc_rows, *, p=4, k=2, s=5, seq=5):
+    cfg = fa3_spec.SpecConfig(page_size=p, topk=k, num_steps=s, num_draft_tokens=4, max_bs=4,
+                              max_context_len=16, num_pages=64)
+    r2t = (torch.arange(cfg.draft_row_len) + p).view(1, -1).to(torch.int32)  # identity, page + 1
+    loc = torch.tensor(loc_rows).view(1, k, s)
+    return [int(error_flags(cfg, "draft_decode", step=step, req_to_token=r2t,
+                            req_pool_indices=torch.tensor([0]), seq_lens=torch.tensor([seq]),
+                            out_cache_loc=loc)) for step in range(s - 1)]
+
+
+def test_branches_sharing_a_page_or_landing_on_the_prefix_are_flagged():
+    # seq 5, P 4: prefix slots 4..8 (page 1 whole, page 2 holds token 4 = slot 8); last = 1.
+    assert _one_request([[9, 10, 11, 12, 13], [21, 22, 23, 24, 25]]) == [0, 0, 0, 0]
+    # Branch 1's region starts on branch 0's second page: from step 3 on they share page 3
+    # (branch 0's d3 lands on the slot holding branch 1's tail copy).
+    flags = _one_request([[9, 10, 11, 12, 13], [13, 14, 15, 16, 17]])
+    assert flags[3] & ErrorFlag.DRAFT_LAYOUT
+    # Branch 1's drafts on the prefix's whole page 1 (slots 5..7 are prefix positions 1..3).
+    flags = _one_request([[9, 10, 11, 12, 13], [5, 6, 7, 8, 9]])
+    assert all(f & ErrorFlag.DRAFT_LAYOUT for f in flags)
+

@@ -12,13 +12,23 @@ def cfg(**over):
 
 def test_static_bounds_of_the_spec_example():
     c = cfg()
-    assert c.window == 6  # max(S - 1, N)
+    assert c.tokens_past_seq_len == 6  # max(S - 1, N)
     assert c.min_row_len == 8198
-    assert c.max_pages == 4099  # ceil(8198 / 2)
+    assert c.page_table_width == 4099  # ceil(8198 / 2)
     assert c.pages_per_branch == 3  # ceil((P - 1 + S) / P)
     assert c.draft_row_len == 8192 + 8 * 3 * 2
     assert [c.decode_length(s) for s in range(4)] == [1, 2, 3, 4]
     assert [c.expand_width(s) for s in range(4)] == [2, 3, 4, 5]
+
+
+@pytest.mark.parametrize("p, k", [(1, 1), (1, 8), (2, 8), (16, 4), (64, 1)])
+def test_pool_pages_gives_every_request_its_whole_row_plus_the_sentinel_page(p, k):
+    c = cfg(page_size=p, topk=k)
+    for reqs in (1, 3, 64):
+        assert c.pool_pages(reqs) == 1 + reqs * -(-c.draft_row_len // p)
+        assert (c.pool_pages(reqs) - 1) * p >= reqs * c.draft_row_len
+    with pytest.raises(ValueError, match="max_reqs"):
+        c.pool_pages(0)
 
 
 @pytest.mark.parametrize("p", [1, 2, 3, 16, 64, 128])

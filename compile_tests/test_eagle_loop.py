@@ -2,7 +2,7 @@
 
 Speculative output must equal plain greedy decoding of the target token for
 token, with no tolerance, for batches with joins and finishes mid-run. The
-whole grid of the issue runs in ``test_eagle_sweep.py`` (opt-in, slow).
+full grid runs in ``test_eagle_sweep.py`` (opt-in: FA3_SPEC_EAGLE_SWEEP=1).
 Tiny ops on a shared 2-core machine run far faster on one thread, so these
 tests pin torch to one thread while they run.
 """
@@ -40,8 +40,8 @@ def models_for(draft="derived"):
 def make_engine(models, p, k, s, n, *, max_bs=4, max_new=40, max_prompt=40, scripted=None,
                 **kw):
     spec = fa3_spec.SpecConfig(page_size=p, topk=k, num_steps=s, num_draft_tokens=n,
-                               max_bs=max_bs, max_context_len=max_prompt + max_new + n, num_pages=1)
-    spec = dataclasses.replace(spec, num_pages=1 + 2 * max_bs * -(-spec.draft_row_len // p))
+                               max_bs=max_bs, max_context_len=max_prompt + max_new + n)
+    spec = dataclasses.replace(spec, num_pages=spec.pool_pages(2 * max_bs))
     lc = LoopConfig(spec, max_new_tokens=max_new, backend="torch", scripted=scripted)
     return EagleEngine(lc, models, max_reqs=2 * max_bs, **kw)
 
@@ -105,6 +105,25 @@ def test_eos_stops_requests_early():
     eos = ref[0][5]  # a token request 0 emits: it (and maybe others) stop there
     mean, eng = check_exact(2, 4, 5, 8, requests=6, max_bs=4, eos=eos)
     assert len(eng.results()[0]) == ref[0].index(eos) + 1
+
+
+def test_several_eos_ids_stop_at_the_first_of_any():
+    models = models_for()
+    prompts, news = workload(4, 2)
+    free = greedy_generate(models, prompts, news, page_size=2, backend="torch")
+    eos = [free[0][9], free[1][4], free[2][6]]  # Llama 3.1 has three
+    eng = make_engine(models, 2, 4, 5, 8, max_bs=2)
+    ids = submit_all(eng, prompts, news, eos_id=eos)
+    out = eng.run()
+    got = [out[i] for i in ids]
+    assert got == greedy_generate(models, prompts, news, eos_ids=[eos] * 4, page_size=2,
+                                  backend="torch")
+    for row, g in zip(free, got):  # each stops at the first of any of the ids, if any
+        stops = [j for j, t in enumerate(row) if t in eos]
+        assert g == (row[: stops[0] + 1] if stops else row)
+    assert len(got[1]) <= 5
+    with pytest.raises(ValueError, match="max_eos=4"):
+        eng.submit(prompts[0], 4, eos_id=[1, 2, 3, 4, 5])
 
 
 def test_a_request_that_joins_gives_the_same_tokens_as_alone():

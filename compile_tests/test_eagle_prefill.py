@@ -1,12 +1,9 @@
 """build_prefill_metadata: arbitrary new-token counts per request."""
 
-import doctest
-
 import pytest
 import torch
 
 import fa3_spec
-import fa3_spec.builders.prefill
 from fa3_spec.probes import RecordingBackend
 from fa3_spec.harness.oracle import key_slots_read, metadata_mismatches
 from fa3_spec.harness.worlds import make_world
@@ -16,11 +13,6 @@ def _world(p=2, bs=5):
     cfg = fa3_spec.SpecConfig(page_size=p, topk=1, num_steps=2, num_draft_tokens=3, max_bs=8,
                               max_context_len=40)
     return make_world(cfg, bs, seq_lens=[17, 1, 0, 32, 8][:bs], seed=p)
-
-
-def test_docstring_example():
-    assert doctest.testmod(fa3_spec.builders.prefill, extraglobs={
-        "torch": torch, "SpecConfig": fa3_spec.SpecConfig}).failed == 0
 
 
 @pytest.mark.parametrize("p", [1, 2, 16])
@@ -79,3 +71,16 @@ def test_boundary_errors_name_the_argument():
     kw["extend_seq_lens"] = torch.ones(4, dtype=torch.int64)
     with pytest.raises(ValueError, match="extend_seq_lens"):
         fa3_spec.build_prefill_metadata(world.cfg, **kw, max_seqlen_q=4)
+
+
+def test_extend_query_positions_checks_its_arguments():
+    cfg = fa3_spec.SpecConfig(page_size=2, topk=1, num_steps=2, num_draft_tokens=2, max_bs=4,
+                              max_context_len=16)
+    w = make_world(cfg, 3, seed=1)
+    md = fa3_spec.build_prefill_metadata(cfg, **w.batch(), extend_seq_lens=w.seq_lens,
+                                         max_seqlen_q=16)
+    with pytest.raises(ValueError, match="seq_lens"):
+        fa3_spec.extend_query_positions(md, w.seq_lens[:2], 48)
+    with pytest.raises(TypeError, match="metadata"):
+        fa3_spec.extend_query_positions(fa3_spec.CascadeMetadata(md, None), w.seq_lens, 48)
+

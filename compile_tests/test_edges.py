@@ -3,6 +3,7 @@
 import pytest
 import torch
 
+import fa3_spec
 from fa3_spec import SpecConfig
 from fa3_spec import MODES, build_metadata as build
 from fa3_spec.harness.worlds import make_world
@@ -137,3 +138,11 @@ def test_batch_above_max_bs():
 def test_step_outside_range(step):
     with pytest.raises(ValueError, match="step"):
         build("draft_decode", CFG, step=step, **_kw("draft_decode"))
+
+
+def test_tail_copies_of_padding_rows_touch_only_slot_zero():
+    cfg = fa3_spec.SpecConfig(page_size=4, topk=2, num_steps=3, num_draft_tokens=3, max_bs=4,
+                              max_context_len=16)
+    src, dst = fa3_spec.draft_tail_copy_slots(cfg, seq_lens=torch.tensor([0]),
+                                              out_cache_loc=torch.full((1, 2, 3), 10**9))
+    assert src.tolist() == dst.tolist() == [0] * 6

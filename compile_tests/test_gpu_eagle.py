@@ -35,8 +35,8 @@ NEAR_TIE = 0.02
 def _engine(models, p, k, s, n, *, batch, max_new, prompt_len, buckets, compile_backend,
             graphs=True, count_syncs=True):
     spec = fa3_spec.SpecConfig(page_size=p, topk=k, num_steps=s, num_draft_tokens=n,
-                               max_bs=batch, max_context_len=prompt_len + max_new + n, num_pages=1)
-    spec = dataclasses.replace(spec, num_pages=1 + 2 * batch * -(-spec.draft_row_len // p))
+                               max_bs=batch, max_context_len=prompt_len + max_new + n)
+    spec = dataclasses.replace(spec, num_pages=spec.pool_pages(2 * batch))
     lc = LoopConfig(spec, max_new_tokens=max_new, backend="fa3")
     return EagleEngine(lc, models, max_reqs=2 * batch, buckets=buckets, graphs=graphs,
                        compile_backend=compile_backend, device="cuda", count_syncs=count_syncs)

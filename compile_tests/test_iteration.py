@@ -16,6 +16,7 @@ from fa3_spec.harness.toy import (
 )
 from fa3_spec.harness.oracle import dense_attention, expected_key_slots
 from fa3_spec.harness.worlds import make_world
+from helpers import symbol_recorder
 
 CFGS = [(2, 4), (1, 1), (3, 3), (16, 1)]
 
@@ -116,3 +117,37 @@ def test_whole_draft_iteration_is_one_graph():
     model.k_cache.copy_(initial)
     torch.testing.assert_close(got, step(**batch))
     assert recorder.frame_count == 1 and recorder.data_dependent == []
+
+
+def test_two_configs_share_one_process_through_the_runner():
+    """Found on the H200: a second config compiled through the runner (toy
+    draft_iteration, same code, another closed-over config) failed to trace once
+    dynamo made the config's ints symbolic. Each runner's compiled step (its
+    manual capture needs CUDA, so the compiled step is called directly) now
+    builds with static config ints; only the batch dimension is symbolic."""
+    base = make_world(fa3_spec.SpecConfig(page_size=2, topk=2, num_steps=3, num_draft_tokens=3,
+                                          max_bs=4, max_context_len=16), 3, seed=2)
+    model = ToyModel.create(layers=1, num_pages=base.num_pages, page_size=2, num_heads=2,
+                            num_kv_heads=1, head_dim=8, dtype=torch.float32)
+    record = []
+    for steps in (3, 2):
+        cfg = fa3_spec.SpecConfig(page_size=2, topk=2, num_steps=steps, num_draft_tokens=3,
+                                  max_bs=4, max_context_len=16)
+        step = make_step("draft_decode", cfg, model, base.req_to_token, backend="torch")
+        runner = CUDAGraphRunner(step, buckets=[2, 4], strategy="manual",
+                                 backend=symbol_recorder(record),
+                                 example=lambda bs: example_batch("draft_decode", cfg, model, bs,
+                                                                  device="cpu"))
+        rows = base.req_pool_indices.view(-1, 1, 1)
+        batch = dict(req_pool_indices=base.req_pool_indices, seq_lens=base.seq_lens,
+                     out_cache_loc=base.req_to_token[rows, fa3_spec.draft_positions(cfg, base.seq_lens)].long(),
+                     hidden=torch.randn(3, 2, model.hidden, generator=torch.Generator().manual_seed(steps)))
+        for t in batch.values():
+            torch._dynamo.maybe_mark_dynamic(t, 0)  # as the runner's capture does
+        initial = model.k_cache.clone()
+        got = runner.compiled_step(**batch)
+        model.k_cache.copy_(initial)
+        torch.testing.assert_close(got, step(**batch))
+        model.k_cache.copy_(initial)
+    assert len(record) == 2
+    assert all(len(found) == 1 and next(iter(found)).endswith(".size()[0]") for found in record), record

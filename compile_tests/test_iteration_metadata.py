@@ -1,7 +1,5 @@
 """All draft steps' metadata built together equals the per-step builders, bit for bit."""
 
-import os
-
 import pytest
 import torch
 from hypothesis import given, settings, strategies as st
@@ -10,9 +8,7 @@ import fa3_spec
 from fa3_spec import draft_expand_page_table, draft_expand_tables
 from fa3_spec.probes import RecordingBackend
 from fa3_spec.harness.worlds import make_world
-from helpers import NARROW, WIDE, configs, garbage_inputs, worlds
-
-EXAMPLES = int(os.environ.get("FA3_SPEC_FUZZ_EXAMPLES", "1000"))
+from helpers import FUZZ_EXAMPLES, NARROW, WIDE, configs, garbage_inputs, symbol_recorder, worlds
 
 
 def _assert_same_as_per_step(cfg, kwargs):
@@ -29,13 +25,13 @@ def _assert_same_as_per_step(cfg, kwargs):
     return together
 
 
-@settings(max_examples=max(EXAMPLES // 4, 50), deadline=None)
+@settings(max_examples=max(FUZZ_EXAMPLES // 4, 50), deadline=None)
 @given(worlds(**WIDE))
 def test_equals_per_step_builders(world):
     _assert_same_as_per_step(world.cfg, world.mode_kwargs("draft_decode"))
 
 
-@settings(max_examples=max(EXAMPLES // 4, 50), deadline=None)
+@settings(max_examples=max(FUZZ_EXAMPLES // 4, 50), deadline=None)
 @given(configs(**NARROW), st.integers(0, 12), st.integers(0, 2**20))
 def test_equals_per_step_builders_on_garbage(cfg, bs, seed):
     _assert_same_as_per_step(cfg, garbage_inputs(cfg, bs, "draft_decode", seed))
@@ -84,3 +80,31 @@ def test_compiles_fullgraph_without_data_dependent_ops(p, k):
     for a, b in zip(got, fa3_spec.build_draft_iteration_metadata(cfg, **kwargs)):
         assert all(torch.equal(x, y) for x, y in zip(torch.utils._pytree.tree_leaves(a),
                                                      torch.utils._pytree.tree_leaves(b)))
+
+
+def test_two_configs_in_one_process_keep_every_config_field_static():
+    """Found in review: compiled with num_steps=5, then called with num_steps=4, the
+    same function recompiled with the config's ints made symbolic by dynamo's
+    automatic dynamic shapes, and the f-string in SpecConfig.check_step failed to
+    trace (BUILD_STRING). Each config now compiles its own graph whose only
+    symbolic size is the batch dimension the caller marked dynamic."""
+    record = []
+    fn = torch.compile(lambda cfg, kw: fa3_spec.build_draft_iteration_metadata(cfg, **kw),
+                       fullgraph=True, backend=symbol_recorder(record))
+    base = make_world(fa3_spec.SpecConfig(page_size=2, topk=4, num_steps=5, num_draft_tokens=6,
+                                          max_bs=8, max_context_len=40), 3, seed=1)
+    for steps, page_size in [(5, 2), (4, 2), (3, 2), (4, 1)]:
+        cfg = fa3_spec.SpecConfig(page_size=page_size, topk=4, num_steps=steps,
+                                  num_draft_tokens=6, max_bs=8, max_context_len=40)
+        rows = base.req_pool_indices.view(-1, 1, 1)
+        loc = base.req_to_token[rows, fa3_spec.draft_positions(cfg, base.seq_lens)].long()
+        kw = dict(base.batch(), out_cache_loc=loc)
+        for t in (kw["req_pool_indices"], kw["seq_lens"], loc):
+            torch._dynamo.mark_dynamic(t, 0)
+        got = fn(cfg, kw)
+        want = fa3_spec.build_draft_iteration_metadata(cfg, **kw)
+        assert torch.utils._pytree.tree_flatten(got)[1] == torch.utils._pytree.tree_flatten(want)[1]
+        for a, b in zip(torch.utils._pytree.tree_leaves(got), torch.utils._pytree.tree_leaves(want)):
+            assert torch.equal(a, b)
+    assert len(record) == 4  # one graph per config
+    assert all(found == {"L['kw']['req_pool_indices'].size()[0]"} for found in record), record

@@ -8,6 +8,9 @@ nbformat = pytest.importorskip("nbformat")
 nbclient = pytest.importorskip("nbclient")
 
 NOTEBOOKS = sorted((pathlib.Path(__file__).resolve().parents[1] / "notebooks").glob("*.ipynb"))
+#: Running a notebook that compiles with inductor is `slow` (the marker's one meaning).
+RUNS = [pytest.param(p, marks=[pytest.mark.slow] if "inductor" in p.read_text() else [])
+        for p in NOTEBOOKS]
 
 
 def test_there_are_notebooks():
@@ -22,7 +25,7 @@ def test_notebook_committed_without_outputs(path):
             assert not cell.get("outputs") and cell.get("execution_count") is None, path.name
 
 
-@pytest.mark.parametrize("path", NOTEBOOKS, ids=lambda p: p.stem)
+@pytest.mark.parametrize("path", RUNS, ids=lambda p: p.stem)
 def test_notebook_runs(path):
     nb = nbformat.read(path, as_version=4)
     nbclient.NotebookClient(nb, timeout=240, kernel_name="python3",

@@ -1,5 +1,6 @@
 """The runner's host staging: checks once per signature, padding kept zero by a
-high-water mark, one grouped copy, the zero-copy path, and the compile cache."""
+high-water mark, one grouped copy, the zero-copy path, and the compile cache;
+the inputs it refuses and the outputs it returns."""
 
 import os
 import pathlib
@@ -15,6 +16,8 @@ from fa3_spec.harness.toy import ToyModel, make_step, world_batch
 from fa3_spec.harness.worlds import make_world
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
+CFG = fa3_spec.SpecConfig(page_size=4, topk=3, num_steps=4, num_draft_tokens=5, max_bs=8,
+                          max_context_len=40)
 
 
 def _example(bs):  # non-zero: the first call must zero-fill what capture left
@@ -219,3 +222,74 @@ def test_compile_cache_round_trip_across_processes(tmp_path):
 
     assert run(tmp_path / "cold") == ["False", "True", "0"]
     assert run(tmp_path / "warm") == ["True", "False", "1"]
+
+
+# What the runner refuses, and outputs that are not one row per request
+def _eager_runner(step, example, buckets=(2, 4)):
+    runner = CUDAGraphRunner(step, example=example, buckets=list(buckets), strategy="eager")
+    runner.capture()
+    return runner
+
+
+def _draft_example(cfg):
+    def example(bs):
+        return dict(req_pool_indices=torch.zeros(bs, dtype=torch.int64),
+                    seq_lens=torch.zeros(bs, dtype=torch.int64),
+                    out_cache_loc=torch.zeros(bs, cfg.topk, cfg.num_steps, dtype=torch.int64))
+    return example
+
+
+def test_runner_refuses_a_broadcastable_out_cache_loc_and_float_seq_lens():
+    world = make_world(CFG, 3, seed=1)
+
+    def step(req_pool_indices, seq_lens, out_cache_loc):
+        return fa3_spec.build_draft_decode_metadata(
+            CFG, 1, req_to_token=world.req_to_token, req_pool_indices=req_pool_indices,
+            seq_lens=seq_lens, out_cache_loc=out_cache_loc).expand.cache_seqlens
+
+    runner = _eager_runner(step, _draft_example(CFG))
+    loc = world.out_cache_loc.view(3, CFG.topk, CFG.num_steps)
+    good = dict(req_pool_indices=world.req_pool_indices, seq_lens=world.seq_lens, out_cache_loc=loc)
+    assert torch.equal(runner(**good), step(**good))
+    with pytest.raises(ValueError, match="out_cache_loc"):
+        runner(**{**good, "out_cache_loc": loc[:, :1]})  # [B, 1, S] would broadcast over K
+    with pytest.raises(TypeError, match="seq_lens"):
+        runner(**{**good, "seq_lens": world.seq_lens.double()})
+    with pytest.raises(ValueError, match="seq_lens"):
+        runner(**{**good, "seq_lens": world.seq_lens[:2]})
+
+
+def test_runner_returns_expand_rows_and_cu_seqlens_whole():
+    world = make_world(CFG, 3, seed=2)
+
+    def step(req_pool_indices, seq_lens, out_cache_loc):
+        md = fa3_spec.build_draft_decode_metadata(
+            CFG, 2, req_to_token=world.req_to_token, req_pool_indices=req_pool_indices,
+            seq_lens=seq_lens, out_cache_loc=out_cache_loc)
+        return md.expand.page_table, md.expand.cu_seqlens_q, md.prefix.cu_seqlens_k, md.prefix.page_table
+
+    runner = _eager_runner(step, _draft_example(CFG))
+    batch = dict(req_pool_indices=world.req_pool_indices, seq_lens=world.seq_lens,
+                 out_cache_loc=world.out_cache_loc.view(3, CFG.topk, CFG.num_steps))
+    got, want = runner(**batch), step(**batch)
+    assert [tuple(t.shape) for t in got] == [tuple(t.shape) for t in want]
+    assert got[0].shape[0] == 3 * CFG.topk and got[1].tolist() == [0, 1, 2, 3, 4, 5, 6, 7, 8, 9]
+    assert all(torch.equal(g, w) for g, w in zip(got, want))
+
+
+def test_runner_refuses_outputs_with_the_batch_in_another_dimension():
+    def step(x):
+        return x.t()  # [D, B]
+
+    with pytest.raises(ValueError, match="batch-major"):
+        _eager_runner(step, lambda bs: dict(x=torch.zeros(bs, 3)))
+
+
+def test_runner_never_returns_a_negative_slice():
+    def step(x):
+        return (x[1:] - x[:-1],)  # B - 1 rows
+
+    runner = _eager_runner(step, lambda bs: dict(x=torch.zeros(bs)), buckets=(4, 8))
+    assert runner(x=torch.zeros(0))[0].shape == (0,)
+    assert runner(x=torch.arange(3.0))[0].tolist() == [1.0, 1.0]
+

@@ -26,6 +26,7 @@ from fa3_spec.checks import ErrorFlag
 from fa3_spec.integrations import sglang as sgl
 from fa3_spec.metadata import CascadeMetadata
 from fa3_spec.tree import tree_mask_from_flat
+from helpers import symbol_recorder
 
 WORLDS = int(os.environ.get("FA3_SPEC_SGLANG_VIEW_WORLDS", "6"))
 from conftest import SGLANG_DEVICE as DEVICE  # noqa: E402
@@ -72,7 +73,7 @@ def test_views_read_what_builders_read(upstream, shape):
         bucket = rng.randint(raw, cfg.max_bs)
         # The loop's domain: every draft and verify position inside the context
         # (sglang's request tables are ceil(context_len / P) pages wide).
-        top = cfg.context_len - cfg.spec_config().window
+        top = cfg.context_len - cfg.spec_config().tokens_past_seq_len
         lens = [rng.randint(1, top) for _ in range(raw)]
         batch = sglang_batch(cfg, r2t, raw, bucket, g, seq_lens=lens)
         where = f"world {world} {cfg} raw {raw} bucket {bucket}"
@@ -133,6 +134,76 @@ def test_views_validate():
         sgl.metadata_views(cfg, buffers, "draft_decode", step=2)
     md = sgl.metadata_views(cfg, buffers, "target_verify", bs=1)
     assert md.page_table.shape == (1, cfg.max_num_pages) and md.max_seqlen_q == 4
+
+
+@pytest.mark.parametrize("p, given, used", [(2, 0, 3), (1, 3, 0), (16, 2, 1)])
+def test_buffers_of_another_draft_step_are_refused_by_name(p, given, used):
+    """Found in review: step ``given``'s buffers filled or read for step ``used``.
+    P = 2 (0 -> 3): the expand rows need 5 columns, the table has 2, and FA3's read
+    runs into the next row; P = 1 (3 -> 0): cache_seqlens keeps 4 where d = 1."""
+    cfg = sgl.SglangConfig(page_size=p, topk=4, num_steps=6, num_draft_tokens=5, max_bs=3,
+                           context_len=40)
+    g = torch.Generator().manual_seed(p)
+    r2t = make_req_to_token(cfg, 4, g)
+    kw = dict(req_to_token=r2t, **sglang_batch(cfg, r2t, 2, 3, g).inputs("draft_decode"))
+    wrong = sgl.allocate_buffers(cfg, step=given)
+    before = {k: v.clone() for k, v in wrong[sgl.DRAFT_TOPK_EXPAND].items()}
+    with pytest.raises(ValueError, match=rf"\['page_table'\].*width {used + 2}"):
+        sgl.draft_decode(cfg, wrong, used, **kw)
+    assert all(torch.equal(before[k], v) for k, v in wrong[sgl.DRAFT_TOPK_EXPAND].items())
+    with pytest.raises(ValueError, match=rf"draft_decode_metadata_topk_expand.*width {used + 2}"):
+        sgl.metadata_views(cfg, wrong, "draft_decode", step=used)
+    steps = [sgl.allocate_buffers(cfg, step=s) for s in range(cfg.num_steps - 1)]
+    steps[given], steps[used] = steps[used], steps[given]
+    with pytest.raises(ValueError, match="page_table"):
+        sgl.draft_iteration(cfg, steps, **kw)
+    sgl.draft_decode(cfg, sgl.allocate_buffers(cfg, step=used), used, **kw)  # its own step: fine
+
+
+def test_buffers_of_the_wrong_dtype_or_set_are_refused_by_name():
+    """int64 buffers used to be filled through a casting copy_ and read back as int64
+    tables; a missing set raised a bare KeyError."""
+    cfg = sgl.SglangConfig(page_size=2, topk=4, num_steps=3, num_draft_tokens=5, max_bs=2,
+                           context_len=24)
+    g = torch.Generator().manual_seed(0)
+    r2t = make_req_to_token(cfg, 3, g)
+    batch = sglang_batch(cfg, r2t, 2, 2, g)
+    for mode, name in [("draft_decode", sgl.DRAFT_TOPK_NORMAL), ("draft_extend", sgl.DRAFT_EXTEND),
+                       ("target_verify", sgl.TARGET_VERIFY_TOPK_EXPAND)]:
+        step = [0] if mode == "draft_decode" else []
+
+        def fill(buffers):
+            getattr(sgl, mode)(cfg, buffers, *step, req_to_token=r2t, **batch.inputs(mode))
+
+        wide = sgl.allocate_buffers(cfg)
+        wide[name] = {k: v.to(torch.int64) if v.dtype == torch.int32 else v for k, v in wide[name].items()}
+        with pytest.raises(TypeError, match=rf"{name}.*must have dtype torch.int32"):
+            fill(wide)
+        with pytest.raises(TypeError, match=name):
+            sgl.metadata_views(cfg, wide, mode)
+        missing = sgl.allocate_buffers(cfg)
+        del missing[name]
+        with pytest.raises(ValueError, match=rf"no '{name}' set"):
+            fill(missing)
+
+
+def test_two_sglang_configs_compile_in_one_process():
+    """SglangConfig's ints stay compile-time constants too (fa3_spec.config.StaticConfig):
+    one compiled fill serves two configurations, each in its own graph."""
+    record = []
+    fill = torch.compile(sgl.draft_iteration, fullgraph=True, backend=symbol_recorder(record))
+    for steps in (3, 2):
+        cfg = sgl.SglangConfig(page_size=2, topk=2, num_steps=steps, num_draft_tokens=3,
+                               max_bs=2, context_len=16)
+        g = torch.Generator().manual_seed(steps)
+        r2t = make_req_to_token(cfg, 3, g)
+        kw = dict(req_to_token=r2t, **sglang_batch(cfg, r2t, 2, 2, g).inputs("draft_decode"))
+        got = [sgl.allocate_buffers(cfg, step=s) for s in range(steps - 1)]
+        want = [sgl.allocate_buffers(cfg, step=s) for s in range(steps - 1)]
+        fill(cfg, got, **kw)
+        sgl.draft_iteration(cfg, want, **kw)
+        assert all(torch.equal(a[n][k], b[n][k]) for a, b in zip(got, want) for n in a for k in a[n])
+    assert record == [set(), set()]
 
 
 def test_error_flags_flag_chain_rows_past_sglangs_table():

@@ -89,10 +89,10 @@ def test_swa_metadata_reads_exactly_the_window_in_every_mode(p, k):
         assert _same_tokens(world, read) == _same_tokens(world, want), (mode, step, tree, w)
         assert dead_columns_clean(md)
         for call in md.calls:  # narrow, static, and bounds hold
-            assert call.page_table.shape[1] <= cdiv(w + cfg.window, call.page_size) + 1
+            assert call.page_table.shape[1] <= cdiv(w + cfg.tokens_past_seq_len, call.page_size) + 1
             assert int(call.cache_seqlens.max()) <= call.max_seqlen_k
             assert call.page_table.shape[1] * call.page_size >= call.max_seqlen_k or \
-                call.page_table.shape[1] == cfg.max_pages
+                call.page_table.shape[1] == cfg.page_table_width
         if isinstance(md, fa3_spec.CascadeMetadata):
             assert all(c.window_left == -1 for c in md.calls)  # trimmed, no window needed
         else:
@@ -172,6 +172,20 @@ def test_window_left_errors_name_the_argument():
     q = torch.randn(world.batch_size, HQ, DIM)
     with pytest.raises(ValueError, match="already carries its window"):
         fa3_spec.cascade_attention(q, kc, vc, md, backend="torch", window_size=(4, -1))
+
+
+@pytest.mark.parametrize("w", [2**62 + 1, 2**63, 2**64, 10**30])
+def test_a_huge_window_left_is_refused_by_name_in_every_mode(w):
+    """Past 2**62 (already far past any context) a window is refused at the boundary,
+    never an OverflowError from inside a torch op; up to it, every value works."""
+    world = _world(2, 4)
+    for mode, step, tree in _cases(world):
+        with pytest.raises(ValueError, match="window_left"):
+            _build(world, mode, step, tree, w)
+        full = _build(world, mode, step, tree, 2**62)
+        wide = _build(world, mode, step, tree, 10_000)
+        assert all(torch.equal(a.page_table, b.page_table) and torch.equal(a.cache_seqlens, b.cache_seqlens)
+                   for a, b in zip(full.calls, wide.calls))
 
 
 def test_full_attention_metadata_is_unchanged_by_the_hook():

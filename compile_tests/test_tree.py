@@ -2,7 +2,7 @@ import torch
 from hypothesis import given, strategies as st
 
 from fa3_spec import tree_mask_from_flat, tree_mask_from_parents
-from fa3_spec.tree import flat_from_tree_mask
+from fa3_spec.tree import flat_from_tree_mask, mask_block_starts
 
 
 def _parents(draw_parents, n):
@@ -37,3 +37,24 @@ def test_flat_extraction_compiles():
     flat = flat_from_tree_mask(mask, sl)
     fn = torch.compile(tree_mask_from_flat, fullgraph=True, backend="aot_eager")
     assert torch.equal(fn(flat, sl, 4), mask)
+
+
+# int64 offsets into the flat custom mask
+def test_flat_mask_block_offsets_do_not_wrap_at_int32():
+    starts = mask_block_starts(torch.tensor([2**30, 3]), 2)
+    assert starts.dtype == torch.int64
+    assert starts.tolist() == [0, 2 * (2**30 + 2)]  # > 2^31: wrapped negative in int32
+
+
+def test_flat_mask_past_two_gib_decodes_the_second_request():
+    """Full size: a 2.1 GB flat mask (one request of 2^30 tokens)."""
+    seq = torch.tensor([2**30, 3])
+    n = 2
+    flat = torch.zeros(n * (2**30 + n) + n * (3 + n), dtype=torch.bool)
+    second = n * (2**30 + n)
+    rows = torch.tensor([[1, 0], [1, 1]], dtype=torch.bool)
+    for j in range(n):
+        flat[second + j * (3 + n) + 3: second + j * (3 + n) + 3 + n] = rows[j]
+    mask = tree_mask_from_flat(flat, seq, n)
+    assert torch.equal(mask[1], rows)
+

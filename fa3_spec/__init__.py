@@ -21,12 +21,13 @@ from .builders import (
     build_draft_iteration_metadata,
     build_draft_prefix_metadata,
     build_target_verify_metadata,
+    draft_positions,
     draft_tail_copy_slots,
 )
 from .checks import ErrorFlag, describe_errors, error_flags
 from .config import SpecConfig
 from .expand import draft_expand_page_table, draft_expand_tables
-from .metadata import PAGE_SENTINEL, CascadeMetadata, FA3Metadata
+from .metadata import PAGE_SENTINEL, CascadeMetadata, FA3Metadata, Metadata
 from .modes import MODES, Mode, build_metadata
 from .tree import tree_mask_from_flat, tree_mask_from_parents
 
@@ -41,6 +42,7 @@ __all__ = [
     "PAGE_SENTINEL",
     "CascadeMetadata",
     "FA3Metadata",
+    "Metadata",
     "SpecBatch",
     "SpecConfig",
     "Mode",
@@ -56,6 +58,7 @@ __all__ = [
     "build_target_verify_metadata",
     "draft_expand_page_table",
     "draft_expand_tables",
+    "draft_positions",
     "draft_tail_copy_slots",
     "tree_mask_from_flat",
     "tree_mask_from_parents",

@@ -1,10 +1,8 @@
-"""Pure, traceable helpers shared by the builders.
+"""Pure, traceable arithmetic shared by the builders: row repeats, ceilings,
+prefix sums (``cu_seqlens``).
 
-Memory safety lives here. Each helper clamps every index it uses into the
-tensor it indexes, so whatever values the inputs hold (negative request
-indices, lengths past the row, garbage slots), nothing is read out of range;
-and nothing is ever written by index: outputs are built by gathers,
-comparisons and reductions over static shapes.
+The batch's slots and page tables are read through `fa3_spec.paged.BatchView`;
+nothing here gathers by a tensor index, so nothing here can read out of range.
 """
 
 from __future__ import annotations
@@ -12,72 +10,6 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 from torch.fx.experimental.symbolic_shapes import statically_known_true
-
-from .config import SpecConfig
-from .metadata import PAGE_SENTINEL
-
-
-class BatchView:
-    """Sanitised per-batch inputs.
-
-    Attributes:
-        req_to_token: the caller's table (not copied).
-        rows: int64 ``[B]`` request rows, clamped into ``req_to_token``.
-        seq_lens: int64 ``[B]`` clamped to ``[0, max_context_len]``.
-        live: bool ``[B]``; False for padding rows (``seq_len == 0``).
-    """
-
-    def __init__(self, cfg: SpecConfig, req_to_token, req_pool_indices, seq_lens):
-        self.cfg = cfg
-        self.req_to_token = req_to_token
-        self.rows = req_pool_indices.to(torch.int64).clamp(0, req_to_token.shape[0] - 1)
-        self.seq_lens = seq_lens.to(torch.int64).clamp(0, cfg.max_context_len)
-        self.live = self.seq_lens > 0
-
-    @property
-    def last_page_lens(self) -> torch.Tensor:
-        """int64 ``[B]`` ``seq_len % P``: tokens on the partial last page (0 if P == 1)."""
-        return torch.remainder(self.seq_lens, self.cfg.page_size)
-
-    @property
-    def batch_size(self) -> int:
-        return self.rows.shape[0]
-
-    def slots(self, positions: torch.Tensor) -> torch.Tensor:
-        """Slots of token ``positions`` (int64 ``[B, n]``) of each request.
-
-        Clamped into the KV pool when ``cfg.num_pages`` is set.
-        """
-        cols = positions.clamp(0, self.req_to_token.shape[1] - 1)
-        slots = self.req_to_token[self.rows.unsqueeze(1), cols].to(torch.int64)
-        return in_pool(slots, self.cfg.page_size, self.cfg.num_pages)
-
-    def page_table(self, lengths: torch.Tensor, width: int) -> torch.Tensor:
-        """Page table over ``lengths`` tokens (int64 ``[B]``), ``width`` columns.
-
-        Column ``j < ceil(lengths[b] / P)`` holds
-        ``req_to_token[row_b, j * P] // P``; the rest hold the sentinel.
-        """
-        p = self.cfg.page_size
-        cols = torch.arange(width, device=self.rows.device)
-        first_tokens = (cols * p).unsqueeze(0).expand(self.batch_size, width)
-        pages = torch.div(self.slots(first_tokens), p, rounding_mode="floor")
-        used = cols.unsqueeze(0) < cdiv_tensor(lengths, p).unsqueeze(1)
-        return torch.where(used, pages, PAGE_SENTINEL).to(torch.int32)
-
-    def mask_padding(self, values: torch.Tensor, repeats: int = 1) -> torch.Tensor:
-        """Zero ``values`` (leading dim ``B * repeats``) on padding rows."""
-        live = repeat_rows(self.live, repeats)
-        shape = (-1,) + (1,) * (values.dim() - 1)
-        return torch.where(live.view(shape), values, torch.zeros_like(values))
-
-
-def in_pool(slots: torch.Tensor, page_size: int, num_pages) -> torch.Tensor:
-    """int64 ``slots`` clamped into a pool of ``num_pages`` pages (as they are when None)."""
-    slots = slots.to(torch.int64)
-    if num_pages is None:
-        return slots
-    return slots.clamp(0, num_pages * page_size - 1)
 
 
 def repeat_rows(x: torch.Tensor, repeats: int) -> torch.Tensor:

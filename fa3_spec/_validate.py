@@ -20,6 +20,12 @@ import torch
 
 INDEX_DTYPES = (torch.int32, torch.int64)
 
+#: Largest sliding-window side accepted (``window_left``, ``window_size``
+#: entries): a window at least as long as a call's key bound already reads
+#: every key, so nothing larger means more, and int64 arithmetic on a value
+#: this size (positions minus the window) cannot overflow.
+MAX_WINDOW = 2**62
+
 
 # ------------------------------------------------------------------ Python ints
 def int_at_least(name: str, value: object, minimum: int) -> int:
@@ -33,6 +39,12 @@ def int_at_least(name: str, value: object, minimum: int) -> int:
 
 def positive_int(name: str, value: object) -> int:
     return int_at_least(name, value, 1)
+
+
+def window_side(name: str, value: object, minimum: int) -> int:
+    """A sliding-window side: an int in ``[minimum, MAX_WINDOW]``."""
+    return int_in_range(name, value, minimum, MAX_WINDOW,
+                        " (a window past the context already reads every key)")
 
 
 def int_in_range(name: str, value: object, low: int, high: int, why: str = "") -> int:

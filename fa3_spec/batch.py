@@ -9,9 +9,23 @@ pytree: it crosses ``torch.compile`` boundaries, and building it *outside* a
 compiled region is how a compiled caller gets `ValueError`/`TypeError`
 rather than dynamo's wrapper exception.
 
-    >>> batch = SpecBatch.create(cfg, req_to_token=r2t, req_pool_indices=rpi,
-    ...                          seq_lens=seq, out_cache_loc=loc)   # doctest: +SKIP
-    >>> fa3_spec.build_metadata("draft_decode", batch, step=2)      # doctest: +SKIP
+    >>> import torch, fa3_spec
+    >>> cfg = fa3_spec.SpecConfig(page_size=2, topk=2, num_steps=3,
+    ...                           num_draft_tokens=3, max_bs=4, max_context_len=8)
+    >>> r2t = torch.arange(16, 32, dtype=torch.int32).view(1, 16)  # one row, pages 8..15
+    >>> loc = torch.tensor([[[21, 22, 23], [25, 26, 27]]])  # [B, K, S] draft slots
+    >>> batch = SpecBatch.create(cfg, req_to_token=r2t, req_pool_indices=torch.tensor([0]),
+    ...                          seq_lens=torch.tensor([5]), out_cache_loc=loc)
+    >>> batch.out_cache_loc.shape  # canonical [B * K, S]
+    torch.Size([2, 3])
+    >>> md = fa3_spec.build_metadata("draft_decode", batch, step=1)
+    >>> md.expand.page_table.tolist()  # ok-host: doctest
+    [[10, 11, 0], [12, 13, 0]]
+    >>> SpecBatch.create(cfg, req_to_token=r2t, req_pool_indices=torch.tensor([0]),
+    ...                  seq_lens=torch.tensor([5.0]))
+    Traceback (most recent call last):
+        ...
+    TypeError: seq_lens must have dtype in (torch.int32, torch.int64), got torch.float32
 """
 
 from __future__ import annotations
@@ -23,8 +37,8 @@ import torch
 import torch.utils._pytree as pytree
 
 from . import _validate
-from ._paged import BatchView
-from .config import SpecConfig
+from .config import SpecConfig, static_config
+from .paged import BatchView
 
 _TENSORS = ("req_to_token", "req_pool_indices", "seq_lens", "out_cache_loc", "tree_mask",
             "extend_seq_lens")
@@ -59,8 +73,7 @@ class SpecBatch:
         """Validate and canonicalise; the arguments keep the builders' names and meanings."""
         if isinstance(req_to_token, SpecBatch):
             raise TypeError("pass a SpecBatch to fa3_spec.build_metadata, not as req_to_token")
-        if not isinstance(cfg, SpecConfig):
-            raise TypeError(f"cfg must be a SpecConfig, got {type(cfg).__name__}")
+        cfg = static_config(cfg)
         bs = _validate.request_triple(cfg, req_to_token, req_pool_indices, seq_lens)
         device = dict(seq_lens=seq_lens)
         if out_cache_loc is not None:
@@ -82,14 +95,16 @@ class SpecBatch:
 
     def view(self) -> BatchView:
         """The sanitised views builders read: rows and lengths clamped, padding mask."""
-        return BatchView(self.cfg, self.req_to_token, self.req_pool_indices, self.seq_lens)
+        return BatchView(self.cfg.static(), self.req_to_token, self.req_pool_indices,
+                         self.seq_lens)
 
-    def require(self, *names: str, mode: str) -> None:
-        """Raise `ValueError` if any of ``names`` is missing (None) for ``mode``."""
+    def require(self, *names: str, mode: str, condition: str = "") -> None:
+        """Raise `ValueError` if any of ``names`` is missing (None) for ``mode``
+        (required under ``condition``, e.g. ``"topk > 1"``, when given)."""
         for name in names:
             if getattr(self, name) is None:
                 raise ValueError(f"{name} is required for mode {mode!r}"
-                                 + (" with topk > 1" if name == "out_cache_loc" else ""))
+                                 + (f" with {condition}" if condition else ""))
 
 
 def _flatten(batch: SpecBatch):

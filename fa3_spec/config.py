@@ -9,18 +9,73 @@ Notation used throughout the package (docs/semantics.md):
 
     P  page_size           tokens per KV page
     K  topk                draft branches per request
-    S  num_steps           draft steps per iteration (S - 1 draft-decode calls;
-                           S = 1: the root's top-K children only, no draft decode)
+    S  num_steps           draft tokens per branch per iteration: the draft
+                           extend proposes the first, then S - 1 draft-decode
+                           calls, ``step = 0 .. S-2``, each reading
+                           ``d = step + 1`` draft tokens per branch
     N  num_draft_tokens    tokens checked by target verify
     C  max_context_len     largest ``seq_len`` a request may have
+
+Three page counts, three meanings: ``num_pages`` is the KV pool's size (a
+field, optional); ``page_table_width`` the columns of a request-level page
+table (derived); sglang's ``max_num_pages`` (`SglangConfig`) is the width of
+*its* request tables, ``ceil(context_len / P)``.
+
+**Static under torch.compile, however many configurations.** Dynamo makes a
+Python int read from a function's argument symbolic as soon as a second call
+of the same code sees another value ("automatic dynamic shapes"): a process
+with two configurations (draft and target, two models) would get symbolic
+page sizes and step counts, and an f-string over one fails to trace. Ints
+read through a module global are specialised instead. So the library reads
+every field through `StaticConfig.static`, a process-wide twin of the
+configuration looked up in a module-level table by a string key (strings are
+always constants to dynamo): each field is a compile-time constant, a new
+configuration compiles a new graph (guarded on its key), and only what a
+caller marks dynamic (the batch dimension) is symbolic.
 """
 
 from __future__ import annotations
 
 import dataclasses
-from typing import Optional
+from typing import Dict, Optional
+
+import torch
 
 from ._validate import int_at_least as _require_int, int_in_range
+
+#: The twin of every configuration built in this process, by its repr (`StaticConfig`).
+_TWINS: Dict[str, "StaticConfig"] = {}
+
+
+class StaticConfig:
+    """Base of the frozen configuration dataclasses whose fields must be
+    compile-time constants under ``torch.compile`` (`SpecConfig`, and the sglang
+    adapter's ``SglangConfig``).
+
+    A subclass calls `_register` at the end of ``__post_init__``. Library code
+    reads fields through ``cfg.static()``: eagerly that is ``cfg`` itself; while
+    dynamo traces it is an equal twin reached through the module global
+    ``_TWINS`` (a twin never handed out eagerly, so no caller holds it), whose
+    ints dynamo specialises. Copies and pickles go through ``__init__``
+    (``__reduce__``), so every instance has its twin.
+    """
+
+    def _register(self) -> None:
+        key = repr(self)
+        object.__setattr__(self, "_key", key)
+        if key not in _TWINS:
+            twin = object.__new__(type(self))
+            twin.__dict__.update(self.__dict__)
+            _TWINS[key] = twin
+
+    def static(self):
+        """This configuration, with every field a constant to dynamo (see above)."""
+        if not torch.compiler.is_compiling():
+            return self
+        return _TWINS[self._key]
+
+    def __reduce__(self):
+        return type(self), tuple(getattr(self, f.name) for f in dataclasses.fields(self))
 
 
 def cdiv(a: int, b: int) -> int:
@@ -28,21 +83,32 @@ def cdiv(a: int, b: int) -> int:
     return -(-a // b)
 
 
+def static_config(cfg: object) -> "SpecConfig":
+    """``cfg.static()``, after checking that ``cfg`` is a `SpecConfig` (`TypeError` naming it)."""
+    if not isinstance(cfg, SpecConfig):
+        raise TypeError(f"cfg must be a SpecConfig, got {type(cfg).__name__}")
+    return cfg.static()
+
+
 @dataclasses.dataclass(frozen=True)
-class SpecConfig:
+class SpecConfig(StaticConfig):
     """Static shape configuration, validated on construction.
 
     Args:
         page_size: KV page size ``P`` (>= 1; any value, not only powers of two).
         topk: draft branching ``K`` (>= 1). ``topk > 1`` drafts a tree and
             uses cascade (prefix + expand) attention.
-        num_steps: draft steps ``S`` per iteration (>= 1). Step 0 is the draft
-            extend that proposes the root's children; steps ``1 .. S-1`` are
-            the ``S - 1`` draft-decode calls (none when ``S == 1``).
+        num_steps: draft tokens ``S`` per branch per iteration (>= 1). The
+            draft extend proposes the first (the root's top-K children);
+            the ``S - 1`` draft-decode calls that follow are the builders'
+            ``step = 0 .. S-2`` (none when ``S == 1``), and step ``i`` reads
+            ``d = i + 1`` draft tokens of each branch.
         num_draft_tokens: tokens ``N`` verified by the target model (>= 1).
         max_bs: largest batch a builder accepts (>= 1).
         max_context_len: largest ``seq_len`` ``C`` of a request (>= 1).
-        num_pages: KV pool size in pages of ``page_size`` (optional, >= 1).
+        num_pages: KV pool size in pages of ``page_size`` (optional, >= 1;
+            `pool_pages` sizes a pool that reserves whole rows), not to be
+            confused with `page_table_width`, the columns of a page table.
             When given, every page id a builder writes is clamped into
             ``[0, num_pages)`` (slot ids of the tree-verify expand call into
             ``[0, num_pages * P)``), so FA3 never reads outside the pool,
@@ -54,7 +120,7 @@ class SpecConfig:
     Example:
         >>> cfg = SpecConfig(page_size=2, topk=8, num_steps=5,
         ...                  num_draft_tokens=6, max_bs=64, max_context_len=8192)
-        >>> cfg.window, cfg.min_row_len, cfg.max_pages
+        >>> cfg.tokens_past_seq_len, cfg.min_row_len, cfg.page_table_width
         (6, 8198, 4099)
         >>> cfg.expand_width(step=3), cfg.expand_pages_bound(decode_length=4)
         (5, 3)
@@ -77,6 +143,7 @@ class SpecConfig:
         _require_int("max_context_len", self.max_context_len, 1)
         if self.num_pages is not None:
             _require_int("num_pages", self.num_pages, 1)
+        self._register()
 
     # ------------------------------------------------------------------ bounds
     @property
@@ -85,18 +152,21 @@ class SpecConfig:
         return self.num_steps - 1
 
     @property
-    def window(self) -> int:
-        """Tokens a mode may read past ``seq_len``: ``max(S - 1, N)``."""
+    def tokens_past_seq_len(self) -> int:
+        """Tokens a mode may read past ``seq_len`` in a request's own row:
+        ``max(S - 1, N)`` (topk = 1 draft decode, chain verify). Not a
+        sliding window (that is ``window_left``, a per-call argument)."""
         return max(self.num_steps - 1, self.num_draft_tokens)
 
     @property
     def min_row_len(self) -> int:
-        """Shortest ``req_to_token`` row the builders accept: ``C + window``."""
-        return self.max_context_len + self.window
+        """Shortest ``req_to_token`` row the builders accept: ``C + tokens_past_seq_len``."""
+        return self.max_context_len + self.tokens_past_seq_len
 
     @property
-    def max_pages(self) -> int:
-        """Width of every request-level page table: ``ceil((C + window) / P)``."""
+    def page_table_width(self) -> int:
+        """Columns of every request-level page table: ``ceil(min_row_len / P)``
+        (not the pool size, which is ``num_pages``)."""
         return cdiv(self.min_row_len, self.page_size)
 
     @property
@@ -123,6 +193,20 @@ class SpecConfig:
             drafts = self.topk * self.num_steps
         return max(self.min_row_len, self.max_context_len + drafts)
 
+    def pool_pages(self, max_reqs: int) -> int:
+        """KV pool size, in pages, that gives each of ``max_reqs`` requests a whole
+        `draft_row_len` row of its own: ``1 + max_reqs * ceil(draft_row_len / P)``.
+
+        Page 0 is the reserved sentinel page (padding rows and dead columns
+        point at it), hence the ``1 +``. The size to pass as ``num_pages``
+        when an allocator reserves every row in full, as the EAGLE loop does.
+
+            >>> SpecConfig(page_size=2, topk=8, num_steps=5, num_draft_tokens=6,
+            ...            max_bs=64, max_context_len=8192).pool_pages(4)
+            16481
+        """
+        return 1 + _require_int("max_reqs", max_reqs, 1) * cdiv(self.draft_row_len, self.page_size)
+
     def check_step(self, step: object) -> int:
         """Validate a draft-decode step index (``0 <= step <= S - 2``)."""
         if self.num_draft_decode_steps == 0:
@@ -130,6 +214,10 @@ class SpecConfig:
             raise ValueError("num_steps=1 has no draft-decode step")
         return int_in_range("step", step, 0, self.num_steps - 2,
                             f" for num_steps={self.num_steps}")
+
+    def check_batch_size(self, bs: object, *, minimum: int = 0) -> int:
+        """Validate a batch size: a Python int, ``minimum <= bs <= max_bs``."""
+        return int_in_range("bs", bs, minimum, self.max_bs, " (max_bs)")
 
     def decode_length(self, step: int) -> int:
         """Live draft tokens per branch at draft-decode ``step``: ``step + 1``."""

@@ -5,7 +5,7 @@ plus its own draft tokens (expand call). The expand call has one row per
 branch; its page table lists the distinct pages, in order, of the branch's
 first ``decode_length`` draft slots.
 
-Worked example (the seed's case): ``P = 2``, ``S = 4``, ``seq_len = 5`` so
+Worked example: ``P = 2``, ``S = 4``, ``seq_len = 5`` so
 ``last = seq_len % P = 1``. Branch 0's draft tokens sit at row positions
 5, 6, 7, 8 (identity slots here, so page = position // 2)::
 
@@ -36,7 +36,8 @@ import torch
 import torch.nn.functional as F
 
 from . import _validate
-from ._paged import in_pool, repeat_rows
+from ._paged import repeat_rows
+from .paged import in_pool
 from .metadata import PAGE_SENTINEL
 
 
@@ -112,8 +113,12 @@ def draft_expand_tables(
 
     Example (``P = 2``, one branch at row positions 5, 6, 7, 8 on identity
     slots, ``last = 1``, ``D = 3``): pages ``[2, 3, 3]``, so
-    ``page_tables = [[[2, 0, 0, 0]], [[2, 3, 0, 0]], [[2, 3, 0, 0]]]`` and
-    ``cache_seqlens = [[2], [3], [4]]``.
+
+        >>> cache_seqlens, page_tables = draft_expand_tables(
+        ...     torch.tensor([[5, 6, 7, 8]]), torch.tensor([1]),
+        ...     num_draft_steps=3, topk=1, page_size=2)
+        >>> page_tables.tolist(), cache_seqlens.tolist()  # ok-host: doctest
+        ([[[2, 0, 0, 0]], [[2, 3, 0, 0]], [[2, 3, 0, 0]]], [[2], [3], [4]])
 
     For ``D <= 8`` this is elementwise work only (inductor unrolls reductions
     that small): one fused kernel for all steps' tables.
@@ -141,24 +146,40 @@ def draft_expand_tables(
     return cache_seqlens.to(torch.int32), table.to(torch.int32)
 
 
-def _distinct_pages(live: torch.Tensor, page_size: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Run structure of the pages of ``live`` slots (int64 ``[n, d]``).
+def page_runs(slots: torch.Tensor, page_size: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Runs of equal consecutive pages among ``slots`` (int ``[n, d]``, a row per branch).
 
-    Returns ``(table, runs)``: ``table[n, c]`` (``[n, d + 1]``) is the page of
-    the ``c``-th run of equal consecutive pages (0 where there is none);
-    ``runs[n, j]`` (``[n, d]``) is the number of runs among slots ``0..j``.
-    Column ``c`` is filled by the slot that opens a run and has ``c`` runs
-    before it; run counts are ``<= d``, so every column index is in range. The
-    prefix counts are a triangular-mask sum rather than a ``cumsum``: for small
-    ``d`` inductor unrolls both sums and the whole table is one fused kernel.
+    Returns ``(pages, opens, runs)``, each ``[n, d]``: ``pages = slots // P``
+    (int64); ``opens[n, j]``, slot ``j`` starts a new run (its page differs
+    from slot ``j - 1``'s; always for ``j = 0``); ``runs[n, j]`` (int64), the
+    number of runs among slots ``0 .. j``, so ``runs[:, d' - 1]`` distinct
+    pages fill the expand table of a step with ``d'`` live slots. The prefix
+    counts are a triangular-mask sum rather than a ``cumsum``: for small ``d``
+    inductor unrolls it, and the whole table is one fused kernel.
+
+        >>> page_runs(torch.tensor([[5, 6, 7, 8]]), 2)[2].tolist()   # pages 2 3 3 4
+        [[1, 2, 2, 3]]
     """
-    n, d = live.shape
-    pages = torch.div(live, page_size, rounding_mode="floor")
-    j = torch.arange(d, device=live.device)
+    d = slots.shape[1]
+    pages = torch.div(slots.to(torch.int64), page_size, rounding_mode="floor")
+    j = torch.arange(d, device=slots.device)
     previous = pages[:, (j - 1).clamp(min=0)]  # elementwise, unlike a cat (a kernel per input)
-    opens = (j == 0) | (pages != previous)  # [n, d]
-    upto = torch.ones(d, d, dtype=torch.bool, device=live.device).tril()  # [j, j']: j' <= j
-    runs = (opens.unsqueeze(1) & upto).sum(dim=2)  # [n, d]
+    opens = (j == 0) | (pages != previous)
+    upto = torch.ones(d, d, dtype=torch.bool, device=slots.device).tril()  # [j, j']: j' <= j
+    runs = (opens.unsqueeze(1) & upto).sum(dim=2)
+    return pages, opens, runs
+
+
+def _distinct_pages(live: torch.Tensor, page_size: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(table, runs)`` of the pages of ``live`` slots (int64 ``[n, d]``).
+
+    ``table[n, c]`` (``[n, d + 1]``) is the page of the ``c``-th run of
+    `page_runs` (0 where there is none). Column ``c`` is filled by the slot
+    that opens a run and has ``c`` runs before it; run counts are ``<= d``,
+    so every column index is in range.
+    """
+    d = live.shape[1]
+    pages, opens, runs = page_runs(live, page_size)
     columns = torch.arange(d + 1, device=live.device)
     fills = opens.unsqueeze(2) & ((runs - 1).unsqueeze(2) == columns)  # [n, j, c]
     table = torch.where(fills, pages.unsqueeze(2), 0).sum(dim=1)  # <= 1 term each

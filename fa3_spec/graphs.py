@@ -527,6 +527,19 @@ class CUDAGraphRunner:
             raise ValueError(f"bs must be an int in [0, {bucket}], got {bs!r}")
         return self._run(bucket, bs, self._plan(bucket, bs))
 
+    def route(self, batch: Dict[str, torch.Tensor]) -> Route:
+        """What a call does with ``batch`` before copying: its checked `Route`
+        (bucket, live rows, copy function, plan), built once per signature
+        and looked up after (for measuring the host cost of a call)."""
+        if not self._static:
+            self.capture()
+        return self._route(batch)
+
+    def copy_groups(self, bucket: int, bs: int) -> Tuple[CopyGroup, ...]:
+        """The per-dtype `CopyGroup`s (input names, live-row views of the
+        bucket's buffers) a call with ``bs`` rows copies into."""
+        return self._plan(bucket, bs).groups
+
     def graph(self, bucket: int) -> torch.cuda.CUDAGraph:
         """The captured graph of ``bucket`` (manual strategy)."""
         return self._graphs[bucket]

@@ -19,7 +19,7 @@ Layout of one call (``rows`` sequences, ``W`` page-table columns)::
 from __future__ import annotations
 
 import dataclasses
-from typing import Optional
+from typing import Optional, Union
 
 import torch
 import torch.utils._pytree as pytree
@@ -111,6 +111,9 @@ class CascadeMetadata:
         """The FA3 calls, in order: prefix, then expand if present."""
         return (self.prefix,) if self.expand is None else (self.prefix, self.expand)
 
+
+#: What a builder returns: one FA3 call, or a prefix + expand cascade.
+Metadata = Union[FA3Metadata, CascadeMetadata]
 
 _TENSOR_FIELDS = ("page_table", "cache_seqlens", "cu_seqlens_q", "cu_seqlens_k")
 _STATIC_FIELDS = ("max_seqlen_q", "max_seqlen_k", "page_size", "causal", "window_left")

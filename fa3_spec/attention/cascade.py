@@ -15,6 +15,7 @@ from typing import Optional, Union
 
 import torch
 
+from .._validate import MAX_WINDOW
 from ..metadata import CascadeMetadata, FA3Metadata
 from .fa3_op import attention_out_dtype, default_num_splits, fa3_paged_attention
 from .merge import add_attention_sink, merge_float
@@ -108,8 +109,10 @@ def _check_window(window_size, metadata) -> tuple:
     except (TypeError, ValueError):
         raise ValueError(f"window_size must be a pair (left, right) of ints, got {window_size!r}") from None
     for side in (left, right):
-        if isinstance(side, bool) or not isinstance(side, numbers.Integral) or side < -1:
-            raise ValueError(f"window_size entries must be ints >= -1 (-1 = unbounded), got {window_size!r}")
+        if (isinstance(side, bool) or not isinstance(side, numbers.Integral)
+                or not -1 <= side <= MAX_WINDOW):
+            raise ValueError(f"window_size entries must be ints in [-1, {MAX_WINDOW}] "
+                             f"(-1 = unbounded), got {window_size!r}")
     window = (int(left), int(right))
     if window != (-1, -1) and any(md.window_left >= 0 for md in metadata.calls):
         raise ValueError(

@@ -6,8 +6,9 @@ from typing import Optional
 
 import torch
 
-from .._paged import BatchView, cu_seqlens, scan_cu_seqlens, uniform_cu_seqlens
+from .._paged import cu_seqlens, scan_cu_seqlens, uniform_cu_seqlens
 from ..metadata import FA3Metadata
+from ..paged import BatchView
 
 
 def request_call(
@@ -22,7 +23,7 @@ def request_call(
     """One row per request attending its first ``lengths[b]`` tokens.
 
     ``lengths`` is int64 ``[B]``; padding rows get length 0. The page table is
-    ``cfg.max_pages`` wide. Unless given, ``cu_seqlens_q`` gives every row
+    ``cfg.page_table_width`` wide. Unless given, ``cu_seqlens_q`` gives every row
     ``queries_per_row`` queries (``max_seqlen_q`` is that number either way).
     """
     cfg = view.cfg
@@ -31,7 +32,7 @@ def request_call(
     if cu_seqlens_q is None:
         cu_seqlens_q = uniform_cu_seqlens(view.batch_size, queries_per_row, lengths.device)
     return FA3Metadata(
-        page_table=view.page_table(lengths, cfg.max_pages),
+        page_table=view.page_table(lengths, cfg.page_table_width),
         cache_seqlens=cache_seqlens,
         cu_seqlens_q=cu_seqlens_q,
         cu_seqlens_k=cu_seqlens(cache_seqlens),

@@ -4,11 +4,13 @@ from __future__ import annotations
 
 import torch
 
-from .._paged import BatchView
 from ..batch import SpecBatch
 from ..config import SpecConfig
 from ..metadata import FA3Metadata
+from ..paged import BatchView
 from ._common import request_call
+from .mode import Mode
+from .window import window_call
 
 
 def build_decode_metadata(
@@ -28,7 +30,7 @@ def build_decode_metadata(
 
     Returns:
         `FA3Metadata`: ``cache_seqlens = seq_lens``, ``cu_seqlens_q =
-        arange(B + 1)``, causal, page table ``[B, cfg.max_pages]`` over
+        arange(B + 1)``, causal, page table ``[B, cfg.page_table_width]`` over
         ``seq_lens``; ``max_seqlen_k = max_context_len``.
 
     Compiles to one graph with no host sync (shapes depend on ``B`` and
@@ -48,13 +50,30 @@ def build_decode_metadata(
     return decode_metadata(batch)
 
 
-def read_length(view: BatchView, step: int = 0, tree: bool = False) -> torch.Tensor:
-    """Tokens of its own row each request's call reads: ``seq_len``."""
-    return view.seq_lens
-
-
-def decode_metadata(batch: SpecBatch, step: int = 0) -> FA3Metadata:
-    """`build_decode_metadata` on a validated `SpecBatch` (``step`` is unused)."""
+def decode_metadata(batch: SpecBatch) -> FA3Metadata:
+    """`build_decode_metadata` on a validated `SpecBatch`."""
     view = batch.view()
-    return request_call(view, read_length(view), queries_per_row=1,
-                        max_seqlen_k=batch.cfg.max_context_len, causal=True)
+    return request_call(view, view.seq_lens, queries_per_row=1,
+                        max_seqlen_k=view.cfg.max_context_len, causal=True)
+
+
+class DecodeMode(Mode):
+    """``decode``: one query per request, causal, over its ``seq_len`` tokens."""
+
+    name = "decode"
+
+    def queries_per_request(self, cfg: SpecConfig) -> int:
+        return 1
+
+    def build(self, batch: SpecBatch, step: int) -> FA3Metadata:
+        return decode_metadata(batch)
+
+    def window(self, batch: SpecBatch, step: int, window_left: int) -> FA3Metadata:
+        view = batch.view()  # the query sits at seq_len - 1
+        return window_call(view, view.seq_lens, 1, window_left, view.cfg.max_context_len)
+
+    def read_length(self, batch: SpecBatch, view: BatchView, step: int) -> torch.Tensor:
+        return view.seq_lens
+
+
+MODE = DecodeMode()

@@ -22,22 +22,22 @@ step) is the last step of the same construction truncated after ``step``.
 
 from __future__ import annotations
 
-from typing import Optional, Tuple, Union
+from typing import Optional, Tuple
 
 import torch
 import torch.nn.functional as F
 
 from .. import _validate
-from .._paged import (BatchView, cdiv_tensor, cu_seqlens, exclusive_sums, in_pool, repeat_rows,
-                      uniform_cu_seqlens)
+from .._paged import cdiv_tensor, cu_seqlens, exclusive_sums, repeat_rows, uniform_cu_seqlens
 from ..batch import SpecBatch
-from ..config import SpecConfig
+from ..config import SpecConfig, static_config
 from ..expand import draft_expand_tables
-from ..metadata import PAGE_SENTINEL, CascadeMetadata, FA3Metadata
+from ..invariants import draft_layout_flags, page_flags
+from ..metadata import PAGE_SENTINEL, CascadeMetadata, FA3Metadata, Metadata
+from ..paged import BatchView, in_pool
 from ._common import request_call
-
-DraftStep = Union[FA3Metadata, CascadeMetadata]
-
+from .mode import Mode
+from .window import window_call, window_cascade
 
 def build_draft_prefix_metadata(
     cfg: SpecConfig,
@@ -50,7 +50,7 @@ def build_draft_prefix_metadata(
 
     One row per request with ``topk`` queries, not causal; keys are the whole
     pages of the prefix (``seq_len - seq_len % P``; all ``seq_len`` when
-    ``P == 1``). Shapes: page table ``[B, cfg.max_pages]``, ``cu_seqlens_q =
+    ``P == 1``). Shapes: page table ``[B, cfg.page_table_width]``, ``cu_seqlens_q =
     arange(0, B*K + 1, K)``.
     """
     batch = SpecBatch.create(cfg, req_to_token=req_to_token, req_pool_indices=req_pool_indices,
@@ -58,18 +58,15 @@ def build_draft_prefix_metadata(
     return _prefix(batch.view())
 
 
-def read_length(view: BatchView, step: int = 0, tree: bool = False) -> torch.Tensor:
-    """Tokens of its own row each request-level call reads at draft ``step``:
-    ``seq_len + step + 1`` (topk = 1, drafts follow the prefix in the row) or
-    the prefix's whole pages ``seq_len - seq_len % P`` (topk > 1)."""
-    if view.cfg.topk == 1:
-        return view.seq_lens + (step + 1)
+def _prefix_length(view: BatchView) -> torch.Tensor:
+    """int64 ``[B]``: the prefix call's keys, the prefix's whole pages
+    ``seq_len - seq_len % P`` (all ``seq_len`` when ``P == 1``)."""
     return view.seq_lens - view.last_page_lens
 
 
 def _prefix(view: BatchView) -> FA3Metadata:
     cfg = view.cfg
-    return request_call(view, read_length(view), queries_per_row=cfg.topk,
+    return request_call(view, _prefix_length(view), queries_per_row=cfg.topk,
                         max_seqlen_k=cfg.max_context_len, causal=False)
 
 
@@ -82,7 +79,7 @@ def build_draft_decode_metadata(
     seq_lens: torch.Tensor,
     out_cache_loc: Optional[torch.Tensor] = None,
     prefix: Optional[FA3Metadata] = None,
-) -> DraftStep:
+) -> Metadata:
     """Metadata of draft-decode ``step`` (``0 <= step <= num_steps - 2``).
 
     Args:
@@ -109,14 +106,14 @@ def build_draft_decode_metadata(
     """
     batch = SpecBatch.create(cfg, req_to_token=req_to_token, req_pool_indices=req_pool_indices,
                              seq_lens=seq_lens,
-                             out_cache_loc=out_cache_loc if cfg.topk > 1 else None)
+                             out_cache_loc=out_cache_loc if static_config(cfg).topk > 1 else None)
     return draft_decode_metadata(batch, step, prefix=prefix)
 
 
 def draft_decode_metadata(batch: SpecBatch, step: int, *,
-                          prefix: Optional[FA3Metadata] = None) -> DraftStep:
+                          prefix: Optional[FA3Metadata] = None) -> Metadata:
     """`build_draft_decode_metadata` on a validated `SpecBatch`."""
-    step = batch.cfg.check_step(step)
+    step = batch.cfg.static().check_step(step)
     if prefix is not None and (not isinstance(prefix, FA3Metadata)
                                or prefix.num_rows != batch.batch_size):
         raise ValueError("prefix must be the FA3Metadata of this batch's prefix call")
@@ -130,7 +127,7 @@ def build_draft_iteration_metadata(
     req_pool_indices: torch.Tensor,
     seq_lens: torch.Tensor,
     out_cache_loc: Optional[torch.Tensor] = None,
-) -> Tuple[DraftStep, ...]:
+) -> Tuple[Metadata, ...]:
     """Metadata of all ``num_steps - 1`` draft steps of one iteration, built together.
 
     Equal, bitwise, to `build_draft_decode_metadata` for steps ``0 .. S-2``
@@ -149,22 +146,22 @@ def build_draft_iteration_metadata(
     """
     batch = SpecBatch.create(cfg, req_to_token=req_to_token, req_pool_indices=req_pool_indices,
                              seq_lens=seq_lens,
-                             out_cache_loc=out_cache_loc if cfg.topk > 1 else None)
+                             out_cache_loc=out_cache_loc if static_config(cfg).topk > 1 else None)
     return draft_iteration_metadata(batch)
 
 
-def draft_iteration_metadata(batch: SpecBatch, step: int = 0) -> Tuple[DraftStep, ...]:
-    """`build_draft_iteration_metadata` on a validated `SpecBatch` (``step`` is unused)."""
-    return _draft_steps(batch, batch.cfg.num_draft_decode_steps)
+def draft_iteration_metadata(batch: SpecBatch) -> Tuple[Metadata, ...]:
+    """`build_draft_iteration_metadata` on a validated `SpecBatch`."""
+    return _draft_steps(batch, batch.cfg.static().num_draft_decode_steps)
 
 
 def _draft_steps(batch: SpecBatch, count: int,
-                 prefix: Optional[FA3Metadata] = None) -> Tuple[DraftStep, ...]:
+                 prefix: Optional[FA3Metadata] = None) -> Tuple[Metadata, ...]:
     """Draft steps ``0 .. count-1``: the one implementation of draft decode."""
     view = batch.view()
-    if batch.cfg.topk == 1:
+    if view.cfg.topk == 1:
         return _chain_steps(view, count)
-    batch.require("out_cache_loc", mode="draft_decode")
+    batch.require("out_cache_loc", mode="draft_decode", condition="topk > 1")
     return _tree_steps(view, batch.out_cache_loc, count, prefix)
 
 
@@ -211,9 +208,9 @@ def _chain_steps(view: BatchView, count: int) -> Tuple[FA3Metadata, ...]:
     if count == 0:
         return ()
     d = torch.arange(1, count + 1, device=view.seq_lens.device).view(count, 1)
-    lengths = torch.where(view.live, read_length(view) - 1 + d, 0)  # [count, B]
-    pages = view.page_table(lengths[-1], cfg.max_pages)  # sentinel past the longest
-    used = torch.arange(cfg.max_pages, device=d.device) < cdiv_tensor(lengths, cfg.page_size).unsqueeze(2)
+    lengths = torch.where(view.live, view.seq_lens + d, 0)  # [count, B]
+    pages = view.page_table(lengths[-1], cfg.page_table_width)  # sentinel past the longest
+    used = torch.arange(cfg.page_table_width, device=d.device) < cdiv_tensor(lengths, cfg.page_size).unsqueeze(2)
     tables = torch.where(used, pages.unsqueeze(0), PAGE_SENTINEL)
     cache_seqlens = lengths.to(torch.int32)
     cu_k = cu_seqlens(cache_seqlens)  # [count, B + 1]
@@ -251,6 +248,43 @@ def _branch_cu_seqlens(per_request: torch.Tensor, topk: int) -> torch.Tensor:
     return (topk * whole[:, r] + t * own[:, r]).to(torch.int32)
 
 
+def draft_positions(cfg: SpecConfig, seq_lens: torch.Tensor) -> torch.Tensor:
+    """Row positions, int64 ``[B, K, S]``, of one iteration's draft tokens.
+
+    The layout an allocator follows (docs/semantics.md, "Draft slot layout",
+    and what checked mode's ``DRAFT_LAYOUT`` bit checks): the slot of draft
+    token ``s`` of branch ``t`` of request ``b`` is
+    ``req_to_token[row_b, draft_positions(cfg, seq_lens)[b, t, s]]``, and
+    ``out_cache_loc`` lists those slots in this order.
+
+    * ``P > 1`` and ``K > 1``: branch ``t`` owns ``ceil((last + S) / P)``
+      pages starting at row position ``seq_len - last + t * that * P``
+      (``last = seq_len % P``), its token ``s`` at offset ``last + s``; so
+      branch 0's drafts follow the prefix on its partial last page, and every
+      other branch's first page begins with ``last`` slots for a copy of it
+      (`draft_tail_copy_slots`).
+    * Otherwise the ``K * S`` drafts follow the prefix, branch-major.
+
+    Rows must be `SpecConfig.draft_row_len` long to hold them. Traceable,
+    pure arithmetic on ``seq_lens`` (int ``[B]``).
+
+        >>> cfg = SpecConfig(page_size=2, topk=2, num_steps=4, num_draft_tokens=4,
+        ...                  max_bs=1, max_context_len=8)
+        >>> draft_positions(cfg, torch.tensor([5])).tolist()   # last = 1, 3 pages a branch
+        [[[5, 6, 7, 8], [11, 12, 13, 14]]]
+    """
+    cfg = static_config(cfg)
+    p, k, s = cfg.page_size, cfg.topk, cfg.num_steps
+    seq = _validate.tensor("seq_lens", seq_lens, ndim=1).to(torch.int64).view(-1, 1, 1)
+    t = torch.arange(k, device=seq.device).view(1, k, 1)
+    step = torch.arange(s, device=seq.device).view(1, 1, s)
+    if p > 1 and k > 1:
+        last = torch.remainder(seq, p)
+        region = torch.div(last + s + p - 1, p, rounding_mode="floor") * p
+        return seq - last + t * region + last + step
+    return seq + t * s + step
+
+
 def draft_tail_copy_slots(
     cfg: SpecConfig, *, seq_lens: torch.Tensor, out_cache_loc: torch.Tensor
 ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -266,6 +300,7 @@ def draft_tail_copy_slots(
 
     For ``P == 1`` or ``topk == 1`` there is no tail: both are empty.
     """
+    cfg = static_config(cfg)
     p, k = cfg.page_size, cfg.topk
     sl = _validate.tensor("seq_lens", seq_lens, ndim=1)
     bs = sl.shape[0]
@@ -284,3 +319,52 @@ def draft_tail_copy_slots(
     src, dst = torch.where(live, src, 0), torch.where(live, dst, 0)
     src, dst = src.clamp(min=0).reshape(-1), dst.clamp(min=0).reshape(-1)
     return in_pool(src, p, cfg.num_pages), in_pool(dst, p, cfg.num_pages)
+
+
+class DraftDecodeMode(Mode):
+    """``draft_decode``, per step: K queries per request (one per branch); a
+    causal call over the row (topk = 1) or a prefix + expand cascade (topk > 1)."""
+
+    name = "draft_decode"
+    inputs = ("out_cache_loc",)
+    per_step = True
+    required_when = "topk > 1"
+
+    def required(self, cfg: SpecConfig) -> Tuple[str, ...]:
+        return self.inputs if cfg.topk > 1 else ()
+
+    def unused(self, cfg: SpecConfig) -> Tuple[str, ...]:
+        return self.inputs if cfg.topk == 1 else ()  # topk = 1: the drafts follow the prefix
+
+    def queries_per_request(self, cfg: SpecConfig) -> int:
+        return cfg.topk
+
+    def build(self, batch: SpecBatch, step: int) -> Metadata:
+        return draft_decode_metadata(batch, step)
+
+    def window(self, batch: SpecBatch, step: int, window_left: int) -> Metadata:
+        view = batch.view()  # every branch's query at seq_len + step
+        cfg = view.cfg
+        d = cfg.decode_length(step)
+        if cfg.topk == 1:
+            return window_call(view, view.seq_lens + d, 1, window_left, cfg.max_context_len + d)
+        loc = in_pool(batch.out_cache_loc[:, :d], cfg.page_size, cfg.num_pages)  # [B*K, d]
+        depth = torch.full((loc.shape[0],), d - 1, dtype=torch.int64, device=loc.device)
+        return window_cascade(view, loc, depth, cfg.topk, cfg.num_steps - 2, window_left)
+
+    def read_length(self, batch: SpecBatch, view: BatchView, step: int) -> torch.Tensor:
+        if view.cfg.topk == 1:  # the drafts follow the prefix in the row
+            return view.seq_lens + (step + 1)
+        return _prefix_length(view)
+
+    def flags(self, batch: SpecBatch, view: BatchView, step: int,
+              num_pages: Optional[int]) -> torch.Tensor:
+        cfg = view.cfg
+        if cfg.topk == 1:
+            return super().flags(batch, view, step, num_pages)
+        loc = batch.out_cache_loc[:, :cfg.decode_length(step)].to(torch.int64)
+        return (draft_layout_flags(cfg, view, loc)
+                | page_flags(loc, cfg.page_size, num_pages, repeat_rows(view.live, cfg.topk)))
+
+
+MODE = DraftDecodeMode()

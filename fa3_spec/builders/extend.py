@@ -2,13 +2,19 @@
 
 from __future__ import annotations
 
+from typing import Optional
+
 import torch
 
-from .._paged import BatchView, cu_seqlens
+from .._paged import cu_seqlens
 from ..batch import SpecBatch
 from ..config import SpecConfig
+from ..invariants import ErrorFlag, flag
 from ..metadata import FA3Metadata
+from ..paged import BatchView
 from ._common import request_call
+from .mode import Mode
+from .window import window_call
 
 
 def build_draft_extend_metadata(
@@ -41,17 +47,49 @@ def build_draft_extend_metadata(
     return draft_extend_metadata(batch)
 
 
-def read_length(view: BatchView, step: int = 0, tree: bool = False) -> torch.Tensor:
-    """Tokens of its own row each request's call reads: ``seq_len``."""
-    return view.seq_lens
+def _queries(batch: SpecBatch, view: BatchView) -> torch.Tensor:
+    """int64 ``[B]``: each request's new queries, clamped to ``[0, N]`` (0 on padding rows)."""
+    n = view.cfg.num_draft_tokens
+    return torch.where(view.live, batch.extend_seq_lens.to(torch.int64).clamp(0, n), 0)
 
 
-def draft_extend_metadata(batch: SpecBatch, step: int = 0) -> FA3Metadata:
-    """`build_draft_extend_metadata` on a validated `SpecBatch` (``step`` is unused)."""
+def draft_extend_metadata(batch: SpecBatch) -> FA3Metadata:
+    """`build_draft_extend_metadata` on a validated `SpecBatch`."""
     batch.require("extend_seq_lens", mode="draft_extend")
-    cfg, view = batch.cfg, batch.view()
-    n = cfg.num_draft_tokens
-    queries = torch.where(view.live, batch.extend_seq_lens.to(torch.int64).clamp(0, n), 0)
-    return request_call(view, read_length(view), queries_per_row=n,
+    view = batch.view()
+    cfg = view.cfg
+    return request_call(view, view.seq_lens, queries_per_row=cfg.num_draft_tokens,
                         max_seqlen_k=cfg.max_context_len, causal=True,
-                        cu_seqlens_q=cu_seqlens(queries))
+                        cu_seqlens_q=cu_seqlens(_queries(batch, view)))
+
+
+class DraftExtendMode(Mode):
+    """``draft_extend``: ``extend_seq_lens[b] <= N`` new queries per request, causal,
+    over ``seq_len`` tokens (the new ones included)."""
+
+    name = "draft_extend"
+    inputs = ("extend_seq_lens",)
+
+    def queries_per_request(self, cfg: SpecConfig) -> int:
+        return cfg.num_draft_tokens  # a static bound
+
+    def build(self, batch: SpecBatch, step: int) -> FA3Metadata:
+        return draft_extend_metadata(batch)
+
+    def window(self, batch: SpecBatch, step: int, window_left: int) -> FA3Metadata:
+        view = batch.view()  # query j at seq_len - e + j
+        cfg = view.cfg
+        return window_call(view, view.seq_lens, cfg.num_draft_tokens, window_left,
+                           cfg.max_context_len, queries=_queries(batch, view))
+
+    def read_length(self, batch: SpecBatch, view: BatchView, step: int) -> torch.Tensor:
+        return view.seq_lens
+
+    def flags(self, batch: SpecBatch, view: BatchView, step: int,
+              num_pages: Optional[int]) -> torch.Tensor:
+        ext, seq = batch.extend_seq_lens.to(torch.int64), batch.seq_lens.to(torch.int64)
+        bad = (ext < 0) | (ext > view.cfg.num_draft_tokens) | (ext > seq)
+        return flag(bad & (seq > 0), ErrorFlag.EXTEND_LEN_OUT_OF_RANGE)
+
+
+MODE = DraftExtendMode()

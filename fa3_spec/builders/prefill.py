@@ -54,7 +54,7 @@ def build_prefill_metadata(
         `FA3Metadata`, causal (bottom-right aligned, so new token ``i`` sees
         the prefix and new tokens ``0 .. i``); ``cu_seqlens_q =
         pad(cumsum(extend_seq_lens))``, ``cache_seqlens = seq_lens``, page
-        table ``[B, cfg.max_pages]`` over ``seq_lens``, ``max_seqlen_k =
+        table ``[B, cfg.page_table_width]`` over ``seq_lens``, ``max_seqlen_k =
         max_context_len``. Padding rows have no queries and read nothing.
 
     Example:
@@ -82,7 +82,7 @@ def build_prefill_metadata(
         view,
         view.seq_lens,
         queries_per_row=max_seqlen_q,
-        max_seqlen_k=cfg.max_context_len,
+        max_seqlen_k=view.cfg.max_context_len,
         causal=True,
         cu_seqlens_q=cu_seqlens(queries),
     )

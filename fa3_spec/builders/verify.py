@@ -20,15 +20,18 @@ expressed in page size 1 whatever the KV page size::
 
 from __future__ import annotations
 
-from typing import Optional, Union
+from typing import Optional, Tuple
 
 import torch
 
-from .._paged import BatchView
 from ..batch import SpecBatch
 from ..config import SpecConfig
-from ..metadata import PAGE_SENTINEL, CascadeMetadata, FA3Metadata
+from ..invariants import page_flags, tree_mask_flags
+from ..metadata import PAGE_SENTINEL, CascadeMetadata, Metadata
+from ..paged import BatchView
 from ._common import request_call, slot_call
+from .mode import Mode
+from .window import window_cascade, window_call
 
 
 def build_target_verify_metadata(
@@ -38,7 +41,7 @@ def build_target_verify_metadata(
     req_pool_indices: torch.Tensor,
     seq_lens: torch.Tensor,
     tree_mask: Optional[torch.Tensor] = None,
-) -> Union[FA3Metadata, CascadeMetadata]:
+) -> Metadata:
     """Metadata of the target model's verify pass over N draft tokens.
 
     Args:
@@ -64,42 +67,87 @@ def build_target_verify_metadata(
     return target_verify_metadata(batch)
 
 
-def read_length(view: BatchView, step: int = 0, tree: bool = False) -> torch.Tensor:
-    """Tokens of its own row each request-level call reads: ``seq_len`` for a
-    tree (the drafts come through the expand call), ``seq_len + N`` for a chain."""
-    return view.seq_lens if tree else view.seq_lens + view.cfg.num_draft_tokens
+def draft_token_positions(view: BatchView) -> torch.Tensor:
+    """int64 ``[B, N]``: row position ``seq_len + c`` of draft token ``c`` of each request."""
+    return view.seq_lens.unsqueeze(1) + torch.arange(view.cfg.num_draft_tokens,
+                                                     device=view.seq_lens.device)
 
 
-def attended_slots(view: BatchView, mask: torch.Tensor) -> tuple:
-    """``(sorted_slots int64 [B, N, N], attended int64 [B, N])``: row ``j`` lists
-    the slots of the draft tokens query ``j`` attends in ascending token order
-    (then the others), ``attended[b, j]`` how many. For a tree mask ascending
-    token order is ascending depth: the path root .. ``j``."""
-    n, bs = view.cfg.num_draft_tokens, view.batch_size
-    tokens = torch.arange(n, device=view.seq_lens.device)
-    slots = view.slots(view.seq_lens.unsqueeze(1) + tokens)  # [B, N]
-    # Attended tokens first, each group in ascending token order.
+def attended_slots(slots: torch.Tensor, mask: torch.Tensor) -> tuple:
+    """``(sorted_slots int64 [B, N, N], attended int64 [B, N])`` from the draft
+    tokens' ``slots`` (``[B, N]``) and the tree ``mask`` (bool ``[B, N, N]``):
+    row ``j`` lists the slots of the draft tokens query ``j`` attends in
+    ascending token order, then the others (ascending too); ``attended[b, j]``
+    counts the first group. For a tree mask ascending token order is
+    ascending depth: the path root .. ``j``."""
+    bs, n = slots.shape
+    tokens = torch.arange(n, device=slots.device)
     order = torch.argsort(torch.where(mask, tokens, tokens + n), dim=-1)
-    sorted_slots = torch.gather(slots.unsqueeze(1).expand(bs, n, n), 2, order)
+    sorted_slots = torch.gather(slots.to(torch.int64).unsqueeze(1).expand(bs, n, n), 2, order)
     return sorted_slots, mask.sum(dim=-1)
 
 
-def target_verify_metadata(batch: SpecBatch, step: int = 0) -> Union[FA3Metadata, CascadeMetadata]:
-    """`build_target_verify_metadata` on a validated `SpecBatch` (``step`` is unused)."""
-    cfg, view = batch.cfg, batch.view()
+def target_verify_metadata(batch: SpecBatch) -> Metadata:
+    """`build_target_verify_metadata` on a validated `SpecBatch`."""
+    view = batch.view()
+    cfg = view.cfg
     n, bs = cfg.num_draft_tokens, batch.batch_size
-    tree = batch.tree_mask is not None
-    if not tree:
-        return request_call(view, read_length(view), queries_per_row=n,
+    if batch.tree_mask is None:
+        return request_call(view, view.seq_lens + n, queries_per_row=n,
                             max_seqlen_k=cfg.max_context_len + n, causal=True)
-    mask = batch.tree_mask
-    prefix = request_call(view, read_length(view, tree=True), queries_per_row=n,
+    prefix = request_call(view, view.seq_lens, queries_per_row=n,
                           max_seqlen_k=cfg.max_context_len, causal=False)
 
     tokens = torch.arange(n, device=view.seq_lens.device)
-    sorted_slots, attended = attended_slots(view, mask)
+    sorted_slots, attended = attended_slots(view.slots(draft_token_positions(view)), batch.tree_mask)
     table = torch.where(tokens < attended.unsqueeze(-1), sorted_slots, PAGE_SENTINEL)
 
     cache_seqlens = view.mask_padding(attended, 1).reshape(bs * n).to(torch.int32)
     table = view.mask_padding(table, 1).reshape(bs * n, n).to(torch.int32)
     return CascadeMetadata(prefix=prefix, expand=slot_call(table, cache_seqlens, max_seqlen_k=n))
+
+
+class TargetVerifyMode(Mode):
+    """``target_verify``: the target over N draft tokens, a chain (no ``tree_mask``)
+    or a tree; draft token ``c`` of request ``b`` at row position ``seq_len + c``."""
+
+    name = "target_verify"
+    inputs = ("tree_mask",)
+
+    def required(self, cfg: SpecConfig) -> Tuple[str, ...]:
+        return ()  # no tree_mask: a chain
+
+    def queries_per_request(self, cfg: SpecConfig) -> int:
+        return cfg.num_draft_tokens
+
+    def build(self, batch: SpecBatch, step: int) -> Metadata:
+        return target_verify_metadata(batch)
+
+    def window(self, batch: SpecBatch, step: int, window_left: int) -> Metadata:
+        view = batch.view()
+        cfg = view.cfg
+        n = cfg.num_draft_tokens
+        if batch.tree_mask is None:  # token j at seq_len + j
+            return window_call(view, view.seq_lens + n, n, window_left, cfg.max_context_len + n)
+        # Token j at seq_len + depth(j), its path the tokens it attends.
+        path, attended = attended_slots(view.slots(draft_token_positions(view)), batch.tree_mask)
+        return window_cascade(view, path.reshape(-1, n), attended.reshape(-1) - 1, n, n - 1,
+                              window_left)
+
+    def read_length(self, batch: SpecBatch, view: BatchView, step: int) -> torch.Tensor:
+        # A tree's drafts come through the expand call; a chain reads them in the row.
+        if batch.tree_mask is None:
+            return view.seq_lens + view.cfg.num_draft_tokens
+        return view.seq_lens
+
+    def flags(self, batch: SpecBatch, view: BatchView, step: int,
+              num_pages: Optional[int]) -> torch.Tensor:
+        if batch.tree_mask is None:
+            return super().flags(batch, view, step, num_pages)
+        # The expand call reads the draft tokens' slots as page-size-1 ids.
+        pool_slots = None if num_pages is None else num_pages * view.cfg.page_size
+        return (tree_mask_flags(batch.tree_mask, view.live)
+                | page_flags(view.raw_slots(draft_token_positions(view)), 1, pool_slots, view.live))
+
+
+MODE = TargetVerifyMode()

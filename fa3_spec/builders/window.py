@@ -20,7 +20,7 @@ exactly. The table starts at the page of the first query's window start,
 ``start = floor(max(L - n - W, 0) / P)``, and every key index shifts by
 ``start * P``, queries included, so ``window_left = W`` (carried by the
 metadata) still cuts at ``pos - W``. Keys read ``<= W + n + P - 1``, so the
-width is ``min(max_pages, ceil((W + n - 1) / P) + 1)``.
+width is ``min(page_table_width, ceil((W + n - 1) / P) + 1)``.
 
 **Cascades** (draft topk > 1, tree verify). The prefix call's queries share
 no bottom-right position, so no window may be applied there; instead both
@@ -39,56 +39,24 @@ Expand width ``min(P + D, W + 1)``, prefix width ``ceil(max(W - D, 0) / P)``:
 both narrow, independent of the context. The expand call reads the prefix
 tail from the request's own row, so SWA layers need no tail copy. With
 ``W`` small against ``D`` the split sits at ``s`` and the prefix call is empty.
+
+Each mode's `Mode.window` (in its own module) says which of the two shapes
+its calls take and with which positions; this module builds them.
+``fa3_spec.build_metadata(mode, ..., window_left=W)`` validates ``W`` and
+dispatches through the mode table.
 """
 
 from __future__ import annotations
 
-from typing import Optional, Union
+from typing import Optional
 
 import torch
 
-from .. import _validate
-from .._paged import BatchView, cdiv_tensor, cu_seqlens, in_pool, repeat_rows, uniform_cu_seqlens
-from ..batch import SpecBatch
+from .._paged import cdiv_tensor, cu_seqlens, repeat_rows, uniform_cu_seqlens
 from ..config import cdiv
 from ..metadata import PAGE_SENTINEL, CascadeMetadata, FA3Metadata
+from ..paged import BatchView
 from ._common import slot_call
-from .verify import attended_slots
-
-WindowMetadata = Union[FA3Metadata, CascadeMetadata]
-
-
-def window_metadata(batch: SpecBatch, mode: str, step: int, window_left: int) -> WindowMetadata:
-    """Metadata of ``mode`` for a layer with left window ``window_left``.
-
-    Called by ``fa3_spec.build_metadata(mode, ..., window_left=W)`` after
-    validation. Returns an `FA3Metadata` with ``window_left = W`` (single
-    calls) or a `CascadeMetadata` whose calls carry no window (trimmed
-    exactly). Pass it to `cascade_attention` with no ``window_size``.
-    Compiles with no host sync; every shape depends on ``B``, ``cfg`` and
-    ``W`` only.
-    """
-    w = _validate.int_at_least("window_left", window_left, 0)
-    cfg, view = batch.cfg, batch.view()
-    n = cfg.num_draft_tokens
-    if mode == "decode":
-        return _single(view, view.seq_lens, 1, w, cfg.max_context_len)
-    if mode == "draft_decode":
-        d = cfg.decode_length(step)
-        if cfg.topk == 1:
-            return _single(view, view.seq_lens + d, 1, w, cfg.max_context_len + d)
-        loc = in_pool(batch.out_cache_loc[:, :d], cfg.page_size, cfg.num_pages)  # [B*K, d]
-        depth = torch.full((loc.shape[0],), d - 1, dtype=torch.int64, device=loc.device)
-        return _cascade(view, loc, depth, cfg.topk, cfg.num_steps - 2, w)
-    if mode == "target_verify":
-        if batch.tree_mask is None:
-            return _single(view, view.seq_lens + n, n, w, cfg.max_context_len + n)
-        path, attended = attended_slots(view, batch.tree_mask)
-        return _cascade(view, path.reshape(-1, n), attended.reshape(-1) - 1, n, n - 1, w)
-    if mode == "draft_extend":
-        queries = torch.where(view.live, batch.extend_seq_lens.to(torch.int64).clamp(0, n), 0)
-        return _single(view, view.seq_lens, n, w, cfg.max_context_len, queries=queries)
-    raise ValueError(f"unknown mode {mode!r}")
 
 
 def _rows_from(view: BatchView, start_page: torch.Tensor, keys: torch.Tensor, width: int) -> torch.Tensor:
@@ -100,8 +68,8 @@ def _rows_from(view: BatchView, start_page: torch.Tensor, keys: torch.Tensor, wi
     return torch.where(used, pages, PAGE_SENTINEL).to(torch.int32)
 
 
-def _single(view: BatchView, lengths: torch.Tensor, n: int, w: int, max_seqlen_k: int,
-            queries: Optional[torch.Tensor] = None) -> FA3Metadata:
+def window_call(view: BatchView, lengths: torch.Tensor, n: int, w: int, max_seqlen_k: int,
+                queries: Optional[torch.Tensor] = None) -> FA3Metadata:
     """One causal call whose row ``b`` has ``queries[b]`` (default ``n``) queries at
     positions ending at ``lengths[b] - 1``, trimmed to the window's first page."""
     cfg, p = view.cfg, view.cfg.page_size
@@ -109,7 +77,7 @@ def _single(view: BatchView, lengths: torch.Tensor, n: int, w: int, max_seqlen_k
     count = lengths.new_full(lengths.shape, n) if queries is None else queries
     start = torch.div((lengths - count - w).clamp(min=0), p, rounding_mode="floor")
     keys = (lengths - start * p).clamp(min=0)
-    width = min(cfg.max_pages, cdiv(w + n - 1, p) + 1)
+    width = min(cfg.page_table_width, cdiv(w + n - 1, p) + 1)
     cache_seqlens = keys.to(torch.int32)
     cu_q = (uniform_cu_seqlens(view.batch_size, n, lengths.device) if queries is None
             else cu_seqlens(queries))
@@ -126,8 +94,8 @@ def _single(view: BatchView, lengths: torch.Tensor, n: int, w: int, max_seqlen_k
     )
 
 
-def _cascade(view: BatchView, path: torch.Tensor, depth: torch.Tensor, q: int, max_depth: int,
-             w: int) -> CascadeMetadata:
+def window_cascade(view: BatchView, path: torch.Tensor, depth: torch.Tensor, q: int,
+                   max_depth: int, w: int) -> CascadeMetadata:
     """Exactly trimmed cascade. ``path`` int64 ``[B*q, M]``: slots of each query's
     draft path (position ``s + k`` at column ``k``); ``depth`` int64 ``[B*q]``:
     the query's own index in it (position ``s + depth``)."""
@@ -137,7 +105,7 @@ def _cascade(view: BatchView, path: torch.Tensor, depth: torch.Tensor, q: int, m
     lo_max = (s + max_depth - w).clamp(min=0)
     split = torch.minimum(cdiv_tensor(lo_max, p) * p, s)  # [B], page aligned or s
     prefix_keys = torch.where(view.live, s - split, 0)
-    prefix_width = min(cfg.max_pages, max(1, cdiv(max(w - max_depth, 0), p)))
+    prefix_width = min(cfg.page_table_width, max(1, cdiv(max(w - max_depth, 0), p)))
     prefix_len = prefix_keys.to(torch.int32)
     prefix = FA3Metadata(
         page_table=_rows_from(view, torch.div(split, p, rounding_mode="floor"), prefix_keys,

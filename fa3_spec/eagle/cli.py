@@ -2,6 +2,8 @@
 
     fa3-spec eagle --preset tiny --device cpu --check-greedy
     python3 -m fa3_spec.eagle.cli --preset tiny --topk 8 --page-size 2 --json out.json
+    fa3-spec eagle --model Llama-3.1-8B-Instruct --draft-model EAGLE3-LLaMA3.1-Instruct-8B \
+        --prompt "Why is the sky blue?" --chat --check-greedy
 
 The workload: ``--requests`` prompts of random tokens (default twice
 ``--batch``, so requests join as others finish), lengths cycling through page
@@ -12,14 +14,23 @@ the target and compared token for token; any mismatch makes the exit status 1.
 ``--scripted`` forces the accepted length of each iteration (benchmarks with
 random weights): its output is not the model's and cannot be checked.
 
+``--model DIR`` loads a local Hugging Face Llama checkpoint instead of a
+preset (``--draft-model DIR``: a published EAGLE-1/2 or EAGLE-3 head; without
+it ``--draft`` makes one from the target), tokenizes ``--prompt`` (repeatable)
+or ``--prompts FILE.jsonl`` with the checkpoint's own tokenizer (``--chat``:
+through its chat template; needs transformers), stops at the checkpoint's
+EOS ids, and prints each completion. Without tokenizer files or prompts it
+runs the token-id workload above on the loaded model.
+
 Sampling: ``--temperature T`` (> 0 builds the loop with lossless speculative
 sampling, docs/semantics.md), ``--top-p P``, ``--sampling-top-k K`` and
 ``--sampling-seed S`` (request ``i`` gets seed ``S + i``) apply to every
 request. ``--topk`` is the draft tree's branching and ``--seed`` the
 workload's seed (prompts, weights, page shuffle), not sampling parameters.
 
-It prints its configuration first, then progress through both phases (the
-loop, then the greedy reference), then the result.
+It prints its configuration first (the preset, or the loaded model and its
+draft head), then progress through both phases (the loop, then the greedy
+reference), then the result.
 
 Exit status: 0 when the run finished (and, with ``--check-greedy``, matched
 greedy decoding exactly); 1 when ``--check-greedy`` found a mismatch; 2 for
@@ -27,6 +38,8 @@ an invalid invocation or configuration, with one line naming the problem and
 no traceback (a size below 1, ``--num-draft-tokens 1``, a tree that cannot
 fill ``--num-draft-tokens``, ``--topk`` above the vocabulary, ``--device
 cuda`` or ``--graphs`` without CUDA, ``--check-greedy`` with ``--scripted``,
+preset options with ``--model`` or text options without it, a checkpoint
+that cannot be loaded, prompts longer than the model's positions,
 ``--check-greedy`` or ``--scripted`` with ``--temperature > 0``, a sampling
 value out of range).
 """
@@ -39,18 +52,23 @@ import json
 import random
 import sys
 import time
-from typing import List, NoReturn, Optional
+from typing import List, NoReturn, Optional, Tuple
 
 import torch
 
 from ..config import SpecConfig
-from .engine import COMPILE_BACKENDS, EagleEngine, greedy_generate
+from .checkpoint import draft_kind, from_pretrained
+from .engine import COMPILE_BACKENDS, EagleEngine, eos_set, greedy_generate
 from .iteration import DEFAULT_SCRIPT, LoopConfig
 from .models import make_models
+from .text import CheckpointTokenizer, checkpoint_eos_ids, read_prompts
 
 #: A divergence at a token where greedy decoding's top-2 logits are this close
 #: (relative to the top logit) is a rounding near-tie (reported, bf16 runs).
 NEAR_TIE = 0.02
+
+#: ``--alpha``'s default (presets only).
+DEFAULT_ALPHA = 0.05
 
 DTYPES = {"float64": torch.float64, "float32": torch.float32, "bfloat16": torch.bfloat16,
           "float16": torch.float16}
@@ -113,7 +131,8 @@ def _top_p(text: str) -> float:
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--preset", default="tiny", choices=["tiny", "llama3-8b"])
+    p.add_argument("--preset", default=None, choices=["tiny", "llama3-8b"],
+                   help="random-weight model (default tiny; not with --model)")
     p.add_argument("--device", default="auto", help="cpu, cuda or auto")
     p.add_argument("--batch", type=_positive, default=8, help="batch rows (max_bs)")
     p.add_argument("--requests", type=_positive, default=None, help="requests (default 2 * batch)")
@@ -132,8 +151,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="default float64 on CPU, bfloat16 on CUDA")
     p.add_argument("--draft", default="derived", choices=["derived", "random"],
                    help="derived: agrees with the target mostly; random: mostly rejected")
-    p.add_argument("--alpha", type=float, default=0.05,
-                   help="residual scale of target layers 1.. (derived draft; smaller: more agreement)")
+    p.add_argument("--alpha", type=float, default=None,
+                   help="residual scale of target layers 1.. (derived draft of a preset; default "
+                        f"{DEFAULT_ALPHA}; smaller: more agreement)")
     p.add_argument("--noise", type=float, default=0.0, help="relative noise on the derived draft")
     p.add_argument("--num-layers", type=_positive, default=None,
                    help="override the preset's depth")
@@ -165,6 +185,21 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "reproducible); not --seed, the workload's seed")
     p.add_argument("--json", metavar="PATH", help="write the result as JSON")
     p.add_argument("--quiet", action="store_true")
+    add_model_arguments(p)
+
+
+def add_model_arguments(p: argparse.ArgumentParser) -> None:
+    """``--model`` and the text options (see the module docstring)."""
+    g = p.add_argument_group("your own model (local Hugging Face checkpoints)")
+    g.add_argument("--model", metavar="DIR", help="Llama checkpoint directory (instead of --preset)")
+    g.add_argument("--draft-model", metavar="DIR", help="EAGLE-1/2 or EAGLE-3 head directory")
+    prompts = g.add_mutually_exclusive_group()
+    prompts.add_argument("--prompt", metavar="TEXT", action="append",
+                         help="a prompt (repeat for several)")
+    prompts.add_argument("--prompts", metavar="FILE.jsonl",
+                         help='one prompt a line: "text" or {"prompt": ..., "max_new_tokens": ...}')
+    g.add_argument("--chat", action="store_true",
+                   help="apply the checkpoint's chat template (needs transformers)")
 
 
 def add_parser(subparsers) -> argparse.ArgumentParser:
@@ -206,6 +241,50 @@ def _resolve_device(name: str) -> str:
     return name
 
 
+@dataclasses.dataclass
+class LoadedModel:
+    """What ``--model`` brings: the models, the checkpoint's EOS ids, and the
+    text prompts (empty: the token-id workload) with their tokenizer."""
+
+    models: object
+    eos: Tuple[int, ...]
+    texts: List[str]
+    prompts: List[List[int]]
+    news: List[int]
+    tokenizer: Optional[CheckpointTokenizer]
+    info: dict
+
+
+def load_model(args: argparse.Namespace, device: str, dtype) -> LoadedModel:
+    """``--model`` / ``--draft-model`` and the prompts, tokenized."""
+    models = from_pretrained(args.model, args.draft_model, draft=args.draft, dtype=dtype,
+                             device=device)
+    try:
+        items = [(t, None) for t in args.prompt] if args.prompt else (
+            read_prompts(args.prompts) if args.prompts else [])
+    except (OSError, ValueError) as exc:
+        raise UsageError(f"--prompts: {exc}") from None
+    tok = CheckpointTokenizer.load(args.model) if items else None
+    if args.chat and (tok is None or not tok.transformers):
+        raise UsageError("--chat needs transformers and the checkpoint's tokenizer files "
+                         "(pip install 'fa3-spec[hf]')")
+    if items and tok is None:
+        print(f"fa3-spec eagle: no tokenizer for {args.model} (tokenizer files, and "
+              "transformers or tokenizers): running the token-id workload", file=sys.stderr)
+    texts, prompts, news = [], [], []
+    if tok is not None:
+        for text, new in items:
+            texts.append(text)
+            prompts.append(tok.encode(text, chat=args.chat))
+            news.append(new or args.max_new_tokens)
+    kind = draft_kind(args.draft_model) if args.draft_model else f"{args.draft} (made here)"
+    info = dict(path=str(args.model), draft_path=args.draft_model and str(args.draft_model),
+                draft_kind=kind, tokenizer=None if tok is None else (
+                    "transformers" if tok.transformers else "tokenizers"),
+                chat=args.chat)
+    return LoadedModel(models, checkpoint_eos_ids(args.model), texts, prompts, news, tok, info)
+
+
 def _scripted(args: argparse.Namespace) -> Optional[tuple]:
     if not args.scripted:
         return None
@@ -220,23 +299,21 @@ def _scripted(args: argparse.Namespace) -> Optional[tuple]:
     return scripted
 
 
-def _check_sampling(args: argparse.Namespace) -> None:
-    """Flags that cannot go with sampling (``--temperature > 0``): `UsageError`."""
-    if args.temperature > 0 and args.check_greedy:
-        raise UsageError("--check-greedy compares with greedy decoding: it needs --temperature 0")
-    if args.temperature > 0 and args.scripted:
-        raise UsageError("--scripted forces acceptance and ignores sampling: it needs "
-                         "--temperature 0")
-
-
-def _describe(c: dict, scripted: Optional[tuple]) -> str:
-    """The configuration line printed first."""
+def _describe(c: dict, scripted: Optional[tuple], model: Optional[dict] = None) -> str:
+    """The configuration line printed first: the preset, or the loaded model
+    (``model``: `LoadedModel.info`) and its draft head's kind."""
     label = (f" [SCRIPTED: emitted tokens per iteration forced to {list(scripted)}]"
              if scripted else "")
     if c["temperature"] > 0:
         label += (f", sampling T={c['temperature']} top-k={c['sampling_top_k']} "
                   f"top-p={c['top_p']}")
-    return (f"fa3-spec eagle: preset {c['preset']} ({c['num_layers']} layers, {c['dtype']}) on "
+    if model is None:
+        name = f"preset {c['preset']}"
+    elif model["draft_path"]:
+        name = f"model {model['path']} + {model['draft_kind']} head {model['draft_path']}"
+    else:
+        name = f"model {model['path']} + draft {model['draft_kind']}"
+    return (f"fa3-spec eagle: {name} ({c['num_layers']} layers, {c['dtype']}) on "
             f"{c['device']}, batch {c['batch']}, {c['requests']} requests, P={c['page_size']} "
             f"topk={c['topk']} steps={c['num_steps']} N={c['num_draft_tokens']}, "
             f"max_new_tokens={c['max_new_tokens']}, backend {c['backend']}, "
@@ -267,56 +344,74 @@ def run_eagle(args: argparse.Namespace, *, log=print) -> dict:
     through the loop and the greedy reference.
 
     Raises:
-        UsageError: an invalid invocation or configuration, found before
-            anything runs.
+        UsageError: an invalid invocation or configuration (options that do
+            not go together, a checkpoint that cannot be loaded, prompts that
+            do not fit), found before anything runs.
     """
+    problem = usage_error(args)
+    if problem is not None:
+        raise UsageError(problem)
     device = _resolve_device(args.device)
     scripted = _scripted(args)
-    _check_sampling(args)
     dtype = DTYPES[args.dtype] if args.dtype else None
     n_req = args.requests if args.requests is not None else 2 * args.batch
     n = args.num_draft_tokens
     graphs = args.graphs if args.graphs is not None else device == "cuda"
     if graphs and torch.device(device).type != "cuda":
         raise UsageError("--graphs captures CUDA graphs and needs --device cuda")
-    try:  # every configuration error surfaces here, before the run
-        models = make_models(args.preset, draft=args.draft, alpha=args.alpha, noise=args.noise,
-                             seed=args.seed, dtype=dtype, device=device,
-                             num_layers=args.num_layers)
+    loaded = None
+    try:  # every configuration error surfaces here, before the run (CheckpointError too)
+        if args.model:
+            loaded = load_model(args, device, dtype)
+            models = loaded.models
+        else:
+            models = make_models(args.preset or "tiny", draft=args.draft,
+                                 alpha=DEFAULT_ALPHA if args.alpha is None else args.alpha,
+                                 noise=args.noise, seed=args.seed, dtype=dtype, device=device,
+                                 num_layers=args.num_layers)
         prompts, news = workload(n_req, page_size=args.page_size, max_prompt=args.prompt_len,
                                  max_new=args.max_new_tokens, vocab=models.vocab_size,
                                  seed=args.seed)
-        context = args.prompt_len + args.max_new_tokens + n
+        eos = eos_set(args.eos)
+        if loaded is not None:
+            eos = eos_set(loaded.eos + eos)
+            if loaded.prompts:
+                prompts, news, n_req = loaded.prompts, loaded.news, len(loaded.prompts)
+        max_new = max([args.max_new_tokens] + news)
+        context = max([args.prompt_len] + [len(p) for p in prompts]) + max_new + n
+        if context > models.max_positions:
+            raise UsageError(f"prompts + max_new_tokens + num_draft_tokens = {context} "
+                             f"positions exceed the model's RoPE table ({models.max_positions})")
         spec = SpecConfig(page_size=args.page_size, topk=args.topk, num_steps=args.num_steps,
-                          num_draft_tokens=n, max_bs=args.batch, max_context_len=context,
-                          num_pages=1)
+                          num_draft_tokens=n, max_bs=args.batch, max_context_len=context)
         max_reqs = 2 * args.batch
         # Enough pages for every row's largest reservation, plus the reserved page 0.
-        row_pages = -(-(spec.draft_row_len) // args.page_size)
-        spec = dataclasses.replace(spec, num_pages=1 + max_reqs * row_pages)
-        lc = LoopConfig(spec, max_new_tokens=args.max_new_tokens, backend=args.backend,
-                        scripted=scripted, sampling=args.temperature > 0)
+        spec = dataclasses.replace(spec, num_pages=spec.pool_pages(max_reqs))
+        lc = LoopConfig(spec, max_new_tokens=max_new, backend=args.backend, scripted=scripted,
+                        max_eos=max(4, len(eos)), sampling=args.temperature > 0)
         engine = EagleEngine(lc, models, max_reqs=max_reqs, graphs=graphs,
                              compile_backend=args.compile, cache_path=args.compile_cache,
                              device=device, seed=args.seed,
                              count_syncs=args.count_syncs and device == "cuda")
         for i, (prompt, m) in enumerate(zip(prompts, news)):
             seed = None if args.sampling_seed is None else args.sampling_seed + i
-            engine.submit(prompt, m, eos_id=args.eos, temperature=args.temperature,
+            engine.submit(prompt, m, eos_id=eos, temperature=args.temperature,
                           top_k=args.sampling_top_k, top_p=args.top_p, seed=seed)
-    except (ValueError, TypeError) as exc:
+    except (ValueError, TypeError) as exc:  # UsageError and CheckpointError are ValueErrors
         raise UsageError(str(exc)) from exc
-    config = dict(preset=args.preset, device=device, dtype=str(models.dtype).replace("torch.", ""),
+    config = dict(preset=None if loaded else args.preset or "tiny", device=device,
+                  dtype=str(models.dtype).replace("torch.", ""),
                   batch=args.batch, requests=n_req, page_size=args.page_size, topk=args.topk,
                   num_steps=args.num_steps, num_draft_tokens=n,
                   max_new_tokens=args.max_new_tokens, prompt_len=args.prompt_len,
-                  seed=args.seed, draft=args.draft, alpha=args.alpha, noise=args.noise,
-                  num_layers=models.num_target_layers, eos=args.eos, backend=args.backend,
-                  graphs=graphs, compile=engine.compile_backend,
+                  seed=args.seed, draft=args.draft,
+                  alpha=None if loaded else DEFAULT_ALPHA if args.alpha is None else args.alpha,
+                  noise=args.noise, num_layers=models.num_target_layers, eos=list(eos),
+                  backend=args.backend, graphs=graphs, compile=engine.compile_backend,
                   scripted=list(scripted) if scripted else None,
                   temperature=args.temperature, top_p=args.top_p,
                   sampling_top_k=args.sampling_top_k, sampling_seed=args.sampling_seed)
-    log(_describe(config, scripted), flush=True)
+    log(_describe(config, scripted, loaded.info if loaded else None), flush=True)
 
     capture_s = None
     if graphs:
@@ -362,16 +457,38 @@ def run_eagle(args: argparse.Namespace, *, log=print) -> dict:
                              "outputs are not the model's" if scripted else None),
         config=config,
         outputs=got,
+        model=loaded.info if loaded else None,
     )
-    if args.check_greedy:
+    result["per_request"] = per_request = []
+    for rid, st in sorted(engine.request_stats().items()):
+        a, sec = st["accept_lens"], st["seconds"]
+        per_request.append(dict(tokens=len(got[rid]),
+                                mean_accept_len=sum(a) / len(a) if a else None,
+                                tokens_per_s=len(got[rid]) / sec if sec > 0 else None))
+    if loaded is not None and loaded.tokenizer is not None:
+        for entry, text, out in zip(per_request, loaded.texts, got):
+            entry.update(prompt=text, completion=loaded.tokenizer.decode(out))
+    if args.check_greedy:  # never with --scripted (`_scripted` refuses it)
         logits: list = []
         log(f"  greedy reference: {n_req} requests, up to {max(news)} tokens each ...", flush=True)
         every = _Every(log)
-        ref = greedy_generate(models, prompts, news, eos_ids=[args.eos] * n_req,
+        greedy_start = time.perf_counter()
+        ref = greedy_generate(models, prompts, news, eos_ids=[eos] * n_req,
                               page_size=args.page_size, backend=args.backend, device=device,
                               logits_out=logits,
                               on_step=lambda i, steps: every(
                                   lambda: f"  greedy step {i}/{steps}"))
+        greedy_s = time.perf_counter() - greedy_start
+        result["greedy_tokens_per_s"] = sum(map(len, ref)) / greedy_s if greedy_s > 0 else None
+        if loaded is not None and loaded.prompts:  # per prompt, each decoded alone
+            for r, (entry, prompt, m) in enumerate(zip(per_request, prompts, news)):
+                one = time.perf_counter()
+                alone = greedy_generate(
+                    models, [prompt], [m], eos_ids=[eos], page_size=args.page_size,
+                    backend=args.backend, device=device,
+                    on_step=lambda i, steps, r=r: every(
+                        lambda: f"  greedy step {i}/{steps} (request {r} alone)"))[0]
+                entry["greedy_tokens_per_s"] = len(alone) / (time.perf_counter() - one)
         diverge = []
         for i, (a, b) in enumerate(zip(got, ref)):
             if a != b:
@@ -388,16 +505,37 @@ def run_eagle(args: argparse.Namespace, *, log=print) -> dict:
     return result
 
 
+def usage_error(args: argparse.Namespace) -> Optional[str]:
+    """What makes this combination of options meaningless, or None."""
+    if args.temperature > 0 and args.check_greedy:
+        return "--check-greedy compares with greedy decoding: it needs --temperature 0"
+    if args.temperature > 0 and args.scripted:
+        return "--scripted forces acceptance and ignores sampling: it needs --temperature 0"
+    if args.model:
+        given = [f for f, v in (("--preset", args.preset), ("--num-layers", args.num_layers),
+                                ("--alpha", args.alpha)) if v is not None]
+        if given:
+            return f"{', '.join(given)} do(es) not apply to a loaded model (--model)"
+    else:
+        given = [f for f, v in (("--draft-model", args.draft_model), ("--prompt", args.prompt),
+                                ("--prompts", args.prompts), ("--chat", args.chat)) if v]
+        if given:
+            return f"{', '.join(given)} need(s) --model"
+    return None
+
+
 def run(args: argparse.Namespace) -> int:
     """Entry point of ``fa3-spec eagle``: 0 done (exact with ``--check-greedy``),
     1 when ``--check-greedy`` finds a mismatch; an invalid invocation or
-    configuration exits with status 2 (`usage_exit`)."""
+    configuration (options that do not go together, a checkpoint that cannot
+    be loaded) exits with status 2 (`usage_exit`)."""
     log = (lambda *a, **k: None) if args.quiet else print
     try:
         res = run_eagle(args, log=log)
     except UsageError as exc:
         usage_exit("eagle", exc)
     c = res["config"]
+    model = res["model"]
     syncs = res["host_syncs_per_iteration"]
     log(f"  {res['tokens']} tokens in {res['iterations']} iterations, mean accept length "
         f"{res['mean_accept_len'] or 0:.2f}, {res['tokens_per_s'] or 0:.1f} tokens/s, "
@@ -407,6 +545,16 @@ def run(args: argparse.Namespace) -> int:
         log(f"  greedy check: {'EXACT' if res['exact'] else 'MISMATCH'} "
             f"({res['mismatches']} of {c['requests']} requests differ, "
             f"{res['near_tie_divergences']} of them at near-ties)")
+    if res.get("greedy_tokens_per_s") is not None:
+        log(f"  plain greedy: {res['greedy_tokens_per_s']:.1f} tokens/s")
+    for i, entry in enumerate(res["per_request"] if model else []):
+        greedy = entry.get("greedy_tokens_per_s")
+        log(f"--- request {i}: {entry['tokens']} tokens, mean accept length "
+            f"{entry['mean_accept_len'] or 0:.2f}, {entry['tokens_per_s'] or 0:.1f} tokens/s"
+            + (f" (plain greedy alone: {greedy:.1f} tokens/s)" if greedy else ""))
+        if "completion" in entry:
+            log(f"prompt: {entry['prompt']}")
+            print(entry["completion"], flush=True)  # the output itself, even with --quiet
     if args.json:
         with open(args.json, "w") as fh:
             json.dump(res, fh, indent=1)

@@ -29,7 +29,7 @@ from __future__ import annotations
 
 import dataclasses
 import time
-from typing import Callable, Dict, List, Optional, Sequence
+from typing import Callable, Dict, Iterable, List, Optional, Sequence, Tuple, Union
 
 import torch
 
@@ -57,12 +57,15 @@ class Request:
     rid: int
     prompt: List[int]
     max_new_tokens: int
-    eos_id: int = -1
+    eos_ids: Tuple[int, ...] = ()
     sampling: RequestSampling = RequestSampling()  # greedy unless given
     row: int = -1  # req_to_token row while admitted
     slot: int = -1  # batch row while admitted
     since: int = 0  # first iteration (launch index) that saw it admitted
     output: Optional[List[int]] = None
+    accept_lens: List[int] = dataclasses.field(default_factory=list)  # per iteration
+    admitted_s: float = 0.0  # host clock at admission
+    finished_s: float = 0.0  # host clock when its finish was read back
 
 
 def _draft_vocab_size(models: SpecModel) -> int:
@@ -126,9 +129,9 @@ def _prefill_forward(models: SpecModel, spec: SpecConfig, kv_target: KVCache,
     is_last = torch.zeros(total, dtype=torch.bool, device=device)
     is_last[last] = True
     shifted = torch.where(is_last, first[row], shifted)
-    h_draft = models.draft_forward(shifted, hidden, pos, slots, md, kv_draft, **attn)[last]
-    logp = torch.log_softmax(models.draft_logits(h_draft).float(), dim=-1)
-    scores, cand = logp.topk(spec.topk, dim=-1)
+    h_draft = models.draft_forward(shifted, models.draft_input(hidden), pos, slots, md, kv_draft,
+                                   **attn)[last]
+    scores, cand = models.draft_topk(h_draft, spec.topk)
     return first, h_draft, scores, cand, logits
 
 
@@ -226,10 +229,13 @@ class EagleEngine:
                           iteration_s=[], admitted=0, finished=0)
 
     # ------------------------------------------------------------- requests
-    def submit(self, prompt: Sequence[int], max_new_tokens: int, eos_id: int = -1, *,
-               temperature: float = 0.0, top_k: int = 0, top_p: float = 1.0,
-               seed: Optional[int] = None) -> int:
+    def submit(self, prompt: Sequence[int], max_new_tokens: int,
+               eos_id: Union[int, Sequence[int]] = -1, *, temperature: float = 0.0,
+               top_k: int = 0, top_p: float = 1.0, seed: Optional[int] = None) -> int:
         """Queue a request; returns its id. It joins at the next free row.
+
+        ``eos_id``: one EOS token id or several (at most ``lc.max_eos``);
+        the output stops after the first of them (included). -1: none.
 
         Sampling (docs/semantics.md, "Lossless speculative sampling"):
         ``temperature >= 0`` (0 = greedy, exact to `greedy_generate`),
@@ -238,10 +244,11 @@ class EagleEngine:
         output reproducible, alone or in any batch.
 
         Raises:
-            ValueError: a prompt token outside ``[0, vocab_size)``, a request
-                that can never fit the configuration (`KVPool.check_request`),
-                a sampling value out of range, or ``temperature > 0`` on a loop
-                built with ``LoopConfig(sampling=False)``.
+            ValueError: a prompt token outside ``[0, vocab_size)``, more EOS
+                ids than ``lc.max_eos``, a request that can never fit the
+                configuration (`KVPool.check_request`), a sampling value out
+                of range, or ``temperature > 0`` on a loop built with
+                ``LoopConfig(sampling=False)``.
         """
         prompt = _check_prompt("prompt", prompt, self.models.vocab_size)
         sampling = RequestSampling.create(temperature, top_k, top_p, seed)
@@ -250,10 +257,14 @@ class EagleEngine:
         if max_new_tokens > self.lc.max_new_tokens:
             raise ValueError(f"max_new_tokens={max_new_tokens} exceeds the loop's "
                              f"max_new_tokens={self.lc.max_new_tokens}")
+        eos = eos_set(eos_id)
+        if len(eos) > self.lc.max_eos:
+            raise ValueError(f"eos_id has {len(eos)} ids; the loop holds at most "
+                             f"max_eos={self.lc.max_eos}")
         self.pool.check_request(len(prompt), max_new_tokens)
         rid = self._next_rid
         self._next_rid += 1
-        self._waiting.append(Request(rid, prompt, max_new_tokens, eos_id, sampling))
+        self._waiting.append(Request(rid, prompt, max_new_tokens, eos, sampling))
         self._seeds[rid] = sampling.seed
         return rid
 
@@ -271,6 +282,13 @@ class EagleEngine:
 
     def results(self) -> Dict[int, List[int]]:
         return {rid: r.output for rid, r in self._done.items()}
+
+    def request_stats(self) -> Dict[int, dict]:
+        """Per finished request: ``accept_lens`` (tokens emitted per iteration)
+        and ``seconds`` from its admission to the host reading its finish
+        (it shares those seconds with the batch it ran in)."""
+        return {rid: dict(accept_lens=list(r.accept_lens), seconds=r.finished_s - r.admitted_s)
+                for rid, r in self._done.items()}
 
     # ------------------------------------------------------------ admission
     def _admit(self) -> None:
@@ -293,6 +311,7 @@ class EagleEngine:
                 self._waiting.pop(0)
                 req.slot = free.pop(0)
                 req.since = self.stats["iterations"]
+                req.admitted_s = time.perf_counter()
                 self._slots[req.slot] = req
                 batch.append(req)
             if batch:
@@ -316,8 +335,10 @@ class EagleEngine:
         idx = torch.tensor([r.slot for r in batch], dtype=torch.int64, device=dev)
         lens = torch.tensor([len(r.prompt) for r in batch], dtype=torch.int64, device=dev)
         max_new = torch.tensor([r.max_new_tokens for r in batch], dtype=torch.int64, device=dev)
-        eos = torch.tensor([r.eos_id for r in batch], dtype=torch.int64, device=dev)
-        done = (first == eos) | (max_new <= 1)  # on the device: no sync
+        width = self.lc.max_eos
+        eos = torch.tensor([list(r.eos_ids) + [-1] * (width - len(r.eos_ids)) for r in batch],
+                           dtype=torch.int64, device=dev)
+        done = (first.unsqueeze(1) == eos).any(1) | (max_new <= 1)  # on the device: no sync
         st["req_pool_indices"][idx] = torch.tensor([r.row for r in batch], dtype=torch.int64,
                                                    device=dev)
         st["root"][idx] = first
@@ -412,11 +433,13 @@ class EagleEngine:
                 continue
             if accept[slot] > 0:
                 self.stats["accept_lens"].append(accept[slot])
+                req.accept_lens.append(accept[slot])
             if seq[slot] == 0:  # finished (padding on the device already)
                 req.output = host["out_tokens"][slot, : out_len[slot]].tolist()  # ok-host
                 self.pool.release(req.row)
                 self._slots[slot] = None
                 self._done[req.rid] = req
+                req.finished_s = time.perf_counter()
                 self.stats["finished"] += 1
         if on_iteration is not None:
             on_iteration(self, host)
@@ -456,7 +479,8 @@ class EagleEngine:
 
 
 def greedy_generate(models: SpecModel, prompts: Sequence[Sequence[int]],
-                    max_new_tokens: Sequence[int], *, eos_ids: Optional[Sequence[int]] = None,
+                    max_new_tokens: Sequence[int], *,
+                    eos_ids: Optional[Sequence[Union[int, Sequence[int]]]] = None,
                     page_size: int = 1, backend: str = "auto", device="cpu",
                     logits_out: Optional[list] = None,
                     on_step: Optional[Callable[[int, int], None]] = None) -> List[List[int]]:
@@ -464,7 +488,8 @@ def greedy_generate(models: SpecModel, prompts: Sequence[Sequence[int]],
 
     Prefill through `build_prefill_metadata`, then one token per request per
     step through `build_decode_metadata`, in a pool of its own. Each output
-    stops after ``max_new_tokens[i]`` tokens or its EOS (included).
+    stops after ``max_new_tokens[i]`` tokens or its first EOS (included;
+    ``eos_ids[i]``: one id or several, as `EagleEngine.submit` takes them).
     ``logits_out``, if given, receives each step's float32 logits ``[B, V]``
     on the CPU (step 0 = after the prompt), for near-tie analysis.
     ``on_step(i, steps)``, if given, is called after each of the ``steps``
@@ -489,8 +514,8 @@ def greedy_generate(models: SpecModel, prompts: Sequence[Sequence[int]],
     steps = max(max_new_tokens)
     ctx = max(len(p) for p in prompts) + steps + 1
     spec = SpecConfig(page_size=page_size, topk=1, num_steps=2, num_draft_tokens=1,
-                      max_bs=max(bs, 1), max_context_len=ctx, num_pages=1)
-    spec = dataclasses.replace(spec, num_pages=1 + bs * -(-spec.draft_row_len // page_size))
+                      max_bs=max(bs, 1), max_context_len=ctx)
+    spec = dataclasses.replace(spec, num_pages=spec.pool_pages(bs))
     pool = KVPool(spec, max_reqs=bs, target_layers=models.num_target_layers, draft_layers=1,
                   num_kv_heads=models.num_kv_heads, head_dim=models.head_dim,
                   dtype=models.dtype, device=device, seed=1)
@@ -523,7 +548,13 @@ def greedy_generate(models: SpecModel, prompts: Sequence[Sequence[int]],
     out = []
     for row, m, eos in zip(table, max_new_tokens, eos_ids):
         row = row[:m]
-        if eos in row:
-            row = row[: row.index(eos) + 1]
-        out.append(row)
+        stops = [j for j, t in enumerate(row) if t in eos_set(eos)]
+        out.append(row[: stops[0] + 1] if stops else row)
     return out
+
+
+def eos_set(eos_id: Union[int, Sequence[int]]) -> Tuple[int, ...]:
+    """One EOS id or several -> the distinct ids, in order (-1 and other
+    negatives mean none)."""
+    ids = [int(t) for t in eos_id] if isinstance(eos_id, Iterable) else [int(eos_id)]
+    return tuple(dict.fromkeys(t for t in ids if t >= 0))

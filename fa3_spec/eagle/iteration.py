@@ -55,19 +55,19 @@ from typing import Dict, Optional, Tuple
 
 import torch
 
-from .._paged import BatchView, in_pool
 from ..batch import SpecBatch
 from ..builders import (
     build_draft_extend_metadata,
     build_draft_iteration_metadata,
     build_target_verify_metadata,
+    draft_positions,
     draft_tail_copy_slots,
 )
 from ..builders.prefill import extend_query_positions
 from ..config import SpecConfig
+from ..paged import BatchView, in_pool
 from ..tree import tree_mask_from_parents
 from .models import KVCache, SpecModel
-from .pool import draft_positions
 from .sampling import SamplingParams, choose_rows, sample_tree, state_entries
 
 #: Emitted tokens per iteration (accepted drafts + bonus) forced in scripted
@@ -90,6 +90,8 @@ class LoopConfig:
         scripted: emitted-tokens sequence forced per iteration (benchmarks),
             or None for real acceptance. Scripted iterations ignore the
             sampling parameters (argmax bonus).
+        max_eos: EOS ids a request may have at most (the state's ``eos``
+            set per row is this wide, padded with -1; Llama 3.1 has 3).
         sampling: the iteration also runs the sampled walk and takes it for
             rows with ``temperature > 0`` (one sort of the verify logits per
             node); False: greedy only, and the engine refuses sampled requests.
@@ -100,6 +102,7 @@ class LoopConfig:
     backend: str = "auto"
     num_splits: Optional[int] = None
     scripted: Optional[Tuple[int, ...]] = None
+    max_eos: int = 4
     sampling: bool = True
 
     def __post_init__(self):
@@ -115,6 +118,8 @@ class LoopConfig:
             raise ValueError("spec.num_pages must be set (the KV pool size)")
         if self.max_new_tokens < 1:
             raise ValueError("max_new_tokens must be >= 1")
+        if self.max_eos < 1:
+            raise ValueError(f"max_eos must be >= 1, got {self.max_eos}")
         if self.scripted is not None and (not self.scripted or min(self.scripted) < 1):
             raise ValueError("scripted must be a non-empty sequence of positive lengths")
 
@@ -139,7 +144,7 @@ def empty_state(lc: LoopConfig, models: SpecModel, max_bs: int, device) -> State
         "out_tokens": z(max_bs, lc.max_new_tokens + 1),  # last column: trash
         "out_len": z(max_bs),
         "max_new": z(max_bs),
-        "eos": torch.full((max_bs,), -1, **i64),
+        "eos": torch.full((max_bs, lc.max_eos), -1, **i64),  # EOS ids of each row, -1: none
         "iters": z(max_bs),
         # What the last iteration did (read by the host for stats and drawings).
         "tree_tokens": z(max_bs, n),
@@ -184,8 +189,7 @@ def _draft_steps(lc: LoopConfig, models: SpecModel, draft_kv: KVCache, view: Bat
         out = models.draft_forward(tokens.reshape(-1), hidden.reshape(bs * k, -1), positions,
                                    loc[:, :, i].reshape(-1), md, draft_kv, backend=lc.backend,
                                    num_splits=lc.num_splits)
-        logp = torch.log_softmax(models.draft_logits(out).float(), dim=-1)
-        top_lp, top_tok = logp.topk(k, dim=-1)
+        top_lp, top_tok = models.draft_topk(out, k)  # target token ids
         cum = (scores.unsqueeze(-1) + top_lp.view(bs, k, k)).view(bs, k * k)
         top_tok = top_tok.view(bs, k * k)
         all_tokens.append(top_tok)
@@ -348,19 +352,19 @@ def extend_phase(lc: LoopConfig, models: SpecModel, draft_kv: KVCache,
     row, pos, owned = extend_query_positions(md_ext, new_seq, bs * n)
     j = (pos - view.seq_lens[row]).clamp(0, dmax)  # index within the extend
     ext_tokens = emitted[row, j]
-    ext_hidden = hidden[row, path[row, j]]
+    ext_hidden = models.draft_input(hidden[row, path[row, j]])
     ext_slots = req_to_token[view.rows[row], pos.clamp(0, req_to_token.shape[1] - 1)]
     ext_slots = torch.where(owned, in_pool(ext_slots, cfg.page_size, cfg.num_pages), 0)
     h_ext = models.draft_forward(ext_tokens, ext_hidden, pos, ext_slots, md_ext, draft_kv,
                                  backend=lc.backend, num_splits=lc.num_splits)
     last = (md_ext.cu_seqlens_q[1:].to(torch.int64) - 1).clamp(min=0)
     draft_hidden = torch.where(live.unsqueeze(1), h_ext[last], 0)
-    logp = torch.log_softmax(models.draft_logits(draft_hidden).float(), dim=-1)
-    cand_scores, cand_tokens = logp.topk(cfg.topk, dim=-1)
+    cand_scores, cand_tokens = models.draft_topk(draft_hidden, cfg.topk)
 
     # 7. Output append, EOS / length stop; finished rows become padding.
     emit = torch.where(live, accepted + 1, 0)
-    is_eos = (emitted == st["eos"].unsqueeze(1)) & (i < emit.unsqueeze(1))
+    is_eos = ((emitted.unsqueeze(-1) == st["eos"].unsqueeze(1)).any(-1)
+              & (i < emit.unsqueeze(1)))
     hit_eos = is_eos.any(-1)
     emit = torch.where(hit_eos, is_eos.int().argmax(-1) + 1, emit)
     emit = torch.minimum(emit, (st["max_new"] - st["out_len"]).clamp(min=0))

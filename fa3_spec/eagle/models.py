@@ -9,11 +9,22 @@ write through the ``fa3_spec::store_kv`` op.
   positions the caller gives, GQA attention, SwiGLU MLP), final RMSNorm,
   lm_head. ``forward`` returns the last layer's output before the final norm
   (the feature EAGLE feeds its draft head); ``logits`` applies norm + lm_head.
+  With ``capture`` it also hands out the residual stream at chosen layers
+  (what EAGLE-3 reads).
 * `EagleDraft`: one decoder layer fed ``fc([embed(token); hidden])``, sharing
-  the target's embedding and lm_head (EAGLE-1/2's draft head).
+  the target's embedding and lm_head (EAGLE-1/2's draft head; the published
+  heads' bias, missing norms and post-norm input are fields).
+* `Eagle3Draft`: EAGLE-3's head: ``fc`` over three target layers' states, one
+  layer attending over ``[embed; hidden]``, its own norm and lm_head over a
+  reduced vocabulary mapped back to target ids by ``d2t``.
 * `SpecModel`: the protocol the loop drives; `EagleModels` implements it for
-  the two classes above. An engine can plug in its own model by providing the
-  same six members.
+  the classes above. An engine can plug in its own model by providing the
+  same members.
+* `Llama3RopeScaling`: ``rope_scaling`` of type ``"llama3"``, applied by
+  `RopeTable.create` (the one place RoPE frequencies are made).
+
+Checkpoints load through `fa3_spec.eagle.checkpoint` (`from_pretrained`),
+into the same layout, through `LayerWeights.from_projections`.
 
 How acceptance is controlled (`make_models`): with ``draft="derived"`` the
 target's layers ``1 .. L-1`` have their residual branches (``wo`` and
@@ -31,13 +42,40 @@ independent draft weights: almost every draft token is rejected.
 from __future__ import annotations
 
 import dataclasses
-from typing import List, Optional, Protocol, Tuple
+import math
+from typing import List, Optional, Protocol, Tuple, Union
 
 import torch
 import torch.nn.functional as F
 
 from ..attention import cascade_attention
 from ..attention.kv_store import store_kv
+
+
+@dataclasses.dataclass(frozen=True)
+class Llama3RopeScaling:
+    """Llama 3.1's RoPE frequency scaling (``rope_scaling`` of type ``"llama3"``).
+
+    Frequencies whose wavelength ``2 pi / f`` exceeds
+    ``original_max_position_embeddings / low_freq_factor`` are divided by
+    ``factor``; those shorter than ``... / high_freq_factor`` are kept; the
+    ones in between are interpolated linearly in
+    ``original_max_position_embeddings / wavelength``.
+    """
+
+    factor: float
+    low_freq_factor: float
+    high_freq_factor: float
+    original_max_position_embeddings: int
+
+    def apply(self, inv_freq: torch.Tensor) -> torch.Tensor:
+        old = self.original_max_position_embeddings
+        wavelen = 2 * math.pi / inv_freq
+        smooth = (old / wavelen - self.low_freq_factor) / (self.high_freq_factor
+                                                           - self.low_freq_factor)
+        mid = (1 - smooth) * inv_freq / self.factor + smooth * inv_freq
+        out = torch.where(wavelen > old / self.low_freq_factor, inv_freq / self.factor, mid)
+        return torch.where(wavelen < old / self.high_freq_factor, inv_freq, out)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -55,6 +93,7 @@ class ModelShape:
     rms_eps: float = 1e-6
     logit_scale: float = 1.0  # lm_head init scale: > 1 sharpens the draft's scores
     max_position_embeddings: int = 8192  # rows of the RoPE table
+    rope_scaling: Optional[Llama3RopeScaling] = None  # None: plain RoPE
 
 
 #: ``tiny``: CPU tests (float64 on CPU); head_dim 64 so that FA3 runs it on
@@ -118,9 +157,14 @@ class LayerWeights:
     (``benchmarks/model_roofline.py``). Build one with `from_projections`,
     the one conversion from Hugging Face's separate ``[out, in]``
     projections (random presets and checkpoint loaders both go through it).
+
+    ``attn_norm`` is None for a layer whose attention reads its input as
+    given: layer 0 of a published EAGLE-1/2 head (no ``input_layernorm``)
+    and the EAGLE-3 draft layer, which normalises its two halves itself
+    (`Eagle3Draft`).
     """
 
-    attn_norm: torch.Tensor  # [H]
+    attn_norm: Optional[torch.Tensor]  # [H], or None: no norm before attention
     wqkv: torch.Tensor  # [H, (H_q + 2 H_kv) * D]
     wo: torch.Tensor  # [H_q * D, H]
     mlp_norm: torch.Tensor  # [H]
@@ -130,12 +174,14 @@ class LayerWeights:
     @classmethod
     def from_projections(cls, *, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                          o: torch.Tensor, gate: torch.Tensor, up: torch.Tensor,
-                         down: torch.Tensor, attn_norm: torch.Tensor,
+                         down: torch.Tensor, attn_norm: Optional[torch.Tensor],
                          mlp_norm: torch.Tensor) -> "LayerWeights":
         """Fuse and transpose separate ``[out, in]`` projections (``q_proj`` ...
         ``down_proj`` of a Hugging Face Llama layer) into this layout (new,
-        contiguous tensors; the inputs are not modified)."""
-        return cls(attn_norm.clone(), torch.cat([q, k, v], 0).t().contiguous(),
+        contiguous tensors; the inputs are not modified). ``attn_norm``
+        (``input_layernorm``) may be None (see the class docstring)."""
+        return cls(None if attn_norm is None else attn_norm.clone(),
+                   torch.cat([q, k, v], 0).t().contiguous(),
                    o.t().contiguous(), mlp_norm.clone(), torch.cat([gate, up], 0).t().contiguous(),
                    down.t().contiguous())
 
@@ -154,7 +200,8 @@ class LayerWeights:
             gate=w(i, h), up=w(i, h), down=w(h, i), attn_norm=ones, mlp_norm=ones)
 
     def clone(self) -> "LayerWeights":
-        return LayerWeights(*(t.clone() for t in dataclasses.astuple(self)))
+        return LayerWeights(*(None if t is None else t.clone()
+                              for t in (getattr(self, f.name) for f in dataclasses.fields(self))))
 
 
 @dataclasses.dataclass
@@ -176,6 +223,8 @@ class RopeTable:
         compute = torch.float64 if dtype == torch.float64 else torch.float32
         d = shape.head_dim
         inv_freq = shape.rope_theta ** -(torch.arange(0, d, 2, device=device, dtype=compute) / d)
+        if shape.rope_scaling is not None:
+            inv_freq = shape.rope_scaling.apply(inv_freq)
         pos = torch.arange(shape.max_position_embeddings, device=device, dtype=compute)
         angles = pos.unsqueeze(-1) * inv_freq  # [max_positions, D/2]
         return cls(angles.cos(), angles.sin())
@@ -209,11 +258,11 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
 @torch.compiler.nested_compile_region
 def attention_inputs(shape: ModelShape, w: LayerWeights, x: torch.Tensor, cos: torch.Tensor,
                      sin: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """``x [T, H]`` -> ``q [T, H_q, D]``, ``k, v [T, H_kv, D]`` (RMSNorm, fused
-    QKV, RoPE with the tokens' ``cos, sin [T, D/2]``)."""
+    """``x [T, H_in]`` -> ``q [T, H_q, D]``, ``k, v [T, H_kv, D]`` (RMSNorm unless
+    ``w.attn_norm`` is None, fused QKV, RoPE with the tokens' ``cos, sin [T, D/2]``)."""
     t = x.shape[0]
     hq, hkv, d = shape.num_heads, shape.num_kv_heads, shape.head_dim
-    h = rms_norm(x, w.attn_norm, shape.rms_eps)
+    h = x if w.attn_norm is None else rms_norm(x, w.attn_norm, shape.rms_eps)
     q, k, v = (h @ w.wqkv).split([hq * d, hkv * d, hkv * d], dim=-1)
     return (apply_rope(q.reshape(t, hq, d), cos, sin), apply_rope(k.reshape(t, hkv, d), cos, sin),
             v.reshape(t, hkv, d))
@@ -232,8 +281,12 @@ def attention_output_and_mlp(shape: ModelShape, w: LayerWeights, x: torch.Tensor
 
 def decoder_layer(shape: ModelShape, w: LayerWeights, x: torch.Tensor, cos: torch.Tensor,
                   sin: torch.Tensor, slots: torch.Tensor, metadata, k_cache: torch.Tensor,
-                  v_cache: torch.Tensor, backend: str, num_splits: Optional[int]) -> torch.Tensor:
+                  v_cache: torch.Tensor, backend: str, num_splits: Optional[int],
+                  attn_in: Optional[torch.Tensor] = None) -> torch.Tensor:
     """One layer on ``x [T, H]``: write K/V of the T tokens at ``slots``, then attend.
+
+    ``attn_in``: what the attention reads when it is not ``x`` (the EAGLE-3
+    draft layer's ``[embed; hidden]``, ``[T, 2H]``); ``x`` stays the residual.
 
     ``cos, sin [T, D/2]``: the tokens' RoPE rows (`RopeTable.at`).
     ``k_cache, v_cache``: this layer's ``[num_pages, P, H_kv, D]``.
@@ -250,7 +303,7 @@ def decoder_layer(shape: ModelShape, w: LayerWeights, x: torch.Tensor, cos: torc
     inside one), and the metadata differs per forward. Eagerly all of it is
     plain calls.
     """
-    q, k, v = attention_inputs(shape, w, x, cos, sin)
+    q, k, v = attention_inputs(shape, w, x if attn_in is None else attn_in, cos, sin)
     store_kv(k_cache, v_cache, slots, k, v)
     attn = cascade_attention(q, k_cache, v_cache, metadata, backend=backend,
                              num_splits=num_splits)
@@ -293,33 +346,61 @@ class LlamaTarget:
 
     def forward(self, tokens: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor,
                 metadata, kv: KVCache, *, backend: str = "auto",
-                num_splits: Optional[int] = None) -> torch.Tensor:
-        """``tokens, positions, slots [T]`` -> last layer output ``[T, H]`` (pre-norm)."""
+                num_splits: Optional[int] = None,
+                capture: Tuple[int, ...] = ()) -> torch.Tensor:
+        """``tokens, positions, slots [T]`` -> last layer output ``[T, H]`` (pre-norm).
+
+        ``capture``: layer indices ``i`` (static) whose input, the residual
+        stream after layer ``i - 1`` (``i = 0``: the embeddings; ``i = L``:
+        the last layer's output), is returned too, as EAGLE-3 reads it:
+        then the result is ``[T, (1 + len(capture)) H]``, the last layer's
+        output followed by the captured states in ``capture`` order.
+        """
         x = self.embed[tokens.to(torch.int64).clamp(0, self.shape.vocab_size - 1)]
         cos, sin = self.rope.at(positions)
         slots = _layer_slots(kv, slots)
+        captured = {}
         for i, w in enumerate(self.layers):
+            captured[i] = x
             x = decoder_layer(self.shape, w, x, cos, sin, slots, metadata, kv.k[i], kv.v[i],
                               backend, num_splits)
-        return x
+        if not capture:
+            return x
+        captured[len(self.layers)] = x
+        return torch.cat([x] + [captured[i] for i in capture], -1)
+
+    def final_norm(self, hidden: torch.Tensor) -> torch.Tensor:
+        return rms_norm(hidden, self.norm, self.shape.rms_eps)
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """``[T, H] -> [T, V]`` in the model dtype."""
-        return rms_norm(hidden, self.norm, self.shape.rms_eps) @ self.lm_head
+        """``[T, H] -> [T, V]`` in the model dtype (the first ``H`` columns of a
+        ``capture`` result are the last layer's output)."""
+        return self.final_norm(hidden[..., : self.shape.hidden_size]) @ self.lm_head
 
 
 @dataclasses.dataclass
 class EagleDraft:
-    """EAGLE draft head: ``fc`` ``[2H, H]``, one decoder layer, its own final norm;
-    embedding, lm_head and RoPE table are the target's tensors (shared, not copied)."""
+    """EAGLE-1/2 draft head: ``fc`` ``[2H, H]``, one decoder layer, its own final norm;
+    embedding, lm_head and RoPE table are the target's tensors (shared, not copied).
+
+    A published EAGLE-1/2 head (`fa3_spec.eagle.checkpoint`) differs from the
+    random and derived heads made here in four ways, each a field: ``fc``
+    has a bias (``fc_bias``), its layer has no ``input_layernorm``
+    (``layer.attn_norm`` is None), there is no final norm (``norm`` is None:
+    logits are ``hidden @ lm_head``), and it reads the target's hidden state
+    *after* the target's final norm (``normed_target``), as sglang's EAGLE
+    worker hands it over. Derived and random heads read it before.
+    """
 
     shape: ModelShape
     fc: torch.Tensor  # [2H, H]: rows 0..H-1 take embed(token), rows H..2H-1 the hidden
     layer: LayerWeights
-    norm: torch.Tensor  # [H]
+    norm: Optional[torch.Tensor]  # [H], or None: no final norm
     embed: torch.Tensor  # shared with the target
     lm_head: torch.Tensor  # shared with the target
     rope: RopeTable  # shared with the target
+    fc_bias: Optional[torch.Tensor] = None  # [H]
+    normed_target: bool = False  # reads the target's post-norm hidden state
 
     @classmethod
     def random(cls, target: LlamaTarget, *, seed: int = 1) -> "EagleDraft":
@@ -357,25 +438,109 @@ class EagleDraft:
         """``tokens [T]``, ``hidden [T, H]`` (target or previous draft feature) -> ``[T, H]``."""
         e = self.embed[tokens.to(torch.int64).clamp(0, self.shape.vocab_size - 1)]
         x = torch.cat([e, hidden.to(e.dtype)], -1) @ self.fc
+        if self.fc_bias is not None:
+            x = x + self.fc_bias
         cos, sin = self.rope.at(positions)
         return decoder_layer(self.shape, self.layer, x, cos, sin, _layer_slots(kv, slots),
                              metadata, kv.k[0], kv.v[0], backend, num_splits)
 
+    def input_from_target(self, target: "LlamaTarget", hidden: torch.Tensor) -> torch.Tensor:
+        """The target's last-layer output ``[T, H]`` as this head reads it."""
+        return target.final_norm(hidden) if self.normed_target else hidden
+
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        if self.norm is None:
+            return hidden @ self.lm_head
         return rms_norm(hidden, self.norm, self.shape.rms_eps) @ self.lm_head
+
+    def topk(self, hidden: torch.Tensor, k: int) -> Tuple[torch.Tensor, torch.Tensor]:
+        """``[T, H]`` -> the ``k`` best tokens: float32 log-probabilities and int64 ids."""
+        return torch.log_softmax(self.logits(hidden).float(), dim=-1).topk(k, dim=-1)
+
+
+@dataclasses.dataclass
+class Eagle3Draft:
+    """EAGLE-3 draft head (the layout sglang's ``llama_eagle3.py`` loads).
+
+    Inputs: the target's residual stream at three of its layers
+    (``aux_layers``, `LlamaTarget.forward`'s ``capture``), concatenated
+    ``[T, 3H]`` and projected by ``fc`` to ``[T, H]`` (`input_from_target`);
+    in later draft steps, the draft's own output ``[T, H]`` instead. One
+    decoder layer whose attention reads ``[input_layernorm(embed(token));
+    hidden_norm(hidden)]`` (``[T, 2H]``, so ``layer.wqkv`` is ``[2H, ...]``
+    and ``layer.attn_norm`` is None) and whose residual is ``hidden``
+    (``hidden_norm(hidden)`` with ``norm_before_residual``); the rest is a
+    Llama layer (``layer.mlp_norm`` is its ``post_attention_layernorm``).
+    The output is the pre-norm residual stream; logits are
+    ``norm(hidden) @ lm_head`` over the draft vocabulary ``V_d``, and
+    draft token ``j`` is target token ``d2t[j]``. The embedding is the
+    target's; the RoPE table is the draft's own (its config's theta and
+    scaling, as many rows as the target's).
+    """
+
+    shape: ModelShape
+    fc: torch.Tensor  # [3H, H]
+    embed_norm: torch.Tensor  # [H] input_layernorm, on the token embedding
+    hidden_norm: torch.Tensor  # [H]
+    layer: LayerWeights
+    norm: torch.Tensor  # [H]
+    lm_head: torch.Tensor  # [H, V_d]
+    d2t: torch.Tensor  # int64 [V_d]: target token id of each draft token
+    embed: torch.Tensor  # shared with the target
+    rope: RopeTable
+    aux_layers: Tuple[int, ...]  # target layers whose input fc reads (low, middle, high)
+    fc_bias: Optional[torch.Tensor] = None  # [H]
+    norm_before_residual: bool = False
+
+    def input_from_target(self, target: "LlamaTarget", features: torch.Tensor) -> torch.Tensor:
+        """`LlamaTarget.forward`'s ``[T, 4H]`` (captures of ``aux_layers``) -> ``[T, H]``."""
+        x = features[..., target.shape.hidden_size:].to(self.fc.dtype) @ self.fc
+        return x if self.fc_bias is None else x + self.fc_bias
+
+    def forward(self, tokens: torch.Tensor, hidden: torch.Tensor, positions: torch.Tensor,
+                slots: torch.Tensor, metadata, kv: KVCache, *, backend: str = "auto",
+                num_splits: Optional[int] = None) -> torch.Tensor:
+        """``tokens [T]``, ``hidden [T, H]`` (`input_from_target`, or the previous
+        draft output) -> ``[T, H]``, the pre-norm residual stream."""
+        eps = self.shape.rms_eps
+        e = self.embed[tokens.to(torch.int64).clamp(0, self.embed.shape[0] - 1)]
+        hidden = hidden.to(e.dtype)
+        normed = rms_norm(hidden, self.hidden_norm, eps)
+        attn_in = torch.cat([rms_norm(e, self.embed_norm, eps), normed], -1)
+        residual = normed if self.norm_before_residual else hidden
+        cos, sin = self.rope.at(positions)
+        return decoder_layer(self.shape, self.layer, residual, cos, sin, _layer_slots(kv, slots),
+                             metadata, kv.k[0], kv.v[0], backend, num_splits, attn_in=attn_in)
+
+    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """``[T, H] -> [T, V_d]``: logits over the draft vocabulary."""
+        return rms_norm(hidden, self.norm, self.shape.rms_eps) @ self.lm_head
+
+    def topk(self, hidden: torch.Tensor, k: int) -> Tuple[torch.Tensor, torch.Tensor]:
+        """The ``k`` best draft tokens: float32 log-probabilities (over ``V_d``)
+        and their *target* token ids (through ``d2t``)."""
+        logp, idx = torch.log_softmax(self.logits(hidden).float(), dim=-1).topk(k, dim=-1)
+        return logp, self.d2t[idx]
 
 
 class SpecModel(Protocol):
     """What the loop needs from a target + draft pair.
 
     ``*_forward`` write the K/V of their ``T`` tokens at ``slots`` into the
-    given cache (every layer) and attend as ``metadata`` says; hidden states
-    are ``[T, hidden_size]`` and logits ``[T, vocab_size]``. Everything must
-    trace under ``torch.compile(fullgraph=True)`` and capture in a CUDA graph.
+    given cache (every layer) and attend as ``metadata`` says. The target's
+    output (its *features*, ``[T, F]``) is opaque to the loop: it goes to
+    ``target_logits`` (``[T, vocab_size]``) and, through ``draft_input``, to
+    the draft (``[T, hidden_size]``; EAGLE-3's features carry three layers'
+    hidden states besides the last). The draft's outputs are ``[T,
+    hidden_size]``; ``draft_topk`` gives its ``k`` best proposals as target
+    token ids (a reduced draft vocabulary is mapped back here) with their
+    log-probabilities. Everything must trace under
+    ``torch.compile(fullgraph=True)`` and capture in a CUDA graph.
 
     Optional: ``draft_vocab_size``, the tokens the draft head proposes from
-    (a reduced-vocabulary head); ``vocab_size`` when absent. `EagleEngine`
-    refuses a ``topk`` above it.
+    (a reduced-vocabulary head such as EAGLE-3's ``V_d``, the width of
+    ``draft_logits``); ``vocab_size`` when absent. `EagleEngine` refuses a
+    ``topk`` above it.
     """
 
     hidden_size: int
@@ -397,13 +562,22 @@ class SpecModel(Protocol):
 
     def draft_logits(self, hidden) -> torch.Tensor: ...
 
+    def draft_input(self, features) -> torch.Tensor: ...
+
+    def draft_topk(self, hidden, k: int) -> Tuple[torch.Tensor, torch.Tensor]: ...
+
 
 @dataclasses.dataclass
 class EagleModels:
-    """`SpecModel` for a `LlamaTarget` and an `EagleDraft`."""
+    """`SpecModel` for a `LlamaTarget` and an `EagleDraft` or `Eagle3Draft`.
+
+    With an `Eagle3Draft` the target's features are ``[T, 4H]`` (its last
+    layer output, then the draft's ``aux_layers`` captures); otherwise the
+    last layer output ``[T, H]``.
+    """
 
     target: LlamaTarget
-    draft: EagleDraft
+    draft: Union[EagleDraft, Eagle3Draft]
 
     @property
     def hidden_size(self) -> int:
@@ -434,13 +608,25 @@ class EagleModels:
         return self.target.embed.dtype
 
     @property
+    def draft_vocab_size(self) -> int:
+        """Tokens the draft proposes from: an `Eagle3Draft`'s reduced vocabulary
+        ``V_d`` (its ``d2t`` entries), else the target's ``vocab_size``."""
+        d2t = getattr(self.draft, "d2t", None)
+        return self.vocab_size if d2t is None else int(d2t.shape[0])
+
+    @property
+    def capture(self) -> Tuple[int, ...]:
+        """Target layers whose input the draft reads besides the last output."""
+        return getattr(self.draft, "aux_layers", ())
+
+    @property
     def max_positions(self) -> int:
         return self.target.rope.max_positions
 
     def target_forward(self, tokens, positions, slots, metadata, kv, *, backend="auto",
                        num_splits=None):
         return self.target.forward(tokens, positions, slots, metadata, kv, backend=backend,
-                                   num_splits=num_splits)
+                                   num_splits=num_splits, capture=self.capture)
 
     def target_logits(self, hidden):
         return self.target.logits(hidden)
@@ -451,7 +637,16 @@ class EagleModels:
                                   backend=backend, num_splits=num_splits)
 
     def draft_logits(self, hidden):
+        """Logits over the draft's vocabulary (EAGLE-3: ``V_d``, see `draft_topk`)."""
         return self.draft.logits(hidden)
+
+    def draft_input(self, features):
+        """Target features (of `target_forward`) -> the draft's input ``[T, H]``."""
+        return self.draft.input_from_target(self.target, features)
+
+    def draft_topk(self, hidden, k: int):
+        """``[T, H]`` -> ``(logp float32 [T, k], token ids int64 [T, k])``, target ids."""
+        return self.draft.topk(hidden, k)
 
 
 def make_models(preset: str = "tiny", *, draft: str = "derived", alpha: float = 0.05,
@@ -469,6 +664,10 @@ def make_models(preset: str = "tiny", *, draft: str = "derived", alpha: float = 
         dtype: default float64 on CPU, bfloat16 on CUDA.
         num_layers: override the preset's target depth (e.g. fewer layers for a
             quick 8B-shaped check).
+
+    The ``alpha`` scaling is of this function's own random target only: a
+    loaded one (`fa3_spec.eagle.from_pretrained`) is never modified, and its
+    ``"derived"`` draft is `EagleDraft.derived` (a copy of layer 0).
     """
     if preset not in PRESETS:
         raise ValueError(f"preset must be one of {sorted(PRESETS)}, got {preset!r}")

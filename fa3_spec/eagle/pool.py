@@ -8,7 +8,7 @@ A request owns one ``req_to_token`` row of ``cfg.draft_row_len`` positions
 (int32 slots). At admission it gets the pages for every position it can
 touch: committed positions up to ``prompt_len + max_new_tokens``, plus the
 verify window and the topk > 1 draft scratch past the last one (in the layout
-of `draft_positions`: with ``P > 1`` and ``topk > 1`` each branch has its own
+of `fa3_spec.draft_positions`: with ``P > 1`` and ``topk > 1`` each branch has its own
 pages, the first beginning with a copy of the prefix's partial last page).
 Positions past the reservation map to slot 0. Pages come from a shuffled
 free list, so a request's pages are scattered over the pool.
@@ -27,27 +27,6 @@ import torch
 
 from ..config import SpecConfig, cdiv
 from .models import KVCache
-
-
-def draft_positions(cfg: SpecConfig, seq_lens: torch.Tensor) -> torch.Tensor:
-    """Row positions ``[B, K, S]`` of the draft tokens of one iteration.
-
-    ``P > 1`` and ``K > 1``: branch ``t`` owns ``ceil((last + S) / P)`` pages
-    starting at row position ``seq_len - last + t * that * P`` (``last =
-    seq_len % P``), and its draft token ``s`` sits at offset ``last + s``;
-    so branch 0's drafts follow the prefix on its partial last page. Otherwise
-    the ``K * S`` drafts follow the prefix contiguously (branch-major).
-    Traceable (pure arithmetic on ``seq_lens``).
-    """
-    p, k, s = cfg.page_size, cfg.topk, cfg.num_steps
-    seq = seq_lens.to(torch.int64).view(-1, 1, 1)
-    t = torch.arange(k, device=seq.device).view(1, k, 1)
-    step = torch.arange(s, device=seq.device).view(1, 1, s)
-    if p > 1 and k > 1:
-        last = torch.remainder(seq, p)
-        region = torch.div(last + s + p - 1, p, rounding_mode="floor") * p
-        return seq - last + t * region + last + step
-    return seq + t * s + step
 
 
 class KVPool:

@@ -77,7 +77,7 @@ def step_grid(page_sizes: Iterable[int] = (1, 2, 16, 64), topks: Iterable[int] =
     """Whole-step cases: draft iteration, verify (tree when topk > 1), extend.
 
     One configuration per topk (compiling whole steps costs more than
-    builders): page size 2 for topk > 1 when selected (the seed's case),
+    builders): page size 2 for topk > 1 when selected (the #27360 case),
     else the first page size.
     """
     page_sizes = list(page_sizes)
@@ -213,7 +213,7 @@ def _loop_subject(case: AuditCase, device: str) -> _Subject:
     cfg = case.cfg
     models = make_models("tiny", seed=0, device=device,
                          dtype=torch.bfloat16 if device != "cpu" else torch.float32)
-    spec = dc.replace(cfg, num_pages=1 + 2 * cfg.max_bs * -(-cfg.draft_row_len // cfg.page_size))
+    spec = dc.replace(cfg, num_pages=cfg.pool_pages(2 * cfg.max_bs))
     lc = LoopConfig(spec, max_new_tokens=24, backend="auto" if device != "cpu" else "torch")
     engine = EagleEngine(lc, models, device=device)
     prompts, news = workload(cfg.max_bs - 1, page_size=cfg.page_size, max_prompt=32, max_new=24,

@@ -34,6 +34,7 @@ from ..builders import (
     build_target_verify_metadata,
     draft_tail_copy_slots,
 )
+from ..builders.verify import draft_token_positions
 from ..config import SpecConfig
 
 
@@ -153,6 +154,7 @@ def draft_iteration(
     Returns:
         ``[B, K, S - 1, hidden]``: each step's output (the next step's input).
     """
+    cfg = cfg.static()  # every field a compile-time constant, however many configs
     bs, k, s = out_cache_loc.shape
     loc = out_cache_loc.reshape(bs * k, s)
     x = hidden.reshape(bs * k, model.hidden)
@@ -183,6 +185,7 @@ def target_verify_step(
 
     ``hidden``: ``[B, N, hidden]``; returns the same shape.
     """
+    cfg = cfg.static()
     bs, n = hidden.shape[0], cfg.num_draft_tokens
     batch = _batch(req_to_token, req_pool_indices, seq_lens)
     md = build_target_verify_metadata(cfg, **batch, tree_mask=tree_mask)
@@ -197,9 +200,7 @@ def verify_slots(cfg: SpecConfig, *, req_to_token: torch.Tensor,
     padding rows get slot 0 (the dummy page)."""
     view = SpecBatch.create(cfg, req_to_token=req_to_token, req_pool_indices=req_pool_indices,
                             seq_lens=seq_lens).view()
-    n = cfg.num_draft_tokens
-    positions = view.seq_lens.unsqueeze(1) + torch.arange(n, device=seq_lens.device)
-    return view.mask_padding(view.slots(positions), 1).reshape(-1)
+    return view.mask_padding(view.slots(draft_token_positions(view)), 1).reshape(-1)
 
 
 def draft_extend_step(
@@ -222,6 +223,7 @@ def draft_extend_step(
     ``seq_len - extend_seq_len + i``. Returns ``[B, N, hidden]``; rows past
     the real tokens are the (unattended) input passed through the layers.
     """
+    cfg = cfg.static()
     bs, n = hidden.shape[0], cfg.num_draft_tokens
     batch = _batch(req_to_token, req_pool_indices, seq_lens)
     md = build_draft_extend_metadata(cfg, **batch, extend_seq_lens=extend_seq_lens)

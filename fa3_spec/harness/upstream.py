@@ -51,7 +51,7 @@ class UpstreamStyleBuilder:
         self.scatter = scatter or torch.Tensor.scatter_
         rows = cfg.max_bs * max(cfg.topk, cfg.num_draft_tokens)
         i32 = dict(dtype=torch.int32, device=device)
-        self.page_table = torch.zeros(rows, cfg.max_pages, **i32)
+        self.page_table = torch.zeros(rows, cfg.page_table_width, **i32)
         self.cache_seqlens = torch.zeros(rows, **i32)
         self.cu_seqlens_q = torch.zeros(rows + 1, **i32)
         self.cu_seqlens_k = torch.zeros(rows + 1, **i32)

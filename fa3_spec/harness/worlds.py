@@ -18,6 +18,7 @@ from typing import Optional, Sequence
 
 import torch
 
+from ..builders import draft_positions
 from ..config import SpecConfig, cdiv
 from ..tree import tree_mask_from_parents
 
@@ -80,25 +81,6 @@ class World:
             for v in [getattr(self, f.name)]
         }
         return World(**moved)
-
-
-def draft_positions(cfg: SpecConfig, seq_lens: torch.Tensor) -> torch.Tensor:
-    """Row positions ``[B, K, S]`` of the draft tokens (docs/semantics.md).
-
-    ``P > 1`` and ``K > 1``: branch ``t`` owns a page-aligned region of
-    ``ceil((last + S) / P)`` pages starting at ``seq_len - last + t * that *
-    P``, and its token ``s`` sits at offset ``last + s`` of the region.
-    Otherwise the ``K * S`` drafts follow the prefix contiguously.
-    """
-    p, k, s = cfg.page_size, cfg.topk, cfg.num_steps
-    seq = seq_lens.to(torch.int64).view(-1, 1, 1)
-    t = torch.arange(k).view(1, k, 1).to(seq.device)
-    step = torch.arange(s).view(1, 1, s).to(seq.device)
-    if p > 1 and k > 1:
-        last = seq % p
-        region = torch.div(last + s + p - 1, p, rounding_mode="floor") * p
-        return seq - last + t * region + last + step
-    return seq + t * s + step
 
 
 def make_world(

@@ -48,7 +48,7 @@ every live request's block.
 from __future__ import annotations
 
 import dataclasses
-from typing import Dict, Optional, Sequence, Union
+from typing import Dict, NamedTuple, Optional, Sequence, Tuple, Union
 
 import torch
 
@@ -58,11 +58,13 @@ from ..builders import (
     build_draft_iteration_metadata,
     build_target_verify_metadata,
 )
-from .._validate import int_in_range
+from ..builders.verify import attended_slots
 from ..checks import ErrorFlag
 from ..checks import error_flags as _error_flags
-from ..config import SpecConfig, cdiv
+from ..config import SpecConfig, StaticConfig, cdiv
+from ..expand import page_runs
 from ..metadata import CascadeMetadata, FA3Metadata
+from ..paged import BatchView
 from ..tree import tree_mask_from_flat
 
 Buffers = Dict[str, Dict[str, torch.Tensor]]
@@ -80,7 +82,7 @@ VIEW_MODES = ("draft_decode", "target_verify", "draft_extend")
 
 
 @dataclasses.dataclass(frozen=True)
-class SglangConfig:
+class SglangConfig(StaticConfig):
     """Static configuration, in the terms of sglang's FA3 backend.
 
     Args:
@@ -111,21 +113,26 @@ class SglangConfig:
     num_pages: Optional[int] = None
 
     def __post_init__(self) -> None:
-        self.spec_config()  # validates the shared fields
+        spec = SpecConfig(page_size=self.page_size, topk=self.topk, num_steps=self.num_steps,
+                          num_draft_tokens=self.num_draft_tokens, max_bs=self.max_bs,
+                          max_context_len=self.context_len, num_pages=self.num_pages)
+        object.__setattr__(self, "_spec", spec)  # validates the shared fields
         for name in ("pad_seq_len", "pad_req_pool_index"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 0:
                 raise ValueError(f"{name} must be an int >= 0, got {value!r}")
+        self._register()
 
     def spec_config(self) -> SpecConfig:
-        """The fa3_spec configuration the builders run with."""
-        return SpecConfig(page_size=self.page_size, topk=self.topk, num_steps=self.num_steps,
-                          num_draft_tokens=self.num_draft_tokens, max_bs=self.max_bs,
-                          max_context_len=self.context_len, num_pages=self.num_pages)
+        """The fa3_spec configuration the builders run with (built once, static
+        under ``torch.compile``: `fa3_spec.config.StaticConfig`)."""
+        return self._spec.static()
 
     @property
     def max_num_pages(self) -> int:
-        """Width of sglang's request page tables: ``ceil(context_len / P)``."""
+        """Width of sglang's request page tables: ``ceil(context_len / P)`` (sglang's
+        name; narrower than fa3_spec's ``page_table_width``, which also covers the
+        tokens read past ``seq_len``, and not a pool size, which is ``num_pages``)."""
         return cdiv(self.context_len, self.page_size)
 
     @property
@@ -134,61 +141,128 @@ class SglangConfig:
         return self.context_len + 4 + self.num_draft_tokens
 
 
+class BufferSpec(NamedTuple):
+    """One buffer as ``init_cuda_graph_state`` allocates it: its ``shape``, its
+    ``dtype`` and its initial values, ``start + stride * i`` at row ``i``
+    (zeros: both 0; an ``arange``: ``stride`` its step; a constant: ``start``)."""
+
+    shape: Tuple[int, ...]
+    dtype: torch.dtype
+    start: int = 0
+    stride: int = 0
+
+
+def buffer_layout(cfg: SglangConfig, *, step: int = 0) -> Dict[str, Dict[str, BufferSpec]]:
+    """``{set: {name: BufferSpec}}``: every buffer `allocate_buffers` allocates for
+    draft step ``step``, as plain ints (what the fill functions check at trace time).
+
+    Only the topk > 1 draft expand set depends on ``step`` (its table is
+    ``step + 2`` columns wide, and its initial ``cache_seqlens`` and
+    ``cu_seqlens_k`` count ``step + 1`` slots a branch).
+    """
+    cfg = cfg.static()
+    i32, i64 = torch.int32, torch.int64
+    bs, k, n, p, c = cfg.max_bs, cfg.topk, cfg.num_draft_tokens, cfg.page_size, cfg.context_len
+    w, d = cfg.max_num_pages, step + 1
+
+    def zeros(*shape):
+        return BufferSpec(shape, i32)
+
+    def offsets(rows, per_row):  # arange(0, rows * per_row + 1, per_row)
+        return BufferSpec((rows + 1,), i32, 0, per_row)
+
+    strided = BufferSpec((cdiv(c, p),), i64, 0, p)  # arange(0, context_len, P)
+    out = {DECODE: dict(cache_seqlens=zeros(bs), cu_seqlens_q=offsets(bs, 1),
+                        cu_seqlens_k=zeros(bs + 1), page_table=zeros(bs, w),
+                        strided_indices=strided, page_table_draft_decode=zeros(bs, w))}
+    if k > 1:
+        out[DRAFT_TOPK_NORMAL] = dict(cache_seqlens=zeros(bs), cu_seqlens_q=offsets(bs, k),
+                                      cu_seqlens_k=zeros(bs + 1), page_table=zeros(bs, c))
+        out[DRAFT_TOPK_EXPAND] = dict(cache_seqlens=BufferSpec((bs * k,), i32, d),
+                                      cu_seqlens_q=offsets(bs * k, 1), cu_seqlens_k=offsets(bs * k, d),
+                                      page_table=zeros(bs * k, d + 1))
+    out[TARGET_VERIFY] = dict(cache_seqlens=zeros(bs), cu_seqlens_q=offsets(bs, n),
+                              cu_seqlens_k=zeros(bs + 1), page_table=zeros(bs, w),
+                              strided_indices=strided)
+    out[DRAFT_EXTEND] = dict(cache_seqlens=zeros(bs), cu_seqlens_q=zeros(bs + 1),
+                             cu_seqlens_k=zeros(bs + 1), page_table=zeros(bs, w),
+                             strided_indices=strided)
+    if k > 1:
+        out[TARGET_VERIFY_TOPK_NORMAL] = dict(cache_seqlens=zeros(bs), cu_seqlens_q=offsets(bs, n),
+                                              cu_seqlens_k=zeros(bs + 1), page_table=zeros(bs, c))
+        out[TARGET_VERIFY_TOPK_EXPAND] = dict(cache_seqlens=zeros(bs * n),
+                                              cu_seqlens_k=zeros(bs * n + 1),
+                                              cu_seqlens_q=offsets(bs * n, 1),
+                                              page_table=zeros(bs * n, n))
+    return out
+
+
 def allocate_buffers(cfg: SglangConfig, *, step: int = 0, device="cpu") -> Buffers:
     """The buffers ``init_cuda_graph_state`` allocates, same shapes, dtypes and values.
 
     One set per backend instance: the draft worker has one per draft step
     (``step`` sizes the topk > 1 expand buffers, ``step + 2`` columns). Keys
     are sglang's attribute names (`DECODE`, `DRAFT_TOPK_NORMAL`, ...) and,
-    inside, its dictionary keys. Not allocated (not metadata of these modes,
-    or not built by this FA3 configuration): the SWA, encoder, local-attention
-    and scheduler-metadata buffers, and the verify mask.
+    inside, its dictionary keys (`buffer_layout` lists them). Not allocated
+    (not metadata of these modes, or not built by this FA3 configuration):
+    the SWA, encoder, local-attention and scheduler-metadata buffers, and
+    the verify mask.
     """
-    i32 = dict(dtype=torch.int32, device=device)
-    bs, k, n, p, c = cfg.max_bs, cfg.topk, cfg.num_draft_tokens, cfg.page_size, cfg.context_len
-    w, d = cfg.max_num_pages, step + 1
+    def make(spec: BufferSpec) -> torch.Tensor:
+        if spec.stride == 0:
+            return torch.full(spec.shape, spec.start, dtype=spec.dtype, device=device)
+        return spec.start + spec.stride * torch.arange(spec.shape[0], dtype=spec.dtype, device=device)
 
-    def zeros(*shape):
-        return torch.zeros(*shape, **i32)
+    return {name: {key: make(spec) for key, spec in specs.items()}
+            for name, specs in buffer_layout(cfg, step=step).items()}
 
-    def arange(stop, step=1):
-        return torch.arange(0, stop, step, **i32)
 
-    def strided():
-        return torch.arange(0, c, p, device=device)
+def check_buffers(cfg: SglangConfig, buffers: Buffers, mode: str, *, step: int = 0) -> None:
+    """Raise unless ``buffers`` holds the sets ``mode`` uses, allocated for ``step``.
 
-    out: Buffers = {DECODE: {
-        "cache_seqlens": zeros(bs), "cu_seqlens_q": arange(bs + 1),
-        "cu_seqlens_k": zeros(bs + 1), "page_table": zeros(bs, w), "strided_indices": strided(),
-    }}
-    if k > 1:
-        out[DRAFT_TOPK_NORMAL] = {
-            "cache_seqlens": zeros(bs), "cu_seqlens_q": arange(bs * k + 1, k),
-            "cu_seqlens_k": zeros(bs + 1), "page_table": zeros(bs, c),
-        }
-        out[DRAFT_TOPK_EXPAND] = {
-            "cache_seqlens": torch.full((bs * k,), d, **i32), "cu_seqlens_q": arange(bs * k + 1),
-            "cu_seqlens_k": arange(bs * k * d + 1, d), "page_table": zeros(bs * k, d + 1),
-        }
-    out[DECODE]["page_table_draft_decode"] = zeros(bs, w)
-    out[TARGET_VERIFY] = {
-        "cache_seqlens": zeros(bs), "cu_seqlens_q": arange(bs * n + 1, n),
-        "cu_seqlens_k": zeros(bs + 1), "page_table": zeros(bs, w), "strided_indices": strided(),
-    }
-    out[DRAFT_EXTEND] = {
-        "cache_seqlens": zeros(bs), "cu_seqlens_q": zeros(bs + 1), "cu_seqlens_k": zeros(bs + 1),
-        "page_table": zeros(bs, w), "strided_indices": strided(),
-    }
-    if k > 1:
-        out[TARGET_VERIFY_TOPK_NORMAL] = {
-            "cache_seqlens": zeros(bs), "cu_seqlens_q": arange(bs * n + 1, n),
-            "cu_seqlens_k": zeros(bs + 1), "page_table": zeros(bs, c),
-        }
-        out[TARGET_VERIFY_TOPK_EXPAND] = {
-            "cache_seqlens": zeros(bs * n), "cu_seqlens_k": zeros(bs * n + 1),
-            "cu_seqlens_q": arange(bs * n + 1), "page_table": zeros(bs * n, n),
-        }
-    return out
+    Every buffer of those sets must have `buffer_layout`'s shape and dtype
+    (else ``ValueError`` / ``TypeError`` naming the buffer and what it needs).
+    Shapes and dtypes only, so under ``torch.compile`` this runs at trace time
+    and costs nothing. Catches buffers allocated for another draft step (a
+    topk > 1 expand table of the wrong width, which FA3 would read past) or
+    another configuration, and int64 buffers (FA3 reads int32 tables).
+    """
+    cfg = cfg.static()
+    if mode not in VIEW_MODES:
+        raise ValueError(f"mode must be one of {VIEW_MODES}, got {mode!r}")
+    if not isinstance(buffers, dict):
+        raise TypeError(f"buffers must be a dict of buffer sets (allocate_buffers), "
+                        f"got {type(buffers).__name__}")
+    layout = buffer_layout(cfg, step=step)
+    for name in _SETS[mode, cfg.topk > 1]:
+        have = buffers.get(name)
+        if not isinstance(have, dict):
+            raise ValueError(f"buffers has no {name!r} set, which {mode} needs "
+                             f"(allocate_buffers(cfg, step={step}))")
+        for key, spec in layout[name].items():
+            t = have.get(key)
+            label = f"buffers[{name!r}][{key!r}]"
+            if not isinstance(t, torch.Tensor):
+                raise ValueError(f"{label} is missing (allocate_buffers(cfg, step={step}))")
+            if t.dtype != spec.dtype:
+                raise TypeError(f"{label} must have dtype {spec.dtype}, got {t.dtype}")
+            if tuple(t.shape) != spec.shape:
+                width = f" (width {spec.shape[-1]})" if len(spec.shape) == 2 else ""
+                where = f"draft step {step}" if mode == "draft_decode" else mode
+                raise ValueError(
+                    f"{label} has shape {tuple(t.shape)} but {where} needs {spec.shape}{width}: "
+                    f"allocate its set with allocate_buffers(cfg, step={step})")
+
+
+#: The buffer sets each mode fills and reads, by (mode, topk > 1).
+_SETS = {
+    ("draft_decode", False): (DECODE,),
+    ("draft_decode", True): (DRAFT_TOPK_NORMAL, DRAFT_TOPK_EXPAND),
+    ("target_verify", False): (TARGET_VERIFY,),
+    ("target_verify", True): (TARGET_VERIFY_TOPK_NORMAL, TARGET_VERIFY_TOPK_EXPAND),
+    ("draft_extend", False): (DRAFT_EXTEND,),
+    ("draft_extend", True): (DRAFT_EXTEND,),
+}
 
 
 # ----------------------------------------------------------------------- modes
@@ -207,15 +281,19 @@ def draft_decode(cfg: SglangConfig, buffers: Buffers, step: int, *, req_to_token
     first ``step + 1`` slots; ``P == 1``: the first ``step + 1`` columns are
     the slots, ``cache_seqlens`` keeps its init value ``step + 1``).
     ``out_cache_loc``: ``bs * topk * num_steps`` slots (topk > 1 only).
+    Buffers of another step or configuration are refused (`check_buffers`).
     """
+    cfg = cfg.static()
     spec = cfg.spec_config()
+    spec.check_step(step)
+    check_buffers(cfg, buffers, "draft_decode", step=step)
     kwargs = dict(req_to_token=req_to_token, req_pool_indices=req_pool_indices, seq_lens=seq_lens)
     if cfg.topk == 1:
         _write_chain(buffers[DECODE], build_draft_decode_metadata(spec, step, **kwargs),
                      table="page_table_draft_decode")
         return
     casc = build_draft_decode_metadata(spec, step, out_cache_loc=out_cache_loc, **kwargs)
-    _write_draft_prefix(cfg, buffers, casc.prefix, req_to_token, req_pool_indices)
+    _write_draft_prefix(cfg, buffers, casc.prefix, req_to_token, req_pool_indices, seq_lens)
     _write_draft_expand(cfg, buffers, casc.expand, _runs(cfg, out_cache_loc, seq_lens.shape[0]),
                         step)
 
@@ -231,9 +309,12 @@ def draft_iteration(cfg: SglangConfig, step_buffers: Sequence[Buffers], *,
     step's expand table in one fused pass. Same writes as calling
     `draft_decode` per step.
     """
+    cfg = cfg.static()
     if len(step_buffers) != cfg.num_steps - 1:
         raise ValueError(f"step_buffers must hold num_steps - 1 = {cfg.num_steps - 1} sets, "
                          f"got {len(step_buffers)}")
+    for step, buffers in enumerate(step_buffers):
+        check_buffers(cfg, buffers, "draft_decode", step=step)
     steps = build_draft_iteration_metadata(
         cfg.spec_config(), req_to_token=req_to_token, req_pool_indices=req_pool_indices,
         seq_lens=seq_lens, out_cache_loc=out_cache_loc)
@@ -242,7 +323,7 @@ def draft_iteration(cfg: SglangConfig, step_buffers: Sequence[Buffers], *,
         if cfg.topk == 1:
             _write_chain(buffers[DECODE], md, table="page_table_draft_decode")
         else:
-            _write_draft_prefix(cfg, buffers, md.prefix, req_to_token, req_pool_indices)
+            _write_draft_prefix(cfg, buffers, md.prefix, req_to_token, req_pool_indices, seq_lens)
             _write_draft_expand(cfg, buffers, md.expand, runs, step)
 
 
@@ -266,7 +347,9 @@ def target_verify(cfg: SglangConfig, buffers: Buffers, *, req_to_token: torch.Te
     ``live_rows``: bool ``[bs]``, False for padding rows, whose mask sglang
     reads from ``custom_mask[0]``; default `real_rows` (by request index).
     """
+    cfg = cfg.static()
     spec, n = cfg.spec_config(), cfg.num_draft_tokens
+    check_buffers(cfg, buffers, "target_verify")
     kwargs = dict(req_to_token=req_to_token, req_pool_indices=req_pool_indices, seq_lens=seq_lens)
     if cfg.topk == 1:
         _write_chain(buffers[TARGET_VERIFY], build_target_verify_metadata(spec, **kwargs))
@@ -287,15 +370,14 @@ def target_verify(cfg: SglangConfig, buffers: Buffers, *, req_to_token: torch.Te
     normal["cu_seqlens_k"][1:bs + 1].copy_(casc.prefix.cu_seqlens_k[1:])
     _write_live_columns(normal["page_table"][:bs], casc.prefix)
 
-    # Columns past cache_seqlens: the unattended draft slots, ascending.
-    tokens = torch.arange(n, device=seq_lens.device)
-    rows = req_pool_indices.to(torch.int64).clamp(0, req_to_token.shape[0] - 1)
-    cols = (seq_lens.to(torch.int64).unsqueeze(1) + tokens).clamp(0, req_to_token.shape[1] - 1)
-    slots = req_to_token[rows.unsqueeze(1), cols].to(torch.int32)  # [bs, N]
-    order = torch.argsort(torch.where(mask, tokens, tokens + n), dim=-1)
-    every = torch.gather(slots.unsqueeze(1).expand(bs, n, n), 2, order).reshape(bs * n, n)
+    # Columns past cache_seqlens: the unattended draft slots, ascending, as sglang
+    # writes them (its own seq_lens, slots unclamped).
+    view = BatchView(spec, req_to_token, req_pool_indices, seq_lens)
+    positions = seq_lens.to(torch.int64).unsqueeze(1) + torch.arange(n, device=seq_lens.device)
+    every, _ = attended_slots(view.raw_slots(positions), mask)
     read = casc.expand.read_columns()
-    expand["page_table"][:bs * n].copy_(torch.where(read, casc.expand.page_table, every))
+    expand["page_table"][:bs * n].copy_(
+        torch.where(read, casc.expand.page_table, every.reshape(bs * n, n).to(torch.int32)))
     expand["cache_seqlens"][:bs * n].copy_(casc.expand.cache_seqlens)
     expand["cu_seqlens_k"][1:bs * n + 1].copy_(casc.expand.cu_seqlens_k[1:])
 
@@ -312,6 +394,8 @@ def draft_extend(cfg: SglangConfig, buffers: Buffers, *, req_to_token: torch.Ten
     graph (``draft_extend_set_metadata``), which rewrites the live part with
     equal values and also writes ``cu_seqlens_q[0] = cu_seqlens_k[0] = 0``.
     """
+    cfg = cfg.static()
+    check_buffers(cfg, buffers, "draft_extend")
     md = build_draft_extend_metadata(
         cfg.spec_config(), req_to_token=req_to_token, req_pool_indices=req_pool_indices,
         seq_lens=seq_lens, extend_seq_lens=extend_seq_lens)
@@ -319,8 +403,8 @@ def draft_extend(cfg: SglangConfig, buffers: Buffers, *, req_to_token: torch.Ten
     buf["cache_seqlens"][:bs].copy_(md.cache_seqlens)
     buf["cu_seqlens_k"][:bs + 1].copy_(md.cu_seqlens_k)
     buf["cu_seqlens_q"][:bs + 1].copy_(md.cu_seqlens_q)
-    buf["page_table"][:bs].copy_(_full_page_table(cfg, req_to_token, req_pool_indices,
-                                                  cfg.max_num_pages))
+    view = BatchView(cfg.spec_config(), req_to_token, req_pool_indices, seq_lens)
+    buf["page_table"][:bs].copy_(view.full_page_table(cfg.max_num_pages))
 
 
 # ---------------------------------------------------------------- read views
@@ -360,12 +444,14 @@ def metadata_views(cfg: SglangConfig, buffers: Buffers, mode: str, *, step: int 
     Returns:
         `FA3Metadata` (topk = 1, and ``draft_extend``) or `CascadeMetadata`.
     """
-    bs = int_in_range("bs", cfg.max_bs if bs is None else bs, 1, cfg.max_bs, " (max_bs)")
+    cfg = cfg.static()
+    spec, k, n, p, c = cfg.spec_config(), cfg.topk, cfg.num_draft_tokens, cfg.page_size, cfg.context_len
+    bs = spec.check_batch_size(cfg.max_bs if bs is None else bs, minimum=1)
     if mode not in VIEW_MODES:
         raise ValueError(f"mode must be one of {VIEW_MODES}, got {mode!r}")
-    spec, k, n, p, c = cfg.spec_config(), cfg.topk, cfg.num_draft_tokens, cfg.page_size, cfg.context_len
     if mode == "draft_decode":
         spec.check_step(step)
+    check_buffers(cfg, buffers, mode, step=step if mode == "draft_decode" else 0)
 
     def view(name, rows, table="page_table", page_size=p, **statics):
         buf = buffers[name]
@@ -401,6 +487,7 @@ def real_rows(cfg: SglangConfig, req_pool_indices: torch.Tensor) -> torch.Tensor
     pad_seq_len``; the request index is what tells the rows apart (a real
     request may well have ``seq_len == 1``).
     """
+    cfg = cfg.static()
     return req_pool_indices != cfg.pad_req_pool_index
 
 
@@ -445,6 +532,7 @@ def error_flags(cfg: SglangConfig, mode: str, *, req_to_token: torch.Tensor,
     Also flags (``SEQ_LEN_OUT_OF_RANGE``) a live chain row (topk = 1) whose
     verify or draft keys pass sglang's ``ceil(context_len / P)``-page tables.
     """
+    cfg = cfg.static()
     if live_rows is None:
         live_rows = real_rows(cfg, req_pool_indices)
     spec = cfg.spec_config()
@@ -489,43 +577,26 @@ def _write_chain(buf: Dict[str, torch.Tensor], md: FA3Metadata, table: str = "pa
     _write_live_columns(buf[table][:bs], md)
 
 
-def _full_page_table(cfg: SglangConfig, req_to_token, req_pool_indices, width: int):
-    """int32 ``[bs, width]``: ``req_to_token[row, j * P] // P`` for every column.
-
-    What sglang's torch gathers write (prefix of topk > 1 draft decode, draft
-    extend): all ``ceil(context_len / P)`` columns, live or not.
-    """
-    p = cfg.page_size
-    rows = req_pool_indices.to(torch.int64).clamp(0, req_to_token.shape[0] - 1)
-    cols = torch.arange(0, width * p, p, device=req_pool_indices.device)
-    cols = cols.clamp(max=req_to_token.shape[1] - 1)
-    pages = torch.div(req_to_token[rows.unsqueeze(1), cols.unsqueeze(0)].to(torch.int64), p,
-                      rounding_mode="floor")
-    if cfg.num_pages is not None:
-        pages = pages.clamp(0, cfg.num_pages - 1)
-    return pages.to(torch.int32)
-
-
 def _write_draft_prefix(cfg: SglangConfig, buffers: Buffers, prefix: FA3Metadata,
-                        req_to_token, req_pool_indices) -> None:
+                        req_to_token, req_pool_indices, seq_lens) -> None:
+    """The topk > 1 prefix buffers: ``cache_seqlens``, and every one of the
+    ``ceil(context_len / P)`` page columns, as sglang's torch gather writes them."""
     normal, bs = buffers[DRAFT_TOPK_NORMAL], prefix.num_rows
     normal["cache_seqlens"][:bs].copy_(prefix.cache_seqlens)
+    view = BatchView(cfg.spec_config(), req_to_token, req_pool_indices, seq_lens)
     w = cfg.max_num_pages
-    normal["page_table"][:bs, :w].copy_(_full_page_table(cfg, req_to_token, req_pool_indices, w))
+    normal["page_table"][:bs, :w].copy_(view.full_page_table(w))
 
 
 def _runs(cfg: SglangConfig, out_cache_loc, bs: int) -> torch.Tensor:
-    """int64 ``[bs * K, S - 1]``: distinct consecutive pages among each branch's first d slots.
+    """int64 ``[bs * K, S - 1]``: distinct consecutive pages among each branch's
+    first d slots (`fa3_spec.expand.page_runs`, on sglang's unclamped slots).
 
     The columns of the expand table sglang's scatter writes at step ``d - 1``
     are ``0 .. runs[:, d - 1] - 1``.
     """
-    steps = cfg.num_steps - 1
-    loc = out_cache_loc.reshape(bs * cfg.topk, cfg.num_steps)[:, :steps].to(torch.int64)
-    pages = torch.div(loc, cfg.page_size, rounding_mode="floor")
-    opens = torch.ones_like(pages, dtype=torch.bool)
-    opens = torch.cat([opens[:, :1], pages[:, 1:] != pages[:, :-1]], dim=1)
-    return torch.cumsum(opens.to(torch.int64), dim=1)
+    loc = out_cache_loc.reshape(bs * cfg.topk, cfg.num_steps)[:, :cfg.num_steps - 1]
+    return page_runs(loc, cfg.page_size)[2]
 
 
 def _write_draft_expand(cfg: SglangConfig, buffers: Buffers, expand: FA3Metadata,
