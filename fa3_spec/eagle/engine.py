@@ -33,11 +33,11 @@ from typing import Callable, Dict, Iterable, List, Optional, Sequence, Tuple, Un
 
 import torch
 
-from .. import build_decode_metadata
 from ..builders.prefill import build_prefill_metadata, extend_query_positions
 from ..config import SpecConfig
 from ..graphs import CUDAGraphRunner
 from ..probes import recording_host_syncs
+from .decode import decode_step
 from .iteration import LoopConfig, State, eagle_iteration, empty_state, step_in_place
 from .models import KVCache, SpecModel
 from .pool import KVPool
@@ -487,7 +487,7 @@ def greedy_generate(models: SpecModel, prompts: Sequence[Sequence[int]],
     """Plain greedy decoding of the target (no speculation): the reference.
 
     Prefill through `build_prefill_metadata`, then one token per request per
-    step through `build_decode_metadata`, in a pool of its own. Each output
+    step through `fa3_spec.eagle.decode.decode_step`, in a pool of its own. Each output
     stops after ``max_new_tokens[i]`` tokens or its first EOS (included;
     ``eos_ids[i]``: one id or several, as `EagleEngine.submit` takes them).
     ``logits_out``, if given, receives each step's float32 logits ``[B, V]``
@@ -532,10 +532,7 @@ def greedy_generate(models: SpecModel, prompts: Sequence[Sequence[int]],
     if on_step is not None:
         on_step(1, steps)
     for i in range(2, steps + 1):
-        md = build_decode_metadata(spec, req_to_token=r2t, req_pool_indices=rpi, seq_lens=seq + 1)
-        slots = r2t[rpi, seq].to(torch.int64)
-        hidden = models.target_forward(cur, seq, slots, md, pool.target_kv, backend=backend)
-        logits = models.target_logits(hidden)
+        logits = decode_step(models, spec, pool.target_kv, r2t, rpi, seq, cur, backend=backend)
         if logits_out is not None:
             logits_out.append(logits.float().cpu())
         cur = logits.argmax(-1)
