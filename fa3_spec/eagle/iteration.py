@@ -68,7 +68,7 @@ from ..config import SpecConfig
 from ..paged import BatchView, in_pool
 from ..tree import tree_mask_from_parents
 from .models import KVCache, SpecModel
-from .sampling import SamplingParams, choose_rows, sample_tree, state_entries
+from .sampling import SamplingParams, choose_rows, sample_tree, state_entries, walk_tree
 
 #: Emitted tokens per iteration (accepted drafts + bonus) forced in scripted
 #: mode; mean 3.5.
@@ -240,19 +240,10 @@ def _accept(lc: LoopConfig, tokens, parents, next_tokens, live, iters):
         i = torch.arange(depth_max + 1, device=tokens.device)
         path = torch.minimum(i.unsqueeze(0), accepted.unsqueeze(1))
     else:
-        cur = torch.zeros(bs, dtype=torch.int64, device=tokens.device)
-        going = live.clone()
-        accepted = torch.zeros_like(cur)
-        nodes = [cur]
-        for _ in range(depth_max):
-            want = next_tokens.gather(1, cur.unsqueeze(1))  # target's argmax at cur
-            child = (parents == cur.unsqueeze(1)) & (tokens == want)
-            found = child.any(-1) & going
-            cur = torch.where(found, child.int().argmax(-1), cur)
-            accepted = accepted + found.long()
-            going = found
-            nodes.append(cur)
-        path = torch.stack(nodes, 1)
+        def argmax_child(cur, child):  # the child whose token is the target's argmax at cur
+            return child & (tokens == next_tokens.gather(1, cur.unsqueeze(1)))
+
+        path, accepted = walk_tree(parents, live, depth_max, argmax_child)
     accepted = torch.where(live, accepted, 0)
     last = path.gather(1, accepted.unsqueeze(1))
     bonus = next_tokens.gather(1, last).squeeze(1)

@@ -265,6 +265,31 @@ def sample_tokens(logits: torch.Tensor, params: SamplingParams,
     return torch.where(params.temperature > 0, drawn, logits.argmax(-1))
 
 
+def walk_tree(parents: torch.Tensor, live: torch.Tensor, max_depth: int, accepted_child
+              ) -> Tuple[torch.Tensor, torch.Tensor]:
+    """Walk down a draft tree from the root, ``max_depth`` steps at most.
+
+    ``accepted_child(cur [B], child [B, N]) -> [B, N]`` marks, among the
+    children of the current node (``child``), those accepted; the walk moves
+    to the first one and stops where none is. The greedy walk (the child
+    whose token is the target's argmax) and the sampled one differ only in
+    it. Returns ``path [B, D + 1]`` (entries past the accepted depth repeat
+    the last node) and ``accepted [B]`` (0 on rows that are not ``live``).
+    """
+    cur = torch.zeros(parents.shape[0], dtype=torch.int64, device=parents.device)
+    going = live
+    accepted = torch.zeros_like(cur)
+    nodes = [cur]
+    for _ in range(max_depth):
+        hit = accepted_child(cur, parents == cur.unsqueeze(1))
+        found = hit.any(-1) & going
+        cur = torch.where(found, hit.int().argmax(-1), cur)
+        accepted = accepted + found.long()
+        going = found
+        nodes.append(cur)
+    return torch.stack(nodes, 1), torch.where(live, accepted, 0)
+
+
 def speculative_walk(probs: torch.Tensor, tokens: torch.Tensor, parents: torch.Tensor,
                      live: torch.Tensor, u: torch.Tensor, max_depth: int):
     """Recursive rejection sampling down a tree of point-mass drafts (module docstring).
@@ -301,24 +326,15 @@ def speculative_walk(probs: torch.Tensor, tokens: torch.Tensor, parents: torch.T
     earlier = node.view(1, n, 1) > node.view(1, 1, n)  # [1, j, i]: i before j
     same = (tok.unsqueeze(2) == tok.unsqueeze(1)) & earlier  # [B, j, i]
     mass = probs.sum(-1)  # [B, N], 1 up to rounding
-    cur = torch.zeros(bs, dtype=torch.int64, device=tokens.device)
-    going = live
-    accepted = torch.zeros_like(cur)
-    nodes = [cur]
-    for _ in range(max_depth):
-        child = parents == cur.unsqueeze(1)  # [B, N]
+
+    def accepted_child(cur, child):
         p = flat.gather(1, cur.unsqueeze(1) * v + tok)  # p_cur(x_j)
         tried_before = (same & child.unsqueeze(1)).any(-1)
         p = torch.where(child & ~tried_before, p, 0)
         left = mass.gather(1, cur.unsqueeze(1)) - (torch.cumsum(p, dim=1) - p)
-        hit = child & (u * left < p)
-        found = hit.any(-1) & going
-        cur = torch.where(found, hit.int().argmax(-1), cur)
-        accepted = accepted + found.long()
-        going = found
-        nodes.append(cur)
-    path = torch.stack(nodes, 1)
-    accepted = torch.where(live, accepted, 0)
+        return child & (u * left < p)
+
+    path, accepted = walk_tree(parents, live, max_depth, accepted_child)
     last = path.gather(1, accepted.unsqueeze(1))  # [B, 1]
     # Residual at the last node: every child of it was tried and rejected (or it has none).
     residual = probs.gather(1, last.unsqueeze(-1).expand(bs, 1, v)).squeeze(1)
