@@ -157,7 +157,7 @@ def page_runs(slots: torch.Tensor, page_size: int) -> tuple[torch.Tensor, torch.
     counts are a triangular-mask sum rather than a ``cumsum``: for small ``d``
     inductor unrolls it, and the whole table is one fused kernel.
 
-        >>> page_runs(torch.tensor([[5, 6, 7, 8]]), 2)[2].tolist()   # pages 2 3 3 4
+        >>> page_runs(torch.tensor([[5, 6, 7, 8]]), 2)[2].tolist()   # pages 2 3 3 4; ok-host: doctest
         [[1, 2, 2, 3]]
     """
     d = slots.shape[1]

@@ -20,7 +20,7 @@ Two readings of a slot, for two purposes:
     ...                           max_bs=2, max_context_len=5)
     >>> r2t = torch.arange(12, dtype=torch.int32).view(2, 6) + 2   # row 1: slots 8 .. 13
     >>> view = BatchView(cfg, r2t, torch.tensor([1]), torch.tensor([3]))
-    >>> view.full_page_table(3).tolist(), view.page_table(view.seq_lens, 3).tolist()
+    >>> view.full_page_table(3).tolist(), view.page_table(view.seq_lens, 3).tolist()  # ok-host: doctest
     ([[4, 5, 6]], [[4, 5, 0]])
 """
 

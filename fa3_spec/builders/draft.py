@@ -270,7 +270,7 @@ def draft_positions(cfg: SpecConfig, seq_lens: torch.Tensor) -> torch.Tensor:
 
         >>> cfg = SpecConfig(page_size=2, topk=2, num_steps=4, num_draft_tokens=4,
         ...                  max_bs=1, max_context_len=8)
-        >>> draft_positions(cfg, torch.tensor([5])).tolist()   # last = 1, 3 pages a branch
+        >>> draft_positions(cfg, torch.tensor([5])).tolist()   # last = 1, 3 pages a branch; ok-host: doctest
         [[[5, 6, 7, 8], [11, 12, 13, 14]]]
     """
     cfg = static_config(cfg)
