@@ -22,6 +22,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import statistics
 import sys
 import time
 
@@ -31,48 +32,30 @@ import torch.nn.functional as F
 import fa3_spec
 from fa3_spec.eagle import KVPool, make_models
 from fa3_spec.eagle.decode import decode_step
-from fa3_spec.graphs import compile_fullgraph
+from fa3_spec.graphs import capture, compile_fullgraph
+
+import timing
+
+
+def _graph(fn, inner: int = 1):
+    """``fn`` called ``inner`` times, captured as one CUDA graph after a side-stream warm-up."""
+    graph, _ = capture(lambda: [fn() for _ in range(inner)], warmup=2)
+    return graph
 
 
 def replay_ms(fn, reps: int = 50, inner: int = 1) -> float:
     """Median ms of one ``fn()`` captured as a CUDA graph (``inner`` calls per graph)."""
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        for _ in range(2):
-            fn()
-    torch.cuda.current_stream().wait_stream(side)
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        for _ in range(inner):
-            fn()
-    for _ in range(3):
-        g.replay()
-    times = []
-    for _ in range(reps):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        g.replay()
-        b.record()
-        b.synchronize()
-        times.append(a.elapsed_time(b) / inner)
-    return sorted(times)[len(times) // 2]
+    _, device = timing.event_samples(_graph(fn, inner).replay, reps, warmup=3)
+    return statistics.median(device) * 1e3 / inner
 
 
 def kernels_per_call(fn) -> int:
     from torch.profiler import ProfilerActivity, profile
 
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        fn()
-    torch.cuda.current_stream().wait_stream(side)
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        fn()
+    graph = _graph(fn)
     torch.cuda.synchronize()
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
-        g.replay()
+        graph.replay()
         torch.cuda.synchronize()
     return sum(1 for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA)
 
