@@ -79,8 +79,8 @@ from fa3_spec.integrations import sglang
 
 import timing
 
-#: (page_size, topk, num_steps, num_draft_tokens): the issue's three configs
-#: (the seed's P = 2, topk = 8 with its 5 steps and 16 draft tokens).
+#: (page_size, topk, num_steps, num_draft_tokens): a chain, a small tree, and the
+#: #27360 shape (P = 2, topk = 8, 5 steps, 16 draft tokens).
 CONFIGS = [(16, 1, 5, 6), (16, 4, 5, 8), (2, 8, 5, 16)]
 BATCHES = [1, 8, 32, 64]
 SGLANG_SOURCE = f"sglang-{SGLANG_VERSION} replay functions"
@@ -491,7 +491,7 @@ def bench_point(cfg_tuple, batch, args, models, bandwidth=None) -> dict:
     row["c_greedy"] = c
     restore()
 
-    # The flat fields; floors from the bytes each forward reads.
+    # Flat per-row fields (loop_h200.json); floors from the bytes each forward reads.
     row.update(a_ms_per_iteration=a["ms_per_iteration"], a_gpu_idle=a["gpu_idle_share"],
                a_tokens_per_s=a["tokens_per_s"], c_ms_per_token=c["ms_per_iteration"],
                c_tokens_per_s=c["tokens_per_s"],
@@ -580,7 +580,7 @@ def main(argv=None) -> int:
     ap.add_argument("--num-layers", type=int, default=None)
     ap.add_argument("--batches", type=int, nargs="+", default=None)
     ap.add_argument("--configs", nargs="+", default=None,
-                    help="P,topk,steps,N tuples, e.g. 16,4,5,8 (default: the issue's three)")
+                    help="P,topk,steps,N tuples, e.g. 16,4,5,8 (default: the three CONFIGS)")
     ap.add_argument("--context", type=int, default=None, help="prompt tokens per request")
     ap.add_argument("--iters", type=int, default=None)
     ap.add_argument("--max-new-tokens", type=int, default=None)
