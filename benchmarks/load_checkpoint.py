@@ -255,6 +255,13 @@ def main(argv=None) -> int:
         out["build_s"] = build(target_dir, head_dir, shape, layers, dtype=dtype,
                                device=args.device, draft_vocab=min(32000, shape.vocab_size // 2),
                                max_positions=256 if args.smoke else 131072)
+
+    def save():  # after every stage, so that a run cut short keeps what it measured
+        if args.json:
+            path = pathlib.Path(args.json)
+            path.parent.mkdir(parents=True, exist_ok=True)
+            path.write_text(json.dumps(out, indent=1))
+
     out["read"] = read_files(target_dir, args.device, args.reps)
     out["load"] = load(target_dir, args.device, args.reps)
     out["load_over_read_and_copy"] = out["load"]["load_s"] / out["read"]["read_and_copy_s"]
@@ -264,6 +271,7 @@ def main(argv=None) -> int:
           f"{out['load']['anon_growth'] / 2**30:.2f} GiB (one layer "
           f"{out['load']['layer_bytes'] / 2**30:.2f} GiB; mapped file pages "
           f"{out['load']['file_mapped_peak'] / 2**30:.2f} GiB)", flush=True)
+    save()
 
     rows = out["loop"] = []
     runs = [("preset random", lambda: make_models(preset, draft="random", dtype=dtype,
@@ -280,11 +288,9 @@ def main(argv=None) -> int:
             torch.cuda.empty_cache()
         print(f"{label}: {rows[-1]['tokens_per_s']:.1f} tokens/s ({rows[-1]['acceptance']})",
               flush=True)
+        save()
     out["loaded_over_preset_tokens_per_s"] = rows[1]["tokens_per_s"] / rows[0]["tokens_per_s"]
-    if args.json:
-        path = pathlib.Path(args.json)
-        path.parent.mkdir(parents=True, exist_ok=True)
-        path.write_text(json.dumps(out, indent=1))
+    save()
     return 0
 
 
