@@ -78,7 +78,8 @@ def check(preset, p, k, s, n, *, batch=4, requests=8, max_new=32, prompt_len=48,
                   unexplained_divergences=len(unexplained), divergence_gaps=gaps,
                   mean_accept_len=round(sum(acc) / len(acc), 3), iterations=eng.stats["iterations"],
                   host_syncs_per_iteration=max(eng.stats["host_syncs"]),
-                  compile=compile_backend, buckets=eng.buckets)
+                  compile=compile_backend, buckets=eng.buckets, dynamic_batch=eng.dynamic_batch,
+                  frames=eng.runner.compile_counter.frame_count)
     print("EAGLE-GPU " + json.dumps(report))
     assert not unexplained, unexplained
     assert report["host_syncs_per_iteration"] == 0
@@ -100,9 +101,18 @@ def test_llama3_8b_shapes_match_greedy_up_to_near_ties(p, k, s, n):
 
 
 def test_llama3_8b_shapes_compiled_by_default_match_greedy_up_to_near_ties():
-    """The default on CUDA: inductor (one static frame per bucket)."""
+    """The default on CUDA: inductor (a single bucket: one static frame, the layers
+    as nested compile regions)."""
     check("llama3-8b", 2, 8, 5, 16, batch=4, requests=6, max_new=24, prompt_len=200,
           buckets=[4], compile_backend="auto", label="llama3-8b-inductor")
+
+
+def test_inductor_with_a_dynamic_batch_and_inline_layers_matches_greedy_up_to_near_ties():
+    """The default for several buckets: inductor, one dynamic frame for buckets 2 and 4
+    (the layers inline, index propagation off), one static frame for bucket 1."""
+    report = check("tiny", 2, 8, 5, 16, batch=4, requests=10, buckets=[1, 2, 4],
+                   compile_backend="auto", label="tiny-inductor-dynamic")
+    assert report["dynamic_batch"] and report["frames"] == 2
 
 
 def test_eager_iteration_has_zero_host_syncs():

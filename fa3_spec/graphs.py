@@ -181,7 +181,9 @@ class CUDAGraphRunner:
         backend: ``torch.compile`` backend (``"inductor"`` on GPU); None
             with ``"manual"``: capture the step uncompiled.
         dynamic_batch: mark the batch dimension dynamic so buckets share a
-            compiled graph (``"manual"``).
+            compiled graph (``"manual"``, ``"compile"``); False compiles with
+            ``dynamic=False``: one static frame per bucket, whatever was
+            compiled before in the process.
         warmup: eager-compiled runs before each capture.
         cache_path: a file for PyTorch's compile caches: loaded (if it
             exists) before the first compile, written after `capture`, so a
@@ -241,7 +243,11 @@ class CUDAGraphRunner:
             self.compiled_step = torch.compile(step, fullgraph=True, backend="inductor",
                                                options={"triton.cudagraphs": True, **options})
         else:  # manual, compile
-            self.compiled_step = torch.compile(step, fullgraph=True, backend=self.compile_counter)
+            # A static runner says so (dynamic=False): dynamo would otherwise make
+            # the batch symbolic by itself when the same step code was compiled
+            # before at another batch, e.g. by an earlier runner of one bucket.
+            self.compiled_step = torch.compile(step, fullgraph=True, backend=self.compile_counter,
+                                               dynamic=None if dynamic_batch else False)
 
     @property
     def captured(self) -> bool:

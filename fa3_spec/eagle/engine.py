@@ -11,9 +11,9 @@ in static device buffers of ``max_bs`` rows. Between iterations the host
 * launches one iteration for the smallest bucket that covers every occupied
   row (``state[:bucket]``) through a `fa3_spec.graphs.CUDAGraphRunner` over
   caller-owned buffers (the state's bucket views): on CUDA the iteration is
-  compiled once with inductor (the batch dimension dynamic, so every bucket
-  above 1 shares one compiled frame) and captured as one CUDA graph per
-  bucket; on CPU it is called, eagerly by default;
+  compiled with inductor (the batch dimension dynamic, so every bucket
+  above 1 shares one compiled frame, `EagleEngine`'s ``dynamic_batch``) and
+  captured as one CUDA graph per bucket; on CPU it is called, eagerly by default;
 * copies the state's outputs into pinned host memory with a non-blocking
   copy and records an event, then handles the *previous* iteration's copy:
   the host runs one iteration ahead of what it has read. Finished requests
@@ -35,7 +35,7 @@ import torch
 
 from ..builders.prefill import build_prefill_metadata, extend_query_positions
 from ..config import SpecConfig
-from ..graphs import CUDAGraphRunner
+from ..graphs import INDUCTOR_OPTIONS, CUDAGraphRunner
 from ..probes import recording_host_syncs
 from .decode import decode_step
 from .iteration import LoopConfig, State, eagle_iteration, empty_state, step_in_place
@@ -154,6 +154,15 @@ class EagleEngine:
         cache_path: a file for PyTorch's compile caches (loaded before the
             first compile, written after `capture`), so a restarted process
             skips most of inductor's work.
+        dynamic_batch: compile one frame, the batch dimension dynamic, for
+            every bucket above 1 (bucket 1 is always its own frame). None
+            (default): dynamic unless the backend is inductor with at most one
+            bucket above 1. With inductor a dynamic batch traces the layers
+            inline instead of as nested compile regions
+            (`EagleModels.with_compile_regions`): fewer compiles for many
+            buckets, a slower one for a single bucket, the same ms per
+            iteration (measured in ``benchmarks/RESULTS.md``). The attribute
+            ``dynamic_batch`` says what was chosen.
         device: where everything lives.
         seed: pool page shuffle.
         count_syncs: on CUDA, count synchronizing calls during each iteration
@@ -163,7 +172,8 @@ class EagleEngine:
     def __init__(self, lc: LoopConfig, models: SpecModel, *, max_reqs: Optional[int] = None,
                  buckets: Optional[Sequence[int]] = None, graphs: Optional[bool] = None,
                  compile_backend: Optional[str] = "auto", cache_path: Optional[str] = None,
-                 device="cpu", seed: int = 0, count_syncs: bool = False):
+                 dynamic_batch: Optional[bool] = None, device="cpu", seed: int = 0,
+                 count_syncs: bool = False):
         if lc.spec.topk > _draft_vocab_size(models):
             raise ValueError(
                 f"topk={lc.spec.topk} exceeds the draft's vocabulary of "
@@ -201,22 +211,33 @@ class EagleEngine:
         self.count_syncs = count_syncs and cuda
         self._views: Dict[int, State] = {}
 
+        shared = [b for b in self.buckets if b > 1]
+        self.dynamic_batch = (len(shared) > 1 or backend != "inductor") if dynamic_batch is None \
+            else bool(dynamic_batch)
+        step_models, options = models, None
+        if backend == "inductor" and self.dynamic_batch:
+            # Inductor cannot compile the layers' nested compile regions with a
+            # symbolic batch, nor (torch 2.13, CPU) index propagation through
+            # the symbolic loop ranges of this graph ("vr must not be None"):
+            # the layers trace inline and index propagation is off. Measured on
+            # the H200 (benchmarks/RESULTS.md): same ms per iteration, one
+            # compile for every bucket above 1.
+            if hasattr(models, "with_compile_regions"):
+                step_models = models.with_compile_regions(False)
+            options = {**INDUCTOR_OPTIONS, "constant_and_index_propagation": False}
+
         def iteration(**st: torch.Tensor) -> dict:
-            step_in_place(lambda s: eagle_iteration(lc, models, self.pool.target_kv,
+            step_in_place(lambda s: eagle_iteration(lc, step_models, self.pool.target_kv,
                                                     self.pool.draft_kv, self.pool.req_to_token, s),
                           st)
             return {}
 
         strategy = "manual" if graphs else ("eager" if backend == "none" else "compile")
-        # Inductor compiles each bucket at its own static batch: the layers'
-        # nested compile regions with a symbolic batch fail in inductor's
-        # codegen (torch 2.11 and 2.13: "expected [s10] to have been
-        # codegen-ed" / "vr must not be None"); other backends share one
-        # frame across the buckets above 1.
         self.runner = CUDAGraphRunner(
             iteration, buckets=self.buckets, strategy=strategy,
             backend=None if backend == "none" else backend, buffers=self.bucket_state,
-            dynamic_batch=backend != "inductor", warmup=1, cache_path=cache_path)
+            dynamic_batch=self.dynamic_batch, warmup=1, cache_path=cache_path,
+            inductor_options=options)
         self._waiting: List[Request] = []
         self._slots: List[Optional[Request]] = [None] * self.max_bs
         self._done: Dict[int, Request] = {}

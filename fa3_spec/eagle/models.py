@@ -255,7 +255,6 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
     return torch.cat([x1 * c - x2 * s, x2 * c + x1 * s], -1).to(x.dtype)
 
 
-@torch.compiler.nested_compile_region
 def attention_inputs(shape: ModelShape, w: LayerWeights, x: torch.Tensor, cos: torch.Tensor,
                      sin: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """``x [T, H_in]`` -> ``q [T, H_q, D]``, ``k, v [T, H_kv, D]`` (RMSNorm unless
@@ -268,7 +267,6 @@ def attention_inputs(shape: ModelShape, w: LayerWeights, x: torch.Tensor, cos: t
             v.reshape(t, hkv, d))
 
 
-@torch.compiler.nested_compile_region
 def attention_output_and_mlp(shape: ModelShape, w: LayerWeights, x: torch.Tensor,
                              attn: torch.Tensor) -> torch.Tensor:
     """The rest of the layer: ``x + attn @ wo``, then RMSNorm and the SwiGLU MLP
@@ -279,10 +277,15 @@ def attention_output_and_mlp(shape: ModelShape, w: LayerWeights, x: torch.Tensor
     return x + (F.silu(gate) * up) @ w.w_down
 
 
+#: `attention_inputs` and `attention_output_and_mlp` as nested compile regions.
+_REGIONS = (torch.compiler.nested_compile_region(attention_inputs),
+            torch.compiler.nested_compile_region(attention_output_and_mlp))
+
+
 def decoder_layer(shape: ModelShape, w: LayerWeights, x: torch.Tensor, cos: torch.Tensor,
                   sin: torch.Tensor, slots: torch.Tensor, metadata, k_cache: torch.Tensor,
                   v_cache: torch.Tensor, backend: str, num_splits: Optional[int],
-                  attn_in: Optional[torch.Tensor] = None) -> torch.Tensor:
+                  attn_in: Optional[torch.Tensor] = None, regions: bool = True) -> torch.Tensor:
     """One layer on ``x [T, H]``: write K/V of the T tokens at ``slots``, then attend.
 
     ``attn_in``: what the attention reads when it is not ``x`` (the EAGLE-3
@@ -294,20 +297,26 @@ def decoder_layer(shape: ModelShape, w: LayerWeights, x: torch.Tensor, cos: torc
     ``metadata`` (an `fa3_spec.FA3Metadata` or `fa3_spec.CascadeMetadata`)
     says which keys each query reads; the K/V just written are among them.
 
-    The two dense parts are nested compile regions (`attention_inputs`,
-    `attention_output_and_mlp`): under ``torch.compile`` every layer of the
-    model, and the draft's layer of the same shapes, reuses one compiled body
-    of each, so compile time does not grow with depth. The cache write and
+    With ``regions`` (the default) the two dense parts are nested compile
+    regions (`attention_inputs`, `attention_output_and_mlp`): under
+    ``torch.compile`` every layer of the model, and the draft's layer of the
+    same shapes, reuses one compiled body of each, so compile time does not
+    grow with depth. Inductor cannot yet compile such regions with a symbolic
+    batch (torch 2.11/2.13: "expected [s10] to have been codegen-ed"), so a
+    model compiled with a dynamic batch traces them inline
+    (``regions=False``, the models' ``compile_regions`` field). The cache write and
     the attention sit between them, traced inline: a region must not mutate
     its inputs (torch 2.11's functionalization refuses a mutating custom op
     inside one), and the metadata differs per forward. Eagerly all of it is
     plain calls.
     """
-    q, k, v = attention_inputs(shape, w, x if attn_in is None else attn_in, cos, sin)
+    inputs, output_and_mlp = _REGIONS if regions else (attention_inputs,
+                                                       attention_output_and_mlp)
+    q, k, v = inputs(shape, w, x if attn_in is None else attn_in, cos, sin)
     store_kv(k_cache, v_cache, slots, k, v)
     attn = cascade_attention(q, k_cache, v_cache, metadata, backend=backend,
                              num_splits=num_splits)
-    return attention_output_and_mlp(shape, w, x, attn)
+    return output_and_mlp(shape, w, x, attn)
 
 
 def _layer_slots(kv: "KVCache", slots: torch.Tensor) -> torch.Tensor:
@@ -329,6 +338,7 @@ class LlamaTarget:
     norm: torch.Tensor  # [H]
     lm_head: torch.Tensor  # [H, V]
     rope: RopeTable
+    compile_regions: bool = True  # `decoder_layer`'s ``regions``
 
     @classmethod
     def random(cls, shape: ModelShape, *, seed: int = 0, dtype=torch.float32,
@@ -363,7 +373,7 @@ class LlamaTarget:
         for i, w in enumerate(self.layers):
             captured[i] = x
             x = decoder_layer(self.shape, w, x, cos, sin, slots, metadata, kv.k[i], kv.v[i],
-                              backend, num_splits)
+                              backend, num_splits, regions=self.compile_regions)
         if not capture:
             return x
         captured[len(self.layers)] = x
@@ -401,6 +411,7 @@ class EagleDraft:
     rope: RopeTable  # shared with the target
     fc_bias: Optional[torch.Tensor] = None  # [H]
     normed_target: bool = False  # reads the target's post-norm hidden state
+    compile_regions: bool = True  # `decoder_layer`'s ``regions``
 
     @classmethod
     def random(cls, target: LlamaTarget, *, seed: int = 1) -> "EagleDraft":
@@ -442,7 +453,8 @@ class EagleDraft:
             x = x + self.fc_bias
         cos, sin = self.rope.at(positions)
         return decoder_layer(self.shape, self.layer, x, cos, sin, _layer_slots(kv, slots),
-                             metadata, kv.k[0], kv.v[0], backend, num_splits)
+                             metadata, kv.k[0], kv.v[0], backend, num_splits,
+                             regions=self.compile_regions)
 
     def input_from_target(self, target: "LlamaTarget", hidden: torch.Tensor) -> torch.Tensor:
         """The target's last-layer output ``[T, H]`` as this head reads it."""
@@ -491,6 +503,7 @@ class Eagle3Draft:
     aux_layers: Tuple[int, ...]  # target layers whose input fc reads (low, middle, high)
     fc_bias: Optional[torch.Tensor] = None  # [H]
     norm_before_residual: bool = False
+    compile_regions: bool = True  # `decoder_layer`'s ``regions``
 
     def input_from_target(self, target: "LlamaTarget", features: torch.Tensor) -> torch.Tensor:
         """`LlamaTarget.forward`'s ``[T, 4H]`` (captures of ``aux_layers``) -> ``[T, H]``."""
@@ -510,7 +523,8 @@ class Eagle3Draft:
         residual = normed if self.norm_before_residual else hidden
         cos, sin = self.rope.at(positions)
         return decoder_layer(self.shape, self.layer, residual, cos, sin, _layer_slots(kv, slots),
-                             metadata, kv.k[0], kv.v[0], backend, num_splits, attn_in=attn_in)
+                             metadata, kv.k[0], kv.v[0], backend, num_splits, attn_in=attn_in,
+                             regions=self.compile_regions)
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """``[T, H] -> [T, V_d]``: logits over the draft vocabulary."""
@@ -618,6 +632,13 @@ class EagleModels:
     def capture(self) -> Tuple[int, ...]:
         """Target layers whose input the draft reads besides the last output."""
         return getattr(self.draft, "aux_layers", ())
+
+    def with_compile_regions(self, enabled: bool) -> "EagleModels":
+        """The same models (weights shared, not copied) whose layers trace as
+        nested compile regions (``True``) or inline (``False``); see
+        `decoder_layer`. Eagerly the two are the same calls."""
+        return EagleModels(dataclasses.replace(self.target, compile_regions=enabled),
+                           dataclasses.replace(self.draft, compile_regions=enabled))
 
     @property
     def max_positions(self) -> int:

@@ -144,6 +144,33 @@ def check_sampling_params(temperature: float, top_k: int, top_p: float,
 
 
 # ------------------------------------------------------------------ distribution
+#: Block of `vocab_cumsum`'s inner scans.
+SCAN_BLOCK = 1024
+
+
+def vocab_cumsum(x: torch.Tensor, block: int = SCAN_BLOCK) -> torch.Tensor:
+    """``torch.cumsum(x, -1)`` over a vocabulary-sized last dimension, as two short scans.
+
+    ``x [..., V]`` is zero-padded to ``nb * block`` and viewed as ``[..., nb,
+    block]``: an inclusive scan inside each block, plus the exclusive scan of
+    the ``nb`` block totals. Same values up to summation order. Why: inductor
+    (torch 2.11, CUDA) turns one scan of 128K elements over few rows into a
+    split scan whose code generation fails ("list indices must be integers or
+    slices, not NoneType"); scans of ``block`` and ``nb`` elements are not split.
+
+    Example: ``vocab_cumsum(torch.ones(5), block=2)`` pads to ``[[1, 1], [1, 1],
+    [1, 0]]``: inner ``[[1, 2], [1, 2], [1, 1]]``, block offsets ``[0, 2, 4]``,
+    so ``[1, 2, 3, 4, 5]``.
+    """
+    v = x.shape[-1]
+    nb = -(-v // block)
+    blocks = torch.nn.functional.pad(x, (0, nb * block - v)).unflatten(-1, (nb, block))
+    inner = torch.cumsum(blocks, dim=-1)
+    totals = inner[..., -1]
+    offsets = torch.cumsum(totals, dim=-1) - totals
+    return (inner + offsets.unsqueeze(-1)).flatten(-2)[..., :v]
+
+
 def filtered_probs(logits: torch.Tensor, temperature: torch.Tensor, top_k: torch.Tensor,
                    top_p: torch.Tensor) -> torch.Tensor:
     """The target's sampling distribution per row: temperature, then top-k, then top-p.
@@ -178,7 +205,7 @@ def filtered_probs(logits: torch.Tensor, temperature: torch.Tensor, top_k: torch
     rank = torch.arange(v, device=logits.device)
     in_k = rank < k
     ps = torch.softmax(torch.where(in_k, s, float("-inf")), dim=-1)
-    before = torch.cumsum(ps, dim=-1) - ps
+    before = vocab_cumsum(ps) - ps
     keep = in_k & ((before < p_cut) | (p_cut >= 1) | (rank == 0))
     cutoff = s.gather(-1, keep.sum(-1, keepdim=True) - 1)  # the last kept logit
     probs = torch.softmax(torch.where(z >= cutoff, z, float("-inf")), dim=-1)
@@ -243,7 +270,7 @@ def sample_categorical(weights: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
     row of zero total weight gives its argmax (0): callers never produce one
     in exact arithmetic.
     """
-    cdf = torch.cumsum(weights, dim=-1)
+    cdf = vocab_cumsum(weights)
     threshold = u.unsqueeze(-1) * cdf[..., -1:]
     drawn = (cdf <= threshold).sum(-1)
     rank = torch.arange(weights.shape[-1], device=weights.device)

@@ -1,0 +1,120 @@
+"""Compile + capture of the EAGLE engine: one dynamic frame for every bucket, or one static frame each.
+
+`EagleEngine(dynamic_batch=...)` with inductor:
+
+  dynamic  the buckets above 1 share one frame with a symbolic batch; the
+           layers trace inline (inductor cannot compile the nested regions
+           with a symbolic batch) and inductor's index propagation is off;
+           bucket 1 is its own static frame.
+  static   one frame per bucket, the layers as nested compile regions.
+
+Per mode, in a fresh process each: compile + capture of ``--buckets`` (seconds
+per bucket), then ms per iteration (20 replays after 3, synced) at each of
+``--time-batches``, scripted acceptance, `llama3-8b` shapes, P 2 / topk 8 /
+5 steps / N 16, context 1024. ``--restart`` adds a second dynamic process
+that loads the first one's compile cache file (`cache_path=`).
+
+    python3 benchmarks/compile_modes.py --json benchmarks/results/compile_modes_h200.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+
+import torch
+
+import fa3_spec
+from fa3_spec.eagle import DEFAULT_SCRIPT, EagleEngine, LoopConfig, make_models
+
+
+def child(mode: str, cache: str, buckets, timed, num_layers) -> dict:
+    torch.manual_seed(0)
+    models = make_models("llama3-8b", draft="random", device="cuda", num_layers=num_layers)
+    spec = fa3_spec.SpecConfig(page_size=2, topk=8, num_steps=5, num_draft_tokens=16,
+                               max_bs=max(buckets), max_context_len=1024 + 400)
+    spec = dataclasses.replace(spec, num_pages=spec.pool_pages(max(buckets)))
+    lc = LoopConfig(spec, max_new_tokens=300, backend="fa3", scripted=DEFAULT_SCRIPT)
+    eng = EagleEngine(lc, models, buckets=buckets, device="cuda", cache_path=cache or None,
+                      dynamic_batch=mode == "dynamic")
+    t0 = time.perf_counter()
+    per = eng.capture()
+    out = dict(mode=mode, seconds=round(time.perf_counter() - t0, 2),
+               frames=eng.runner.compile_counter.frame_count,
+               per_bucket={str(b): round(x, 2) for b, x in per.items()}, ms_per_iteration={})
+    g = torch.Generator().manual_seed(0)
+    n = 0
+    for b in timed:
+        while n < b:
+            eng.submit(torch.randint(0, models.vocab_size, (1024,), generator=g).tolist(), 300)
+            n += 1
+        eng.admit()
+        for _ in range(3):
+            eng.launch(b)
+        torch.cuda.synchronize()
+        start = time.perf_counter()
+        for _ in range(20):
+            eng.launch(b)
+        torch.cuda.synchronize()
+        out["ms_per_iteration"][str(b)] = round(1e3 * (time.perf_counter() - start) / 20, 3)
+    return out
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--modes", nargs="+", default=["dynamic", "static"],
+                    choices=["dynamic", "static"])
+    ap.add_argument("--buckets", type=int, nargs="+", default=[1, 2, 4, 8, 16, 32, 64],
+                    help="dynamic mode's buckets (static mode: --time-batches only)")
+    ap.add_argument("--time-batches", type=int, nargs="+", default=[1, 8])
+    ap.add_argument("--restart", action="store_true", default=True)
+    ap.add_argument("--no-restart", dest="restart", action="store_false")
+    ap.add_argument("--num-layers", type=int, default=None)
+    ap.add_argument("--json", metavar="PATH")
+    ap.add_argument("--_child", nargs=2, default=None, help=argparse.SUPPRESS)
+    args = ap.parse_args(argv)
+    timed = sorted(args.time_batches)
+    if args._child:
+        mode, cache = args._child
+        buckets = sorted(args.buckets) if mode == "dynamic" else timed
+        print(json.dumps(child(mode, cache, buckets, timed, args.num_layers)))
+        return 0
+    if not torch.cuda.is_available():
+        raise SystemExit("compile_modes.py times CUDA graphs: it needs a CUDA device")
+    runs = []
+    with tempfile.TemporaryDirectory() as tmp:
+        cache = os.path.join(tmp, "engine.cache")
+        plan = [(m, m == "dynamic") for m in args.modes]
+        if args.restart and "dynamic" in args.modes:
+            plan.append(("dynamic", True))
+        for i, (mode, with_cache) in enumerate(plan):
+            env = dict(os.environ, TORCHINDUCTOR_CACHE_DIR=os.path.join(tmp, f"inductor-{i}"))
+            cmd = [sys.executable, os.path.abspath(__file__), "--_child", mode,
+                   cache if with_cache else "", "--buckets", *map(str, args.buckets),
+                   "--time-batches", *map(str, timed)]
+            if args.num_layers:
+                cmd += ["--num-layers", str(args.num_layers)]
+            done = subprocess.run(cmd, env=env, capture_output=True, text=True)
+            if done.returncode:
+                raise SystemExit(f"{mode} failed:\n{done.stderr[-3000:]}")
+            row = json.loads(done.stdout.strip().splitlines()[-1])
+            row["phase"] = "restart" if i == len(args.modes) else "cold"
+            runs.append(row)
+            print(json.dumps(row), flush=True)
+    if args.json:
+        with open(args.json, "w") as fh:
+            json.dump(dict(command="python3 benchmarks/compile_modes.py " + " ".join(
+                sys.argv[1:] if argv is None else argv), torch=torch.__version__,
+                device=torch.cuda.get_device_name(), runs=runs), fh, indent=1)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
