@@ -106,3 +106,23 @@ def test_self_audit_rows_are_callable_audits_with_findings_at_their_lines(monkey
     assert any(f.file == __file__ and f.line == line for f in row.findings
                if f.column in ("graph_breaks", "data_dependent")), row.problems
     assert row.problems == [str(f) for f in row.findings]
+
+
+def test_ancestor_rows_are_checked_against_the_key_set_oracle(monkeypatch):
+    import dataclasses
+
+    case = [c for c in default_grid(page_sizes=(2,), topks=(8,))
+            if c.draft_attention == "ancestors"][0]
+    assert case.mode == "draft_decode" and case.step == 3
+    row = audit_case(case, device="cpu", backend="eager")
+    assert row.clean and row.config["draft_attention"] == "ancestors"
+    real_build = selfaudit.build_metadata
+
+    def one_key_short(mode, cfg, *, step=0, **kwargs):
+        md = real_build(mode, cfg, step=step, **kwargs)
+        expand = dataclasses.replace(md.expand, cache_seqlens=(md.expand.cache_seqlens - 1).clamp(min=0))
+        return dataclasses.replace(md, expand=expand)
+
+    monkeypatch.setattr(selfaudit, "build_metadata", one_key_short)
+    row = audit_case(case, device="cpu", backend="eager")
+    assert not row.parity and any("key-set oracle" in p for p in row.problems)
