@@ -23,7 +23,9 @@ def test_audit_cli_writes_json_rows(tmp_path, capsys):
     assert code == 0
     rows = json.loads(out.read_text())
     assert {r["mode"] for r in rows} == set(MODES) | {selfaudit.LOOP}
-    assert [r["scope"] for r in rows if r["mode"] == selfaudit.LOOP] == ["loop"]
+    loops = [r for r in rows if r["mode"] == selfaudit.LOOP]
+    assert [(r["scope"], r["config"]["draft_attention"]) for r in loops] == [
+        ("loop", "branch"), ("loop", "ancestors")]
     assert {r["step"] for r in rows if r["mode"] == "draft_decode" and r["scope"] == "builder"} == {
         0, 3, ALL_STEPS}
     for r in rows:

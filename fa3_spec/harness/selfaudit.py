@@ -106,12 +106,15 @@ LOOP = "eagle_iteration"
 
 def loop_grid(topks: Iterable[int] = (1, 8)) -> list:
     """Whole EAGLE iterations (scope ``"loop"``): the tiny models, mid-run
-    states with joins and padding rows; page size 2 for topk > 1, 16 else."""
-    return [AuditCase(LOOP, SpecConfig(page_size=2 if k > 1 else 16, topk=k, num_steps=4,
-                                       num_draft_tokens=6 if k > 1 else 4, max_bs=4,
-                                       max_context_len=64),
-                      scope="loop")
-            for k in topks]
+    states with joins and padding rows; page size 2 for topk > 1, 16 else;
+    both draft semantics for topk > 1."""
+    cases = []
+    for k in topks:
+        cfg = SpecConfig(page_size=2 if k > 1 else 16, topk=k, num_steps=4,
+                         num_draft_tokens=6 if k > 1 else 4, max_bs=4, max_context_len=64)
+        for attention in ("branch", "ancestors") if k > 1 else ("branch",):
+            cases.append(AuditCase(LOOP, cfg, scope="loop", draft_attention=attention))
+    return cases
 
 
 def _builder(case: AuditCase, names: list) -> Callable:
@@ -227,7 +230,8 @@ def _loop_subject(case: AuditCase, device: str) -> _Subject:
     models = make_models("tiny", seed=0, device=device,
                          dtype=torch.bfloat16 if device != "cpu" else torch.float32)
     spec = dc.replace(cfg, num_pages=cfg.pool_pages(2 * cfg.max_bs))
-    lc = LoopConfig(spec, max_new_tokens=24, backend="auto" if device != "cpu" else "torch")
+    lc = LoopConfig(spec, max_new_tokens=24, backend="auto" if device != "cpu" else "torch",
+                    draft_attention=case.draft_attention)
     engine = EagleEngine(lc, models, device=device)
     prompts, news = workload(cfg.max_bs - 1, page_size=cfg.page_size, max_prompt=32, max_new=24,
                              vocab=512, seed=0)
@@ -277,7 +281,7 @@ def audit_case(case: AuditCase, *, backend: str = "aot_eager", device: str = "cp
                     num_draft_tokens=cfg.num_draft_tokens,
                     tree=case.tree if case.mode == "target_verify" else None,
                     draft_attention=(case.draft_attention
-                                     if case.mode == "draft_decode" else None)),
+                                     if case.mode in ("draft_decode", LOOP) else None)),
         step=case.step if case.mode == "draft_decode" and case.scope == "builder" else None,
     )
 
