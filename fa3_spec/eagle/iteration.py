@@ -113,7 +113,9 @@ class LoopConfig:
             ``"ancestors"``, its true ancestors (any slots, no tail copy),
             or ``"branch"``, its branch's slots (sglang's semantics; what
             the sglang-parity paths use). Output is exact either way; the
-            draft's proposals, and so acceptance, differ.
+            draft's proposals, and so acceptance, differ. The default is
+            ``"branch"``: on CPU (derived drafts) ancestors moved the mean
+            accepted length by noise only (benchmarks/RESULTS.md).
     """
 
     spec: SpecConfig
