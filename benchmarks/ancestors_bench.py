@@ -30,8 +30,10 @@ each; six in all).
 On CUDA the acceptance rows use an 8-layer llama3-8b-shaped target (eager
 bf16 forwards; ``--acceptance-layers``, 0 = the preset's depth) and 8
 requests of up to 24 new tokens in one batch; the cost rows the full preset
-(``--cost-layers``). ``--smoke``: one acceptance pair and one eager cost
-pair on CPU, tiny sizes (timings meaningless).
+(``--cost-layers``). About 2 minutes of acceptance rows and six compiles of
+the cost rows; to split the run, ``--cost-batches`` (none: acceptance only)
+in one call and ``--no-acceptance`` in another. ``--smoke``: one acceptance
+pair and one eager cost pair on CPU, tiny sizes (timings meaningless).
 """
 
 from __future__ import annotations
@@ -148,6 +150,8 @@ def main(argv=None) -> int:
     ap.add_argument("--context", type=int, default=1024, help="prompt tokens of a cost row")
     ap.add_argument("--iters", type=int, default=20)
     ap.add_argument("--warmup", type=int, default=3)
+    ap.add_argument("--no-acceptance", action="store_true",
+                    help="only the cost rows (to split a long run over two calls)")
     ap.add_argument("--smoke", action="store_true", help="CPU, tiny, every code path")
     ap.add_argument("--json", metavar="PATH")
     args = ap.parse_args(argv)
@@ -184,7 +188,7 @@ def main(argv=None) -> int:
             timing.write_json(args.json, doc)
 
     layers = args.acceptance_layers or None
-    for kind, alpha, noise in drafts:
+    for kind, alpha, noise in [] if args.no_acceptance else drafts:
         extra = dict(alpha=alpha, noise=noise) if kind == "derived" else {}
         models = make_models(args.preset, draft=kind, device=args.device, num_layers=layers,
                              **extra)
@@ -198,7 +202,10 @@ def main(argv=None) -> int:
                 print(_table([row]).splitlines()[-1], flush=True)
                 save()
         del models
-    print(_table(doc["acceptance_rows"]), flush=True)
+        if cuda:
+            torch.cuda.empty_cache()
+    if doc["acceptance_rows"]:
+        print(_table(doc["acceptance_rows"]), flush=True)
 
     if args.cost_batches:
         models = make_models(args.preset, draft="random", device=args.device,
