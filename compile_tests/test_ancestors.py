@@ -243,3 +243,18 @@ def test_checked_mode_flags_each_broken_tree_and_no_valid_one():
     assert _anc_flags(world, step, bad) & ErrorFlag.PAGE_ID_OUT_OF_RANGE
     messages = fa3_spec.describe_errors(torch.tensor(int(ErrorFlag.ANCESTOR_SLOTS)))
     assert len(messages) == 1 and "ancestor_slots" in messages[0]
+
+
+def test_the_prefix_call_reads_the_whole_prefix_and_is_a_labelled_pytree():
+    import torch.utils._pytree as pytree
+
+    world = _world(16, 4)
+    prefix = fa3_spec.build_draft_prefix_metadata(world.cfg, **world.batch(),
+                                                  draft_attention="ancestors")
+    branch = fa3_spec.build_draft_prefix_metadata(world.cfg, **world.batch())
+    assert torch.equal(prefix.cache_seqlens.long(), world.seq_lens)
+    assert torch.equal(branch.cache_seqlens.long(), world.seq_lens - world.seq_lens % 16)
+    leaves, spec = pytree.tree_flatten(prefix)
+    back = pytree.tree_unflatten(leaves, spec)
+    assert type(back) is fa3_spec.DraftPrefixMetadata and back.draft_attention == "ancestors"
+    assert len(leaves) == 4  # tensors only; the label is static
