@@ -424,7 +424,9 @@ def bench_point(cfg_tuple, batch, args, models, bandwidth=None) -> dict:
     spec = fa3_spec.SpecConfig(page_size=p, topk=k, num_steps=s, num_draft_tokens=n,
                                max_bs=batch, max_context_len=args.context + max_new + n)
     spec = dataclasses.replace(spec, num_pages=spec.pool_pages(batch))
-    lc = LoopConfig(spec, max_new_tokens=max_new, backend=args.backend, scripted=scripted)
+    # Branch semantics: (b) fills sglang's metadata, which drafts that way.
+    lc = LoopConfig(spec, max_new_tokens=max_new, backend=args.backend, scripted=scripted,
+                    draft_attention="branch")
     eng = EagleEngine(lc, models, max_reqs=batch, buckets=[batch], graphs=cuda,
                       compile_backend=args.compile, device=args.device)
     g = torch.Generator().manual_seed(batch)
@@ -544,7 +546,7 @@ def capture_child(args) -> int:
     spec = fa3_spec.SpecConfig(page_size=p, topk=k, num_steps=s, num_draft_tokens=n,
                                max_bs=buckets[-1], max_context_len=args.context + 64)
     spec = dataclasses.replace(spec, num_pages=spec.pool_pages(buckets[-1]))
-    lc = LoopConfig(spec, max_new_tokens=32, backend="fa3")
+    lc = LoopConfig(spec, max_new_tokens=32, backend="fa3", draft_attention="branch")
     eng = EagleEngine(lc, models, buckets=buckets, compile_backend=args.compile, device="cuda",
                       cache_path=args.capture_child)
     t0 = time.perf_counter()

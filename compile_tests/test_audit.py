@@ -23,7 +23,9 @@ def test_audit_cli_writes_json_rows(tmp_path, capsys):
     assert code == 0
     rows = json.loads(out.read_text())
     assert {r["mode"] for r in rows} == set(MODES) | {selfaudit.LOOP}
-    assert [r["scope"] for r in rows if r["mode"] == selfaudit.LOOP] == ["loop"]
+    loops = [r for r in rows if r["mode"] == selfaudit.LOOP]
+    assert [(r["scope"], r["config"]["draft_attention"]) for r in loops] == [
+        ("loop", "branch"), ("loop", "ancestors")]
     assert {r["step"] for r in rows if r["mode"] == "draft_decode" and r["scope"] == "builder"} == {
         0, 3, ALL_STEPS}
     for r in rows:
@@ -106,3 +108,23 @@ def test_self_audit_rows_are_callable_audits_with_findings_at_their_lines(monkey
     assert any(f.file == __file__ and f.line == line for f in row.findings
                if f.column in ("graph_breaks", "data_dependent")), row.problems
     assert row.problems == [str(f) for f in row.findings]
+
+
+def test_ancestor_rows_are_checked_against_the_key_set_oracle(monkeypatch):
+    import dataclasses
+
+    case = [c for c in default_grid(page_sizes=(2,), topks=(8,))
+            if c.draft_attention == "ancestors"][0]
+    assert case.mode == "draft_decode" and case.step == 3
+    row = audit_case(case, device="cpu", backend="eager")
+    assert row.clean and row.config["draft_attention"] == "ancestors"
+    real_build = selfaudit.build_metadata
+
+    def one_key_short(mode, cfg, *, step=0, **kwargs):
+        md = real_build(mode, cfg, step=step, **kwargs)
+        expand = dataclasses.replace(md.expand, cache_seqlens=(md.expand.cache_seqlens - 1).clamp(min=0))
+        return dataclasses.replace(md, expand=expand)
+
+    monkeypatch.setattr(selfaudit, "build_metadata", one_key_short)
+    row = audit_case(case, device="cpu", backend="eager")
+    assert not row.parity and any("key-set oracle" in p for p in row.problems)

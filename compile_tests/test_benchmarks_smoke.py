@@ -62,3 +62,15 @@ def test_load_checkpoint_smoke(tmp_path):
     assert [r["models"] for r in doc["loop"]] == ["preset random", "loaded + random draft",
                                                   "loaded + EAGLE-3 head"]
     assert all(r["tokens"] > 0 and r["acceptance"].startswith("SCRIPTED") for r in doc["loop"])
+
+
+def test_ancestors_bench_smoke(tmp_path):
+    out = tmp_path / "ancestors.json"
+    subprocess.run([sys.executable, str(ROOT / "benchmarks" / "ancestors_bench.py"), "--smoke",
+                    "--json", str(out)], check=True, cwd=ROOT, capture_output=True, timeout=600)
+    doc = json.loads(out.read_text())
+    [row] = doc["acceptance_rows"]
+    assert row["same_tokens"] is True and row["branch"] >= 1 and row["ancestors"] >= 1
+    assert [r["draft_attention"] for r in doc["cost_rows"]] == ["branch", "ancestors"]
+    assert all(r["ms_per_iteration"] > 0 and r["acceptance"].startswith("scripted")
+               for r in doc["cost_rows"])

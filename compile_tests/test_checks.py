@@ -159,6 +159,9 @@ def test_random_valid_worlds_never_flag(p, k, s, n, bs, seed, mode):
                               max_context_len=60)
     world = make_world(cfg, bs, seed=seed, num_padding=min(bs, 1))
     assert _flags(world, mode, step=s - 2) == 0
+    if mode == "draft_decode":  # and the draft steps' random trees, ancestor semantics
+        kw = world.mode_kwargs(mode, step=s - 2, draft_attention="ancestors")
+        assert int(error_flags(cfg, mode, step=s - 2, num_pages=world.num_pages, **kw)) == 0
 
 
 def test_missing_extend_lengths_is_a_named_error():

@@ -38,11 +38,12 @@ def models_for(draft="derived"):
 
 
 def make_engine(models, p, k, s, n, *, max_bs=4, max_new=40, max_prompt=40, scripted=None,
-                **kw):
+                draft_attention="branch", **kw):
     spec = fa3_spec.SpecConfig(page_size=p, topk=k, num_steps=s, num_draft_tokens=n,
                                max_bs=max_bs, max_context_len=max_prompt + max_new + n)
-    spec = dataclasses.replace(spec, num_pages=spec.pool_pages(2 * max_bs))
-    lc = LoopConfig(spec, max_new_tokens=max_new, backend="torch", scripted=scripted)
+    spec = dataclasses.replace(spec, num_pages=spec.pool_pages(2 * max_bs, draft_attention))
+    lc = LoopConfig(spec, max_new_tokens=max_new, backend="torch", scripted=scripted,
+                    draft_attention=draft_attention)
     return EagleEngine(lc, models, max_reqs=2 * max_bs, **kw)
 
 
@@ -57,11 +58,12 @@ def submit_all(eng, prompts, news, **kw):
     return [eng.submit(prompt, m, **kw) for prompt, m in zip(prompts, news)]
 
 
-def run_both(p, k, s, n, draft="derived", requests=14, max_bs=8, eos=-1):
+def run_both(p, k, s, n, draft="derived", requests=14, max_bs=8, eos=-1,
+             draft_attention="branch"):
     """Speculative and plain greedy outputs of the same workload, and the engine."""
     models = models_for(draft)
     prompts, news = workload(requests, p)
-    eng = make_engine(models, p, k, s, n, max_bs=max_bs)
+    eng = make_engine(models, p, k, s, n, max_bs=max_bs, draft_attention=draft_attention)
     submit_all(eng, prompts, news, eos_id=eos)
     out = eng.run()
     ref = greedy_generate(models, prompts, news, eos_ids=[eos] * requests, page_size=p,
@@ -86,6 +88,57 @@ def test_speculative_equals_greedy_with_joins_and_finishes(p, k, s, n):
     mean, _ = check_exact(p, k, s, n)
     print(f"P={p} topk={k} steps={s} N={n}: mean accept length {mean:.2f}")
     assert mean >= 2.0  # the derived draft is accepted often (>= 2.5 where N, S allow 4+)
+
+
+# Drafts on true ancestors: a tree on plain slots (P = 2, the tail-copy case of
+# branch semantics) and a chain on any slots (topk = 1).
+ANCESTOR_CASES = [(2, 8, 5, 8), (16, 1, 5, 4)]
+
+
+@pytest.mark.parametrize("p, k, s, n", ANCESTOR_CASES,
+                         ids=[f"P{p}K{k}S{s}N{n}" for p, k, s, n in ANCESTOR_CASES])
+def test_drafts_on_true_ancestors_equal_greedy_with_joins_and_finishes(p, k, s, n):
+    mean, _ = check_exact(p, k, s, n, requests=10, max_bs=4, draft_attention="ancestors")
+    assert mean >= 2.5
+
+
+def test_each_ancestor_step_reads_the_leafs_parent_path_and_its_own_slot():
+    """The loop's wiring: leaf t's expand row at step i is its parent's row at
+    step i-1 plus the slot it writes. Parents are recovered from the features
+    (a leaf's input feature is its parent's output, bit for bit)."""
+    models = models_for()
+    calls = []
+
+    def draft_forward(tokens, hidden, positions, slots, md, kv, **kw):
+        out = models.draft_forward(tokens, hidden, positions, slots, md, kv, **kw)
+        if isinstance(md, fa3_spec.CascadeMetadata):  # a draft-decode step
+            calls.append((hidden, slots, md, out))
+        return out
+
+    k = 4
+    eng = make_engine(_Models(models, draft_forward=draft_forward), 2, k, 5, 8, max_bs=2,
+                      draft_attention="ancestors")
+    prompts, news = workload(2, 2)
+    submit_all(eng, prompts, news)
+    eng.step()
+    assert len(calls) == 4
+    moved = 0
+    for i, (hidden, slots, md, _) in enumerate(calls):
+        rows = md.expand.page_table.long()
+        assert md.expand.page_size == 1 and rows.shape[1] == i + 1
+        assert md.prefix.draft_attention == "ancestors"
+        assert torch.equal(rows[:, -1], slots)
+        if i == 0:
+            continue
+        prev_rows, prev_out = calls[i - 1][2].expand.page_table.long(), calls[i - 1][3]
+        for b in range(2):
+            for t in range(k):
+                n = b * k + t
+                parents = [u for u in range(k) if torch.equal(hidden[n], prev_out[b * k + u])]
+                assert parents, (i, b, t)
+                assert torch.equal(rows[n, :i], prev_rows[b * k + parents[0]])
+                moved += parents[0] != t
+    assert moved > 0  # leaves descended from other branches: the case that matters
 
 
 def test_random_draft_is_mostly_rejected_and_still_exact():
@@ -340,6 +393,7 @@ _SMALL = ["--device", "cpu", "--batch", "2", "--requests", "3", "--page-size", "
     ["--num-layers", "0"], ["--num-layers", "-1"],  # were IndexError, exit 1
     ["--num-draft-tokens", "1"], ["--topk", "1", "--num-steps", "2", "--num-draft-tokens", "8"],
     ["--topk", "600"], ["--check-greedy", "--scripted"], ["--scripted", "3,x"], ["--graphs"],
+    ["--draft-attention", "tree"],
 ], ids=lambda a: " ".join(a))
 def test_cli_invalid_invocations_exit_2_with_one_line_and_no_traceback(argv, capsys):
     with pytest.raises(SystemExit) as exit_info:
@@ -358,6 +412,14 @@ def test_cli_prints_its_configuration_first_and_progress_in_both_phases(monkeypa
     greedy = [i for i, line in enumerate(lines) if line.startswith("  greedy step ")]
     check = [i for i, line in enumerate(lines) if "greedy check: EXACT" in line]
     assert loop and greedy and check and max(loop) < min(greedy) and max(greedy) < check[0]
+
+
+def test_cli_drafts_on_true_ancestors_and_says_so(tmp_path):
+    out = tmp_path / "eagle.json"
+    assert cli.main(_SMALL + ["--topk", "3", "--num-steps", "3", "--draft-attention", "ancestors",
+                              "--check-greedy", "--json", str(out), "--quiet"]) == 0
+    res = json.loads(out.read_text())
+    assert res["exact"] is True and res["config"]["draft_attention"] == "ancestors"
 
 
 def test_cli_help_documents_the_exit_status(capsys):

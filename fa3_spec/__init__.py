@@ -21,13 +21,14 @@ from .builders import (
     build_draft_iteration_metadata,
     build_draft_prefix_metadata,
     build_target_verify_metadata,
+    draft_ancestor_slots,
     draft_positions,
     draft_tail_copy_slots,
 )
 from .checks import ErrorFlag, describe_errors, error_flags
-from .config import SpecConfig
+from .config import DRAFT_ATTENTION, SpecConfig
 from .expand import draft_expand_page_table, draft_expand_tables
-from .metadata import PAGE_SENTINEL, CascadeMetadata, FA3Metadata, Metadata
+from .metadata import PAGE_SENTINEL, CascadeMetadata, DraftPrefixMetadata, FA3Metadata, Metadata
 from .modes import MODES, Mode, build_metadata
 from .tree import tree_mask_from_flat, tree_mask_from_parents
 
@@ -41,6 +42,8 @@ __all__ = [
     "error_flags",
     "PAGE_SENTINEL",
     "CascadeMetadata",
+    "DRAFT_ATTENTION",
+    "DraftPrefixMetadata",
     "FA3Metadata",
     "Metadata",
     "SpecBatch",
@@ -57,6 +60,7 @@ __all__ = [
     "build_draft_prefix_metadata",
     "build_target_verify_metadata",
     "draft_expand_page_table",
+    "draft_ancestor_slots",
     "draft_expand_tables",
     "draft_positions",
     "draft_tail_copy_slots",

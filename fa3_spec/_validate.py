@@ -139,6 +139,19 @@ def draft_slots(cfg, out_cache_loc: object, bs: int) -> torch.Tensor:
     return loc.reshape(rows, steps)
 
 
+def ancestor_slots(cfg, value: object, bs: int) -> torch.Tensor:
+    """``ancestor_slots`` (int64 ``[B, K, d']`` or ``[B*K, d']``, ``d' >= 1``) as ``[B*K, d']``."""
+    slots = tensor("ancestor_slots", value, dtypes=(torch.int64,))
+    k = cfg.topk
+    if slots.dim() == 3 and tuple(slots.shape[:2]) == (bs, k) or (
+            slots.dim() == 2 and slots.shape[0] == bs * k):
+        if slots.shape[-1] >= 1:
+            return slots.reshape(bs * k, slots.shape[-1])
+    raise ValueError(
+        f"ancestor_slots must be [B, K, d'] = [{bs}, {k}, d'] or [B*K, d'] = [{bs * k}, d'] "
+        f"with d' >= 1 (d' >= step + 1 at draft step `step`), got shape {tuple(slots.shape)}")
+
+
 def tree_mask(value: object, bs: int, n: int) -> torch.Tensor:
     mask = tensor("tree_mask", value, ndim=3, dtypes=(torch.bool,))
     if tuple(mask.shape) != (bs, n, n):

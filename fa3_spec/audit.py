@@ -201,6 +201,7 @@ _CASE_COLUMNS = (
     ("K", ">3", lambda r: r.config.get("topk", "-")),
     ("S", ">3", lambda r: r.config.get("num_steps", "-")),
     ("step", ">5", lambda r: "-" if r.step is None else str(r.step)), "  ",
+    ("draft", "<10", lambda r: r.config.get("draft_attention") or "-"),
     ("breaks", ">6", lambda r: r.graph_breaks), ("recomp", ">7", lambda r: r.recompiles),
     ("dd", ">4", lambda r: r.data_dependent), ("syncs", ">6", _syncs),
 ) + _OUTCOME

@@ -1,10 +1,11 @@
 """`SpecBatch`: one validated record of a batch's inputs.
 
 Every builder takes the same request triple (``req_to_token``,
-``req_pool_indices``, ``seq_lens``) plus, by mode, ``out_cache_loc``,
-``tree_mask`` or ``extend_seq_lens``. A `SpecBatch` holds them, validated
-once at construction (shapes, dtypes, devices; never values), with
-``out_cache_loc`` in its one canonical shape ``[B * K, S]``. It is a frozen
+``req_pool_indices``, ``seq_lens``) plus, by mode, ``out_cache_loc`` or
+``ancestor_slots``, ``tree_mask`` or ``extend_seq_lens``. A `SpecBatch`
+holds them, validated once at construction (shapes, dtypes, devices; never
+values), with ``out_cache_loc`` in its one canonical shape ``[B * K, S]``
+and ``ancestor_slots`` in ``[B * K, d']``. It is a frozen
 pytree: it crosses ``torch.compile`` boundaries, and building it *outside* a
 compiled region is how a compiled caller gets `ValueError`/`TypeError`
 rather than dynamo's wrapper exception.
@@ -41,7 +42,7 @@ from .config import SpecConfig, static_config
 from .paged import BatchView
 
 _TENSORS = ("req_to_token", "req_pool_indices", "seq_lens", "out_cache_loc", "tree_mask",
-            "extend_seq_lens")
+            "extend_seq_lens", "ancestor_slots")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -57,6 +58,9 @@ class SpecBatch:
             ``[B, K, S]`` viewed per branch), or None.
         tree_mask: bool ``[B, N, N]`` draft part of the verify mask, or None.
         extend_seq_lens: int ``[B]`` tokens re-read by draft extend, or None.
+        ancestor_slots: int64 ``[B * K, d']`` slots of each draft leaf's
+            ancestors and its own (depths ``0 .. d'-1``), or None
+            (docs/semantics.md, "Draft decode").
     """
 
     cfg: SpecConfig
@@ -66,10 +70,12 @@ class SpecBatch:
     out_cache_loc: Optional[torch.Tensor] = None
     tree_mask: Optional[torch.Tensor] = None
     extend_seq_lens: Optional[torch.Tensor] = None
+    ancestor_slots: Optional[torch.Tensor] = None
 
     @classmethod
     def create(cls, cfg: SpecConfig, *, req_to_token, req_pool_indices, seq_lens,
-               out_cache_loc=None, tree_mask=None, extend_seq_lens=None) -> "SpecBatch":
+               out_cache_loc=None, tree_mask=None, extend_seq_lens=None,
+               ancestor_slots=None) -> "SpecBatch":
         """Validate and canonicalise; the arguments keep the builders' names and meanings."""
         if isinstance(req_to_token, SpecBatch):
             raise TypeError("pass a SpecBatch to fa3_spec.build_metadata, not as req_to_token")
@@ -85,9 +91,12 @@ class SpecBatch:
         if extend_seq_lens is not None:
             extend_seq_lens = _validate.per_request("extend_seq_lens", extend_seq_lens, bs)
             device["extend_seq_lens"] = extend_seq_lens
+        if ancestor_slots is not None:
+            ancestor_slots = _validate.ancestor_slots(cfg, ancestor_slots, bs)
+            device["ancestor_slots"] = ancestor_slots
         _validate.same_device(**device)
         return cls(cfg, req_to_token, req_pool_indices, seq_lens, out_cache_loc, tree_mask,
-                   extend_seq_lens)
+                   extend_seq_lens, ancestor_slots)
 
     @property
     def batch_size(self) -> int:

@@ -45,6 +45,7 @@ def error_flags(
     out_cache_loc: Optional[torch.Tensor] = None,
     tree_mask: Optional[torch.Tensor] = None,
     extend_seq_lens: Optional[torch.Tensor] = None,
+    ancestor_slots: Optional[torch.Tensor] = None,
     num_pages: Optional[int] = None,
 ) -> torch.Tensor:
     """int32 scalar tensor: the OR of every `ErrorFlag` the inputs violate.
@@ -63,7 +64,7 @@ def error_flags(
     batch = spec.batch(cfg, step=step, req_to_token=req_to_token,
                        req_pool_indices=req_pool_indices, seq_lens=seq_lens,
                        out_cache_loc=out_cache_loc, tree_mask=tree_mask,
-                       extend_seq_lens=extend_seq_lens)
+                       extend_seq_lens=extend_seq_lens, ancestor_slots=ancestor_slots)
     if num_pages is None:
         num_pages = cfg.num_pages
     else:

@@ -43,6 +43,11 @@ import torch
 
 from ._validate import int_at_least as _require_int, int_in_range
 
+#: What a tree draft step attends besides the prefix (docs/semantics.md, "Draft
+#: decode"): ``"branch"``, the branch's own slots (sglang's semantics, and its
+#: slot layout); ``"ancestors"``, the leaf's true ancestors, from any slots.
+DRAFT_ATTENTION = ("branch", "ancestors")
+
 #: The twin of every configuration built in this process, by its repr (`StaticConfig`).
 _TWINS: Dict[str, "StaticConfig"] = {}
 
@@ -81,6 +86,13 @@ class StaticConfig:
 def cdiv(a: int, b: int) -> int:
     """Ceiling division of non-negative Python ints."""
     return -(-a // b)
+
+
+def check_draft_attention(value: object) -> str:
+    """``value`` must be one of `DRAFT_ATTENTION` (`ValueError` naming ``draft_attention``)."""
+    if value not in DRAFT_ATTENTION:
+        raise ValueError(f"draft_attention must be one of {DRAFT_ATTENTION}, got {value!r}")
+    return value
 
 
 def static_config(cfg: object) -> "SpecConfig":
@@ -193,9 +205,34 @@ class SpecConfig(StaticConfig):
             drafts = self.topk * self.num_steps
         return max(self.min_row_len, self.max_context_len + drafts)
 
-    def pool_pages(self, max_reqs: int) -> int:
+    @property
+    def ancestor_draft_slots(self) -> int:
+        """Draft slots a request writes per iteration when the tree draft attends
+        its true ancestors (``draft_attention="ancestors"``): ``K * (S - 1)``,
+        one per leaf and draft-decode step, anywhere in the pool (no layout,
+        no per-branch pages, no tail copy)."""
+        return self.topk * self.num_draft_decode_steps
+
+    def draft_row_len_for(self, draft_attention: str = "branch") -> int:
+        """``req_to_token`` row length that also holds every draft slot of an
+        iteration, for an allocator that keeps them in the request's row.
+
+        ``"branch"``: `draft_row_len` (the per-branch layout of
+        `fa3_spec.draft_positions`). ``"ancestors"``: the ``K * (S - 1)``
+        draft slots follow the prefix, ``max(min_row_len, C + K * (S - 1))``.
+
+            >>> cfg = SpecConfig(page_size=16, topk=8, num_steps=5, num_draft_tokens=6,
+            ...                  max_bs=64, max_context_len=8192)
+            >>> cfg.draft_row_len_for("branch"), cfg.draft_row_len_for("ancestors")
+            (8448, 8224)
+        """
+        if check_draft_attention(draft_attention) == "branch":
+            return self.draft_row_len
+        return max(self.min_row_len, self.max_context_len + self.ancestor_draft_slots)
+
+    def pool_pages(self, max_reqs: int, draft_attention: str = "branch") -> int:
         """KV pool size, in pages, that gives each of ``max_reqs`` requests a whole
-        `draft_row_len` row of its own: ``1 + max_reqs * ceil(draft_row_len / P)``.
+        row of its own: ``1 + max_reqs * ceil(draft_row_len_for(draft_attention) / P)``.
 
         Page 0 is the reserved sentinel page (padding rows and dead columns
         point at it), hence the ``1 +``. The size to pass as ``num_pages``
@@ -205,7 +242,8 @@ class SpecConfig(StaticConfig):
             ...            max_bs=64, max_context_len=8192).pool_pages(4)
             16481
         """
-        return 1 + _require_int("max_reqs", max_reqs, 1) * cdiv(self.draft_row_len, self.page_size)
+        return 1 + _require_int("max_reqs", max_reqs, 1) * cdiv(
+            self.draft_row_len_for(draft_attention), self.page_size)
 
     def check_step(self, step: object) -> int:
         """Validate a draft-decode step index (``0 <= step <= S - 2``)."""

@@ -35,6 +35,7 @@ class ErrorFlag(enum.IntFlag):
     PAGE_ID_OUT_OF_RANGE = 1 << 4  # a page id FA3 will read outside the pool or int32
     EXTEND_LEN_OUT_OF_RANGE = 1 << 5  # extend_seq_len < 0, > N or > seq_len
     MISALIGNED_ROW = 1 << 6  # req_to_token row not page aligned where FA3 reads it
+    ANCESTOR_SLOTS = 1 << 7  # ancestor slots outside the pool, in the prefix, or not one tree
 
 
 #: What each bit means, in words (`fa3_spec.describe_errors`).
@@ -56,6 +57,11 @@ MESSAGES = {
     "or above its seq_len",
     ErrorFlag.MISALIGNED_ROW: "a req_to_token row is not page aligned where FA3 reads it: "
     "positions jP .. jP+P-1 must be the consecutive slots of one page",
+    ErrorFlag.ANCESTOR_SLOTS: "ancestor_slots do not describe one draft tree in fresh slots: "
+    "a slot is outside the KV pool, or also holds a token of the request's prefix, or "
+    "appears at two different depths of one request, or two leaves of one request share "
+    "their own (deepest) slot, or two leaves that share a slot at some depth disagree "
+    "at a depth above it",
 }
 
 
@@ -151,6 +157,50 @@ def draft_layout_flags(cfg: SpecConfig, view: BatchView, loc: torch.Tensor) -> t
     others_bad = has_tail.unsqueeze(2) & on_tail & ~is_branch0.unsqueeze(2)
     bad = bad.any(dim=1) | first_bad.reshape(rows) | others_bad.any(dim=2).reshape(rows)
     return flag(bad & repeat_rows(view.live, k), ErrorFlag.DRAFT_LAYOUT)
+
+
+def ancestor_flags(cfg: SpecConfig, view: BatchView, slots: torch.Tensor,
+                   num_pages: Optional[int]) -> torch.Tensor:
+    """ANCESTOR_SLOTS bit for the live ancestor slots ``slots`` (int64 ``[B*K, d]``,
+    depth ``i`` at column ``i``, the leaf's own slot last).
+
+    Per request: every slot is ``>= 0`` (and ``< num_pages * P`` when the pool
+    size is known); none holds a prefix token (a slot on the page at column
+    ``j`` of the row at offset ``o`` holds position ``j*P + o``, prefix iff
+    ``< seq_len``: exact on page-aligned rows, which ``MISALIGNED_ROW``
+    checks); no slot sits at two depths; no two leaves share their own slot;
+    and leaves that share the slot at depth ``i`` share every depth above it
+    (one node, one parent: the slots form a tree).
+    """
+    p, k = cfg.page_size, cfg.topk
+    bs, d = view.batch_size, slots.shape[1]
+    per_leaf = slots.view(bs, k, d)
+    bad = per_leaf < 0
+    if num_pages is not None:
+        bad = bad | (per_leaf >= num_pages * p)
+    bad = bad.any(dim=2)  # [B, K]
+    # A prefix token's slot: the row's page starts, offsets inside their pages.
+    j = torch.arange(cfg.page_table_width, device=slots.device)
+    starts = view.raw_slots((j * p).unsqueeze(0).expand(bs, -1))  # [B, W]
+    flat = per_leaf.reshape(bs, k * d)
+    offset = flat.unsqueeze(2) - starts.unsqueeze(1)  # [B, K*d, W]
+    position = j * p + offset
+    in_prefix = (offset >= 0) & (offset < p) & (position < view.seq_lens.view(bs, 1, 1))
+    bad = bad | in_prefix.any(dim=2).view(bs, k, d).any(dim=2)
+    # One slot, one depth.
+    depth = torch.arange(k * d, device=slots.device) % d
+    same = flat.unsqueeze(2) == flat.unsqueeze(1)  # [B, K*d, K*d]
+    two_depths = (same & (depth.unsqueeze(1) != depth.unsqueeze(0))).any(dim=2)
+    bad = bad | two_depths.view(bs, k, d).any(dim=2)
+    # Leaves own distinct slots, and agree above any depth where they agree.
+    agree = per_leaf.unsqueeze(2) == per_leaf.unsqueeze(1)  # [B, K, K, d]
+    leaf = torch.arange(k, device=slots.device)
+    other = (leaf.unsqueeze(1) != leaf.unsqueeze(0)).unsqueeze(0)
+    bad = bad | (agree[..., -1] & other).any(dim=2)
+    differ = (~agree).to(torch.int32)
+    differed_above = (torch.cumsum(differ, dim=-1) - differ) > 0
+    bad = bad | (agree & differed_above).any(dim=3).any(dim=2)
+    return flag(bad & view.live.unsqueeze(1), ErrorFlag.ANCESTOR_SLOTS)
 
 
 def _pad_left(x: torch.Tensor) -> torch.Tensor:

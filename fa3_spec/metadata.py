@@ -93,6 +93,28 @@ class FA3Metadata:
 
 
 @dataclasses.dataclass(frozen=True)
+class DraftPrefixMetadata(FA3Metadata):
+    """The prefix call of a tree draft step (`fa3_spec.build_draft_prefix_metadata`):
+    an `FA3Metadata` that also says which draft semantics it serves.
+
+    Attributes:
+        draft_attention: static, ``"branch"`` (the prefix's whole pages; the
+            branch pages hold a copy of its partial last page) or
+            ``"ancestors"`` (all ``seq_len`` tokens). A draft step refuses a
+            prefix built for the other semantics.
+    """
+
+    draft_attention: str = "branch"
+
+    @classmethod
+    def of(cls, md: FA3Metadata, draft_attention: str) -> "DraftPrefixMetadata":
+        """``md``'s call, labelled with the draft semantics it serves."""
+        return cls(md.page_table, md.cache_seqlens, md.cu_seqlens_q, md.cu_seqlens_k,
+                   md.max_seqlen_q, md.max_seqlen_k, md.page_size, md.causal, md.window_left,
+                   draft_attention)
+
+
+@dataclasses.dataclass(frozen=True)
 class CascadeMetadata:
     """A two-call cascade: shared prefix, then per-query expand, LSE-merged.
 
@@ -129,6 +151,15 @@ def _unflatten_fa3(children, context) -> FA3Metadata:
     return FA3Metadata(*children, *context)
 
 
+def _flatten_prefix(md: DraftPrefixMetadata):
+    children, context = _flatten_fa3(md)
+    return children, context + (md.draft_attention,)
+
+
+def _unflatten_prefix(children, context) -> DraftPrefixMetadata:
+    return DraftPrefixMetadata(*children, *context)
+
+
 def _flatten_cascade(md: CascadeMetadata):
     if md.expand is None:
         return [md.prefix], False
@@ -144,6 +175,12 @@ pytree.register_pytree_node(
     _flatten_fa3,
     _unflatten_fa3,
     serialized_type_name="fa3_spec.FA3Metadata",
+)
+pytree.register_pytree_node(
+    DraftPrefixMetadata,
+    _flatten_prefix,
+    _unflatten_prefix,
+    serialized_type_name="fa3_spec.DraftPrefixMetadata",
 )
 pytree.register_pytree_node(
     CascadeMetadata,

@@ -8,17 +8,19 @@ Dispatch sites (``build_metadata``, ``error_flags``, the audit, the CLI) look
 the mode up in `MODES`; there is no other list of modes and no switch over
 their names.
 
-======================  ==================  =====================  ===========
-mode                    extra inputs        queries per request    per step
-======================  ==================  =====================  ===========
-``decode``              --                  1                      no
-``draft_decode``        ``out_cache_loc``   K                      yes
-``target_verify``       ``tree_mask``       N                      no
-``draft_extend``        ``extend_seq_lens`` <= N (static bound N)  no
-======================  ==================  =====================  ===========
+======================  ===================  =====================  ===========
+mode                    extra inputs         queries per request    per step
+======================  ===================  =====================  ===========
+``decode``              --                   1                      no
+``draft_decode``        ``out_cache_loc``    K                      yes
+                        or ``ancestor_slots``
+``target_verify``       ``tree_mask``        N                      no
+``draft_extend``        ``extend_seq_lens``  <= N (static bound N)  no
+======================  ===================  =====================  ===========
 
-``out_cache_loc`` is required for draft decode only when topk > 1;
-``tree_mask`` is optional (None verifies a chain). Prefill of new prompts
+Draft decode takes ``out_cache_loc`` (each branch attends its own slots,
+sglang's semantics) or ``ancestor_slots`` (each leaf attends its true
+ancestors), never both, and one of them when topk > 1; ``tree_mask`` is optional (None verifies a chain). Prefill of new prompts
 (`fa3_spec.build_prefill_metadata`) is not a speculative mode: it takes a
 static bound on new tokens per request and has no per-iteration role here.
 """

@@ -9,6 +9,7 @@ the two shapes of sliding-window metadata the modes use
 (``build_metadata(mode, ..., window_left=W)``).
 """
 
+from .ancestors import draft_ancestor_slots
 from .decode import build_decode_metadata
 from .draft import (
     build_draft_decode_metadata,
@@ -29,6 +30,7 @@ __all__ = [
     "build_draft_prefix_metadata",
     "build_prefill_metadata",
     "build_target_verify_metadata",
+    "draft_ancestor_slots",
     "extend_query_positions",
     "draft_positions",
     "draft_tail_copy_slots",

@@ -15,6 +15,12 @@ With ``P == 1`` there is no tail (``last = 0``) and the prefix call reads all
 ``seq_len`` tokens. The prefix call is identical in every step of an
 iteration: build it once and reuse it (`build_draft_prefix_metadata`).
 
+That is the ``"branch"`` semantics (sglang's): branch ``t`` reads its own
+slots, whichever leaf now occupies it. With ``ancestor_slots`` instead of
+``out_cache_loc`` a leaf attends its true ancestors (``"ancestors"``,
+`fa3_spec.builders.ancestors`): the prefix call reads all ``seq_len`` tokens
+and the expand call the leaf's path, from any slots.
+
 One implementation serves both entry points: `build_draft_iteration_metadata`
 builds steps ``0 .. S-2`` together, and `build_draft_decode_metadata` (one
 step) is the last step of the same construction truncated after ``step``.
@@ -30,12 +36,13 @@ import torch.nn.functional as F
 from .. import _validate
 from .._paged import cdiv_tensor, cu_seqlens, exclusive_sums, repeat_rows, uniform_cu_seqlens
 from ..batch import SpecBatch
-from ..config import SpecConfig, static_config
+from ..config import SpecConfig, check_draft_attention, static_config
 from ..expand import draft_expand_tables
-from ..invariants import draft_layout_flags, page_flags
-from ..metadata import PAGE_SENTINEL, CascadeMetadata, FA3Metadata, Metadata
+from ..invariants import ancestor_flags, draft_layout_flags, page_flags
+from ..metadata import PAGE_SENTINEL, CascadeMetadata, DraftPrefixMetadata, FA3Metadata, Metadata
 from ..paged import BatchView, in_pool
 from ._common import request_call
+from .ancestors import ancestor_step
 from .mode import Mode
 from .window import window_call, window_cascade
 
@@ -45,29 +52,69 @@ def build_draft_prefix_metadata(
     req_to_token: torch.Tensor,
     req_pool_indices: torch.Tensor,
     seq_lens: torch.Tensor,
-) -> FA3Metadata:
-    """Prefix call of a topk > 1 draft step; the same for every step.
+    draft_attention: str = "branch",
+) -> DraftPrefixMetadata:
+    """Prefix call of a tree draft step; the same for every step.
 
-    One row per request with ``topk`` queries, not causal; keys are the whole
-    pages of the prefix (``seq_len - seq_len % P``; all ``seq_len`` when
-    ``P == 1``). Shapes: page table ``[B, cfg.page_table_width]``, ``cu_seqlens_q =
-    arange(0, B*K + 1, K)``.
+    One row per request with ``topk`` queries, not causal. Keys:
+    ``draft_attention="branch"``, the whole pages of the prefix
+    (``seq_len - seq_len % P``; all ``seq_len`` when ``P == 1``: every branch
+    re-reads the partial last page from its own first page);
+    ``"ancestors"``, all ``seq_len`` tokens. Shapes: page table
+    ``[B, cfg.page_table_width]``, ``cu_seqlens_q = arange(0, B*K + 1, K)``.
+    Pass it as ``prefix=`` to the steps of the same semantics (a step refuses
+    the other's).
     """
     batch = SpecBatch.create(cfg, req_to_token=req_to_token, req_pool_indices=req_pool_indices,
                              seq_lens=seq_lens)
-    return _prefix(batch.view())
+    return _prefix(batch.view(), check_draft_attention(draft_attention))
 
 
-def _prefix_length(view: BatchView) -> torch.Tensor:
-    """int64 ``[B]``: the prefix call's keys, the prefix's whole pages
-    ``seq_len - seq_len % P`` (all ``seq_len`` when ``P == 1``)."""
+def _prefix_length(view: BatchView, draft_attention: str) -> torch.Tensor:
+    """int64 ``[B]``: the prefix call's keys. ``"branch"``: the prefix's whole
+    pages, ``seq_len - seq_len % P`` (all ``seq_len`` when ``P == 1``);
+    ``"ancestors"``: all ``seq_len``."""
+    if draft_attention == "ancestors":
+        return view.seq_lens
     return view.seq_lens - view.last_page_lens
 
 
-def _prefix(view: BatchView) -> FA3Metadata:
+def _prefix(view: BatchView, draft_attention: str) -> DraftPrefixMetadata:
     cfg = view.cfg
-    return request_call(view, _prefix_length(view), queries_per_row=cfg.topk,
-                        max_seqlen_k=cfg.max_context_len, causal=False)
+    md = request_call(view, _prefix_length(view, draft_attention), queries_per_row=cfg.topk,
+                      max_seqlen_k=cfg.max_context_len, causal=False)
+    return DraftPrefixMetadata.of(md, draft_attention)
+
+
+def draft_attention_of(batch: SpecBatch, step: Optional[int] = None) -> str:
+    """The draft semantics ``batch`` asks for: ``"ancestors"`` when it holds
+    ``ancestor_slots``, else ``"branch"``.
+
+    Raises `ValueError` when it holds both ``out_cache_loc`` and
+    ``ancestor_slots``, neither with topk > 1, or (``step`` given)
+    ``ancestor_slots`` narrower than ``step + 1`` columns.
+    """
+    cfg = batch.cfg.static()
+    refuse_both(batch.out_cache_loc, batch.ancestor_slots)
+    if batch.ancestor_slots is None:
+        if cfg.topk > 1 and batch.out_cache_loc is None:
+            raise ValueError(
+                "draft decode with topk > 1 needs out_cache_loc (each branch attends its own "
+                "slots, sglang's semantics) or ancestor_slots (each leaf attends its true "
+                "ancestors); neither was given")
+        return "branch"
+    if step is not None and batch.ancestor_slots.shape[1] < step + 1:
+        raise ValueError(f"ancestor_slots has {batch.ancestor_slots.shape[1]} columns, fewer "
+                         f"than the {step + 1} depths (step + 1) that step={step} reads")
+    return "ancestors"
+
+
+def refuse_both(out_cache_loc, ancestor_slots) -> None:
+    """`ValueError` when a draft step is given both kinds of draft slots."""
+    if out_cache_loc is not None and ancestor_slots is not None:
+        raise ValueError(
+            "pass out_cache_loc (each branch attends its own slots) or ancestor_slots (each "
+            "leaf attends its true ancestors), not both")
 
 
 def build_draft_decode_metadata(
@@ -78,6 +125,7 @@ def build_draft_decode_metadata(
     req_pool_indices: torch.Tensor,
     seq_lens: torch.Tensor,
     out_cache_loc: Optional[torch.Tensor] = None,
+    ancestor_slots: Optional[torch.Tensor] = None,
     prefix: Optional[FA3Metadata] = None,
 ) -> Metadata:
     """Metadata of draft-decode ``step`` (``0 <= step <= num_steps - 2``).
@@ -87,26 +135,47 @@ def build_draft_decode_metadata(
         step: static draft step; ``decode_length = step + 1``.
         req_to_token, req_pool_indices, seq_lens: as in `build_decode_metadata`.
         out_cache_loc: int ``B*K*S`` draft slots in upstream's row-major
-            ``[B, K, S]`` order (flat or shaped). Required when topk > 1,
-            ignored when topk = 1 (drafts then follow the prefix in the row).
+            ``[B, K, S]`` order (flat or shaped), in the layout of
+            `draft_positions`: each branch attends its own first ``d``
+            slots (sglang's semantics). Ignored when topk = 1 (the drafts
+            then follow the prefix in the row).
+        ancestor_slots: int64 ``[B, K, d']`` or ``[B*K, d']``, ``d' >= d``
+            (only the first ``d`` columns are read, so one ``[B, K, S-1]``
+            buffer serves every step): per leaf, the slots of its ancestors
+            at draft depths ``0 .. d-2`` and its own at depth ``d-1``
+            (`draft_ancestor_slots`), anywhere in the pool. Each leaf
+            attends the whole prefix and exactly those slots. Also works
+            with topk = 1 (a chain on any slots). Give this or
+            ``out_cache_loc``, never both; one of them when topk > 1.
         prefix: the step-invariant prefix call from
-            `build_draft_prefix_metadata`, to reuse across steps (topk > 1).
+            `build_draft_prefix_metadata` of the same semantics
+            (``draft_attention="ancestors"`` with ``ancestor_slots``), to
+            reuse across steps.
 
     Returns:
-        topk = 1: `FA3Metadata`, one query per request, causal,
+        Branch, topk = 1: `FA3Metadata`, one query per request, causal,
         ``cache_seqlens = seq_len + step + 1``.
 
-        topk > 1: `CascadeMetadata` whose ``expand`` has ``B*K`` rows, one
-        query each, page table ``[B*K, step + 2]`` from
+        Branch, topk > 1: `CascadeMetadata` whose ``expand`` has ``B*K``
+        rows, one query each, page table ``[B*K, step + 2]`` from
         `draft_expand_page_table`, ``max_seqlen_k = d + P - 1``.
 
+        Ancestors: `CascadeMetadata`; ``prefix`` over all ``seq_len`` tokens,
+        ``expand`` ``B*K`` rows at ``page_size = 1``, page table ``[B*K, d]``
+        of the ancestor slots (clamped into the pool when ``cfg.num_pages``
+        is set), ``cache_seqlens = d``.
+
     Padding rows (``seq_len == 0``) read nothing in either call. Compiles to
-    one graph with no host sync; capture-safe. Inside a captured draft loop
-    prefer `build_draft_iteration_metadata` (all steps at once).
+    one graph with no host sync; capture-safe. Inside a captured branch-mode
+    draft loop prefer `build_draft_iteration_metadata` (all steps at once);
+    ancestor steps depend on the previous step's selection, so each is built
+    in its turn.
     """
+    refuse_both(out_cache_loc, ancestor_slots)
     batch = SpecBatch.create(cfg, req_to_token=req_to_token, req_pool_indices=req_pool_indices,
                              seq_lens=seq_lens,
-                             out_cache_loc=out_cache_loc if static_config(cfg).topk > 1 else None)
+                             out_cache_loc=out_cache_loc if static_config(cfg).topk > 1 else None,
+                             ancestor_slots=ancestor_slots)
     return draft_decode_metadata(batch, step, prefix=prefix)
 
 
@@ -114,10 +183,33 @@ def draft_decode_metadata(batch: SpecBatch, step: int, *,
                           prefix: Optional[FA3Metadata] = None) -> Metadata:
     """`build_draft_decode_metadata` on a validated `SpecBatch`."""
     step = batch.cfg.static().check_step(step)
-    if prefix is not None and (not isinstance(prefix, FA3Metadata)
-                               or prefix.num_rows != batch.batch_size):
-        raise ValueError("prefix must be the FA3Metadata of this batch's prefix call")
+    attention = draft_attention_of(batch, step)
+    if prefix is not None:
+        _check_prefix(prefix, batch, attention)
+    if attention == "ancestors":
+        view = batch.view()
+        return ancestor_step(view, _draft_path(batch, step),
+                             prefix if prefix is not None else _prefix(view, attention))
     return _draft_steps(batch, step + 1, prefix=prefix)[step]
+
+
+def _check_prefix(prefix: object, batch: SpecBatch, attention: str) -> None:
+    if not isinstance(prefix, FA3Metadata) or prefix.num_rows != batch.batch_size:
+        raise ValueError("prefix must be the FA3Metadata of this batch's prefix call")
+    built_for = getattr(prefix, "draft_attention", None)
+    if built_for != attention and (built_for is not None or attention == "ancestors"):
+        raise ValueError(
+            f"prefix was built for draft_attention={built_for!r} but this step attends "
+            f"{attention!r}: build it with build_draft_prefix_metadata(..., "
+            f"draft_attention={attention!r}) (the two read different prefix keys)")
+
+
+def _draft_path(batch: SpecBatch, step: int) -> torch.Tensor:
+    """int64 ``[B*K, d]``: each query's draft path at ``step`` (the branch's first
+    ``d`` slots, or the leaf's ancestors), clamped into the pool."""
+    cfg = batch.cfg.static()
+    slots = batch.ancestor_slots if batch.ancestor_slots is not None else batch.out_cache_loc
+    return in_pool(slots[:, : cfg.decode_length(step)], cfg.page_size, cfg.num_pages)
 
 
 def build_draft_iteration_metadata(
@@ -152,6 +244,11 @@ def build_draft_iteration_metadata(
 
 def draft_iteration_metadata(batch: SpecBatch) -> Tuple[Metadata, ...]:
     """`build_draft_iteration_metadata` on a validated `SpecBatch`."""
+    if batch.ancestor_slots is not None:
+        raise ValueError(
+            "build_draft_iteration_metadata cannot prebuild ancestor steps: each step's "
+            "ancestors depend on the previous step's selection; build each with "
+            "build_draft_decode_metadata(..., ancestor_slots=...)")
     return _draft_steps(batch, batch.cfg.static().num_draft_decode_steps)
 
 
@@ -172,7 +269,7 @@ def _tree_steps(view: BatchView, loc: torch.Tensor, count: int,
     cfg = view.cfg
     k, bs = cfg.topk, view.batch_size
     if prefix is None:
-        prefix = _prefix(view)
+        prefix = _prefix(view, "branch")
     if count == 0:
         return ()
     cache_seqlens, tables = draft_expand_tables(
@@ -248,12 +345,15 @@ def _branch_cu_seqlens(per_request: torch.Tensor, topk: int) -> torch.Tensor:
     return (topk * whole[:, r] + t * own[:, r]).to(torch.int32)
 
 
-def draft_positions(cfg: SpecConfig, seq_lens: torch.Tensor) -> torch.Tensor:
-    """Row positions, int64 ``[B, K, S]``, of one iteration's draft tokens.
+def draft_positions(cfg: SpecConfig, seq_lens: torch.Tensor,
+                    draft_attention: str = "branch") -> torch.Tensor:
+    """Row positions of one iteration's draft tokens, for an allocator that keeps
+    them in the request's ``req_to_token`` row.
 
-    The layout an allocator follows (docs/semantics.md, "Draft slot layout",
-    and what checked mode's ``DRAFT_LAYOUT`` bit checks): the slot of draft
-    token ``s`` of branch ``t`` of request ``b`` is
+    ``draft_attention="branch"``: int64 ``[B, K, S]``, the layout the branch
+    semantics needs (docs/semantics.md, "Draft slot layout", and what checked
+    mode's ``DRAFT_LAYOUT`` bit checks): the slot of draft token ``s`` of
+    branch ``t`` of request ``b`` is
     ``req_to_token[row_b, draft_positions(cfg, seq_lens)[b, t, s]]``, and
     ``out_cache_loc`` lists those slots in this order.
 
@@ -265,18 +365,27 @@ def draft_positions(cfg: SpecConfig, seq_lens: torch.Tensor) -> torch.Tensor:
       (`draft_tail_copy_slots`).
     * Otherwise the ``K * S`` drafts follow the prefix, branch-major.
 
-    Rows must be `SpecConfig.draft_row_len` long to hold them. Traceable,
-    pure arithmetic on ``seq_lens`` (int ``[B]``).
+    ``"ancestors"``: int64 ``[B, K, S - 1]``, the own slot of leaf ``t`` at
+    draft step ``i`` at position ``seq_len + i * K + t`` (step-major, right
+    after the prefix: the ``cfg.ancestor_draft_slots`` positions). Any other
+    placement works as well; this one is compact.
+
+    Rows must be `SpecConfig.draft_row_len_for` ``(draft_attention)`` long to
+    hold them. Traceable, pure arithmetic on ``seq_lens`` (int ``[B]``).
 
         >>> cfg = SpecConfig(page_size=2, topk=2, num_steps=4, num_draft_tokens=4,
         ...                  max_bs=1, max_context_len=8)
         >>> draft_positions(cfg, torch.tensor([5])).tolist()   # last = 1, 3 pages a branch; ok-host: doctest
         [[[5, 6, 7, 8], [11, 12, 13, 14]]]
+        >>> draft_positions(cfg, torch.tensor([5]), "ancestors").tolist()  # ok-host: doctest
+        [[[5, 7, 9], [6, 8, 10]]]
     """
     cfg = static_config(cfg)
     p, k, s = cfg.page_size, cfg.topk, cfg.num_steps
     seq = _validate.tensor("seq_lens", seq_lens, ndim=1).to(torch.int64).view(-1, 1, 1)
     t = torch.arange(k, device=seq.device).view(1, k, 1)
+    if check_draft_attention(draft_attention) == "ancestors":
+        return seq + torch.arange(s - 1, device=seq.device).view(1, 1, s - 1) * k + t
     step = torch.arange(s, device=seq.device).view(1, 1, s)
     if p > 1 and k > 1:
         last = torch.remainder(seq, p)
@@ -322,19 +431,30 @@ def draft_tail_copy_slots(
 
 
 class DraftDecodeMode(Mode):
-    """``draft_decode``, per step: K queries per request (one per branch); a
-    causal call over the row (topk = 1) or a prefix + expand cascade (topk > 1)."""
+    """``draft_decode``, per step: K queries per request (one per leaf). Branch
+    semantics (``out_cache_loc``): a causal call over the row (topk = 1) or a
+    prefix + expand cascade over each branch's slots (topk > 1). Ancestor
+    semantics (``ancestor_slots``, any topk): a whole-prefix call + an expand
+    call over each leaf's ancestor slots."""
 
     name = "draft_decode"
-    inputs = ("out_cache_loc",)
+    inputs = ("out_cache_loc", "ancestor_slots")
     per_step = True
     required_when = "topk > 1"
 
     def required(self, cfg: SpecConfig) -> Tuple[str, ...]:
-        return self.inputs if cfg.topk > 1 else ()
+        return ()  # one of the two, when topk > 1: `check`
 
     def unused(self, cfg: SpecConfig) -> Tuple[str, ...]:
-        return self.inputs if cfg.topk == 1 else ()  # topk = 1: the drafts follow the prefix
+        # topk = 1: the drafts follow the prefix in the row
+        return ("out_cache_loc",) if cfg.topk == 1 else ()
+
+    def batch(self, cfg: SpecConfig, *, step: int = 0, **kwargs) -> SpecBatch:
+        refuse_both(kwargs.get("out_cache_loc"), kwargs.get("ancestor_slots"))
+        return super().batch(cfg, step=step, **kwargs)
+
+    def check(self, batch: SpecBatch, step: int) -> None:
+        draft_attention_of(batch, batch.cfg.static().check_step(step))
 
     def queries_per_request(self, cfg: SpecConfig) -> int:
         return cfg.topk
@@ -343,28 +463,35 @@ class DraftDecodeMode(Mode):
         return draft_decode_metadata(batch, step)
 
     def window(self, batch: SpecBatch, step: int, window_left: int) -> Metadata:
-        view = batch.view()  # every branch's query at seq_len + step
+        view = batch.view()  # every leaf's query at seq_len + step
         cfg = view.cfg
         d = cfg.decode_length(step)
-        if cfg.topk == 1:
+        if cfg.topk == 1 and draft_attention_of(batch, step) == "branch":
             return window_call(view, view.seq_lens + d, 1, window_left, cfg.max_context_len + d)
-        loc = in_pool(batch.out_cache_loc[:, :d], cfg.page_size, cfg.num_pages)  # [B*K, d]
-        depth = torch.full((loc.shape[0],), d - 1, dtype=torch.int64, device=loc.device)
-        return window_cascade(view, loc, depth, cfg.topk, cfg.num_steps - 2, window_left)
+        path = _draft_path(batch, step)  # [B*K, d]: positions seq_len .. seq_len + d - 1
+        depth = torch.full((path.shape[0],), d - 1, dtype=torch.int64, device=path.device)
+        return window_cascade(view, path, depth, cfg.topk, cfg.num_steps - 2, window_left)
 
     def read_length(self, batch: SpecBatch, view: BatchView, step: int) -> torch.Tensor:
-        if view.cfg.topk == 1:  # the drafts follow the prefix in the row
+        attention = draft_attention_of(batch, step)
+        if view.cfg.topk == 1 and attention == "branch":  # the drafts follow the prefix in the row
             return view.seq_lens + (step + 1)
-        return _prefix_length(view)
+        return _prefix_length(view, attention)
 
     def flags(self, batch: SpecBatch, view: BatchView, step: int,
               num_pages: Optional[int]) -> torch.Tensor:
         cfg = view.cfg
+        d = cfg.decode_length(step)
+        live = repeat_rows(view.live, cfg.topk)
+        if draft_attention_of(batch, step) == "ancestors":  # page-size-1 slot ids
+            path = batch.ancestor_slots[:, :d]
+            pool_slots = None if num_pages is None else num_pages * cfg.page_size
+            return (ancestor_flags(cfg, view, path, num_pages)
+                    | page_flags(path, 1, pool_slots, live))
         if cfg.topk == 1:
             return super().flags(batch, view, step, num_pages)
-        loc = batch.out_cache_loc[:, :cfg.decode_length(step)].to(torch.int64)
-        return (draft_layout_flags(cfg, view, loc)
-                | page_flags(loc, cfg.page_size, num_pages, repeat_rows(view.live, cfg.topk)))
+        loc = batch.out_cache_loc[:, :d].to(torch.int64)
+        return draft_layout_flags(cfg, view, loc) | page_flags(loc, cfg.page_size, num_pages, live)
 
 
 MODE = DraftDecodeMode()

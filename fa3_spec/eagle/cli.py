@@ -56,7 +56,7 @@ from typing import List, NoReturn, Optional, Tuple
 
 import torch
 
-from ..config import SpecConfig
+from ..config import DRAFT_ATTENTION, SpecConfig
 from .checkpoint import draft_kind, from_pretrained
 from .engine import COMPILE_BACKENDS, EagleEngine, eos_set, greedy_generate
 from .iteration import DEFAULT_SCRIPT, LoopConfig
@@ -142,6 +142,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "(--sampling-top-k)")
     p.add_argument("--num-steps", type=_positive, default=5)
     p.add_argument("--num-draft-tokens", type=_positive, default=8)
+    p.add_argument("--draft-attention", choices=list(DRAFT_ATTENTION),
+                   default=LoopConfig.draft_attention,
+                   help="what a tree draft's leaf attends besides the prefix: its true "
+                        "ancestors, or its branch's slots (sglang's semantics); default "
+                        f"{LoopConfig.draft_attention}")
     p.add_argument("--max-new-tokens", type=_positive, default=32)
     p.add_argument("--prompt-len", type=_positive, default=40, help="longest prompt")
     p.add_argument("--seed", type=int, default=0,
@@ -315,7 +320,8 @@ def _describe(c: dict, scripted: Optional[tuple], model: Optional[dict] = None) 
         name = f"model {model['path']} + draft {model['draft_kind']}"
     return (f"fa3-spec eagle: {name} ({c['num_layers']} layers, {c['dtype']}) on "
             f"{c['device']}, batch {c['batch']}, {c['requests']} requests, P={c['page_size']} "
-            f"topk={c['topk']} steps={c['num_steps']} N={c['num_draft_tokens']}, "
+            f"topk={c['topk']} steps={c['num_steps']} N={c['num_draft_tokens']} "
+            f"draft attention {c['draft_attention']}, "
             f"max_new_tokens={c['max_new_tokens']}, backend {c['backend']}, "
             f"graphs {'on' if c['graphs'] else 'off'}{label}")
 
@@ -386,9 +392,10 @@ def run_eagle(args: argparse.Namespace, *, log=print) -> dict:
                           num_draft_tokens=n, max_bs=args.batch, max_context_len=context)
         max_reqs = 2 * args.batch
         # Enough pages for every row's largest reservation, plus the reserved page 0.
-        spec = dataclasses.replace(spec, num_pages=spec.pool_pages(max_reqs))
+        spec = dataclasses.replace(spec, num_pages=spec.pool_pages(max_reqs, args.draft_attention))
         lc = LoopConfig(spec, max_new_tokens=max_new, backend=args.backend, scripted=scripted,
-                        max_eos=max(4, len(eos)), sampling=args.temperature > 0)
+                        max_eos=max(4, len(eos)), sampling=args.temperature > 0,
+                        draft_attention=args.draft_attention)
         engine = EagleEngine(lc, models, max_reqs=max_reqs, graphs=graphs,
                              compile_backend=args.compile, cache_path=args.compile_cache,
                              device=device, seed=args.seed,
@@ -403,6 +410,7 @@ def run_eagle(args: argparse.Namespace, *, log=print) -> dict:
                   dtype=str(models.dtype).replace("torch.", ""),
                   batch=args.batch, requests=n_req, page_size=args.page_size, topk=args.topk,
                   num_steps=args.num_steps, num_draft_tokens=n,
+                  draft_attention=args.draft_attention,
                   max_new_tokens=args.max_new_tokens, prompt_len=args.prompt_len,
                   seed=args.seed, draft=args.draft,
                   alpha=None if loaded else DEFAULT_ALPHA if args.alpha is None else args.alpha,

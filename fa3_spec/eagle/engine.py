@@ -187,7 +187,8 @@ class EagleEngine:
         self.pool = KVPool(lc.spec, max_reqs=max_reqs or 2 * self.max_bs,
                            target_layers=models.num_target_layers,
                            draft_layers=models.num_draft_layers, num_kv_heads=models.num_kv_heads,
-                           head_dim=models.head_dim, dtype=models.dtype, device=device, seed=seed)
+                           head_dim=models.head_dim, dtype=models.dtype, device=device, seed=seed,
+                           draft_attention=lc.draft_attention)
         self.state = empty_state(lc, models, self.max_bs, self.device)
         if buckets is None:
             buckets = [b for b in (1, 2, 4, 8, 16, 32, 64, 128, 256) if b < self.max_bs]

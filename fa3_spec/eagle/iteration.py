@@ -9,13 +9,24 @@ CUDA graph per batch bucket (see `fa3_spec.eagle.engine`).
 Per request ``b`` with ``seq_len`` tokens in both caches and the *root* (the
 last emitted token, not yet in any cache) at position ``seq_len``:
 
-1. **Draft.** Copy the prefix's partial last page into every branch's first
-   page (`draft_tail_copy_slots`), then ``S - 1`` draft steps on
-   `build_draft_iteration_metadata`. Step ``i`` feeds each of the ``K``
+1. **Draft.** ``S - 1`` draft steps. Step ``i`` feeds each of the ``K``
    leaves ``fc([embed(leaf token); parent's draft feature])`` at position
-   ``seq_len + i`` and slot ``out_cache_loc[b, t, i]``; each leaf proposes
-   its top-``K`` and the ``K`` best of the ``K * K`` candidates by cumulative
-   log-probability become the next leaves (EAGLE-2).
+   ``seq_len + i`` and its own slot; each leaf proposes its top-``K`` and the
+   ``K`` best of the ``K * K`` candidates by cumulative log-probability
+   become the next leaves (EAGLE-2). What a leaf attends besides the prefix
+   is ``lc.draft_attention`` (docs/semantics.md, "Draft decode"):
+
+   * ``"ancestors"``: its true ancestors and itself. The draft slots are
+     plain slots after the prefix (`draft_positions(..., "ancestors")`); the
+     prefix call is built once per iteration, and each step's expand call
+     inside the iteration from the running ancestor slots
+     (`draft_ancestor_slots` over the selection's parent branch). No tail
+     copy.
+   * ``"branch"`` (sglang's semantics, for parity with it): the slots of
+     its branch ``out_cache_loc[b, t, :i+1]``, whichever leaf held them
+     before. The prefix's partial last page is first copied into every
+     branch's first page (`draft_tail_copy_slots`), and all steps' metadata
+     comes from `build_draft_iteration_metadata`.
 2. **Tree.** Of all ``K + (S-1) K^2`` candidates take the ``N - 1`` best
    (ties broken by index, so a node's ancestors always come first), sorted
    by index, plus the root as node 0: ``tokens [B, N]``, ``parents [B, N]``
@@ -57,14 +68,17 @@ import torch
 
 from ..batch import SpecBatch
 from ..builders import (
+    build_draft_decode_metadata,
     build_draft_extend_metadata,
     build_draft_iteration_metadata,
+    build_draft_prefix_metadata,
     build_target_verify_metadata,
+    draft_ancestor_slots,
     draft_positions,
     draft_tail_copy_slots,
 )
 from ..builders.prefill import extend_query_positions
-from ..config import SpecConfig
+from ..config import SpecConfig, check_draft_attention
 from ..paged import BatchView, in_pool
 from ..tree import tree_mask_from_parents
 from .models import KVCache, SpecModel
@@ -95,6 +109,13 @@ class LoopConfig:
         sampling: the iteration also runs the sampled walk and takes it for
             rows with ``temperature > 0`` (one sort of the verify logits per
             node); False: greedy only, and the engine refuses sampled requests.
+        draft_attention: what a tree draft's leaf attends besides the prefix:
+            ``"ancestors"``, its true ancestors (any slots, no tail copy),
+            or ``"branch"``, its branch's slots (sglang's semantics; what
+            the sglang-parity paths use). Output is exact either way; the
+            draft's proposals, and so acceptance, differ. The default is
+            ``"branch"``: on CPU (derived drafts) ancestors moved the mean
+            accepted length by noise only (benchmarks/RESULTS.md).
     """
 
     spec: SpecConfig
@@ -104,8 +125,10 @@ class LoopConfig:
     scripted: Optional[Tuple[int, ...]] = None
     max_eos: int = 4
     sampling: bool = True
+    draft_attention: str = "branch"
 
     def __post_init__(self):
+        check_draft_attention(self.draft_attention)
         s = self.spec
         candidates = s.topk + (s.num_steps - 1) * s.topk ** 2
         if s.num_draft_tokens < 2:
@@ -161,11 +184,13 @@ def _copy_kv_slots(kv: KVCache, src: torch.Tensor, dst: torch.Tensor) -> None:
 
 
 def draft_slots(lc: LoopConfig, view: BatchView) -> torch.Tensor:
-    """int64 ``[B, K, S]`` draft slots of the batch (0 on padding rows)."""
+    """int64 draft slots of the batch (0 on padding rows), read from each row at
+    `draft_positions` of ``lc.draft_attention``: ``[B, K, S]`` in the branch
+    layout, ``[B, K, S - 1]`` (leaf ``t``'s own slot at step ``i``) for ancestors."""
     cfg = lc.spec
-    bs, k, s = view.batch_size, cfg.topk, cfg.num_steps
-    loc = view.slots(draft_positions(cfg, view.seq_lens).view(bs, k * s)).view(bs, k, s)
-    return torch.where(view.live.view(bs, 1, 1), loc, 0)
+    positions = draft_positions(cfg, view.seq_lens, lc.draft_attention)
+    loc = view.slots(positions.flatten(1)).view(positions.shape)
+    return torch.where(view.live.view(-1, 1, 1), loc, 0)
 
 
 def _draft_steps(lc: LoopConfig, models: SpecModel, draft_kv: KVCache, view: BatchView,
@@ -174,17 +199,31 @@ def _draft_steps(lc: LoopConfig, models: SpecModel, draft_kv: KVCache, view: Bat
     cfg = lc.spec
     bs, k = view.batch_size, cfg.topk
     loc = draft_slots(lc, view)
-    src, dst = draft_tail_copy_slots(cfg, seq_lens=view.seq_lens, out_cache_loc=loc)
-    _copy_kv_slots(draft_kv, src, dst)
-    steps = metadata
-    if steps is None:
-        steps = build_draft_iteration_metadata(cfg, **batch, out_cache_loc=loc)
+    ancestors = lc.draft_attention == "ancestors"
+    if ancestors:
+        if metadata is not None:
+            raise ValueError("draft metadata built outside the iteration is branch semantics "
+                             "only: ancestor steps depend on the selection inside it")
+        prefix = build_draft_prefix_metadata(cfg, **batch, draft_attention="ancestors")
+        path = loc[:, :, :0]  # ancestor slots of the current leaves, [B, K, i + 1] at step i
+    else:
+        src, dst = draft_tail_copy_slots(cfg, seq_lens=view.seq_lens, out_cache_loc=loc)
+        _copy_kv_slots(draft_kv, src, dst)
+        steps = metadata
+        if steps is None:
+            steps = build_draft_iteration_metadata(cfg, **batch, out_cache_loc=loc)
     tokens, scores = st["cand_tokens"], st["cand_scores"]
     hidden = st["draft_hidden"].unsqueeze(1).expand(bs, k, models.hidden_size)
     leaf = torch.arange(k, device=tokens.device).expand(bs, k)  # candidate index of each leaf
+    parent_branch = leaf  # of each leaf, in the previous step (unused at step 0)
     all_tokens, all_scores, all_parents = [tokens], [scores], [torch.full_like(tokens, -1)]
     offset = k
-    for i, md in enumerate(steps):
+    for i in range(cfg.num_draft_decode_steps):
+        if ancestors:
+            path = draft_ancestor_slots(path, parent_branch, loc[:, :, i])
+            md = build_draft_decode_metadata(cfg, i, **batch, ancestor_slots=path, prefix=prefix)
+        else:
+            md = steps[i]
         positions = (view.seq_lens + i).unsqueeze(1).expand(bs, k).reshape(-1)
         out = models.draft_forward(tokens.reshape(-1), hidden.reshape(bs * k, -1), positions,
                                    loc[:, :, i].reshape(-1), md, draft_kv, backend=lc.backend,
@@ -253,8 +292,8 @@ def _accept(lc: LoopConfig, tokens, parents, next_tokens, live, iters):
 def draft_phase(lc: LoopConfig, models: SpecModel, draft_kv: KVCache,
                 req_to_token: torch.Tensor, st: State, metadata=None) -> State:
     """Steps 1-2: draft steps and the tree -> ``tokens``, ``parents`` ``[B, N]``,
-    ``tree_mask`` ``[B, N, N]``. ``metadata``: the draft steps' metadata, or
-    None to build it here (`build_draft_iteration_metadata`)."""
+    ``tree_mask`` ``[B, N, N]``. ``metadata``: the draft steps' metadata
+    (branch semantics only), or None to build it here."""
     batch = dict(req_to_token=req_to_token, req_pool_indices=st["req_pool_indices"],
                  seq_lens=st["seq_lens"])
     view = SpecBatch.create(lc.spec, **batch).view()
@@ -391,7 +430,7 @@ def eagle_iteration(lc: LoopConfig, models: SpecModel, target_kv: KVCache, draft
         lc: static loop configuration.
         models: the target + draft pair (`SpecModel`).
         target_kv, draft_kv: the pool's caches (written in place).
-        req_to_token: int32 ``[max_reqs, >= spec.draft_row_len]``.
+        req_to_token: int32 ``[max_reqs, >= spec.draft_row_len_for(lc.draft_attention)]``.
         st: batch state from `empty_state` (rows ``[B]``; padding rows have
             ``seq_lens == 0``).
 

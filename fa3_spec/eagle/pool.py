@@ -4,12 +4,15 @@ Target and draft each own a cache ``[L, num_pages, P, H_kv, D]``; both are
 indexed by the same slots (slot ``s`` = page ``s // P``, offset ``s % P``).
 Page 0 is reserved (the sentinel page every padding row reads and writes).
 
-A request owns one ``req_to_token`` row of ``cfg.draft_row_len`` positions
-(int32 slots). At admission it gets the pages for every position it can
-touch: committed positions up to ``prompt_len + max_new_tokens``, plus the
-verify window and the topk > 1 draft scratch past the last one (in the layout
-of `fa3_spec.draft_positions`: with ``P > 1`` and ``topk > 1`` each branch has its own
-pages, the first beginning with a copy of the prefix's partial last page).
+A request owns one ``req_to_token`` row of
+``cfg.draft_row_len_for(draft_attention)`` positions (int32 slots). At
+admission it gets the pages for every position it can touch: committed
+positions up to ``prompt_len + max_new_tokens``, plus the verify window and
+the topk > 1 draft scratch past the last one, in the layout of
+`fa3_spec.draft_positions` for ``draft_attention``: ``"branch"``, with
+``P > 1`` and ``topk > 1`` each branch has its own pages, the first beginning
+with a copy of the prefix's partial last page; ``"ancestors"``, plain slots
+right after the prefix (``cfg.ancestor_draft_slots`` of them).
 Positions past the reservation map to slot 0. Pages come from a shuffled
 free list, so a request's pages are scattered over the pool.
 
@@ -39,17 +42,20 @@ class KVPool:
         target_layers, draft_layers, num_kv_heads, head_dim, dtype, device:
             cache geometry.
         seed: shuffles the free-page list.
+        draft_attention: the draft semantics whose scratch each row holds
+            (``"branch"`` or ``"ancestors"``, `fa3_spec.DRAFT_ATTENTION`).
     """
 
     def __init__(self, cfg: SpecConfig, *, max_reqs: int, target_layers: int, draft_layers: int,
-                 num_kv_heads: int, head_dim: int, dtype, device, seed: int = 0):
+                 num_kv_heads: int, head_dim: int, dtype, device, seed: int = 0,
+                 draft_attention: str = "branch"):
         if cfg.num_pages is None:
             raise ValueError("cfg.num_pages must give the pool size in pages")
         if max_reqs < 1:
             raise ValueError(f"max_reqs must be >= 1, got {max_reqs}")
         self.cfg = cfg
         self.device = torch.device(device)
-        self.row_len = cfg.draft_row_len
+        self.row_len = cfg.draft_row_len_for(draft_attention)
         self.req_to_token = torch.zeros(max_reqs, self.row_len, dtype=torch.int32, device=device)
         geom = (cfg.num_pages, cfg.page_size, num_kv_heads, head_dim)
         self.target_kv = KVCache.zeros(target_layers, *geom, dtype=dtype, device=device)

@@ -13,7 +13,7 @@ from ..eagle import cli as eagle_cli
 from ..modes import MODES
 
 AUDIT_HELP = """\
-Audit every metadata builder, whole step and EAGLE iteration (56 rows by
+Audit every metadata builder, whole step and EAGLE iteration (61 rows by
 default), or, with --callable and --inputs, any function: graph breaks,
 recompiles when only values change, data-dependent ops, input mutations,
 parity, and on CUDA host syncs and CUDA-graph capture + replay.

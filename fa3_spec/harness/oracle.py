@@ -19,12 +19,16 @@ from ..metadata import PAGE_SENTINEL, CascadeMetadata, FA3Metadata
 from .worlds import World
 
 
-def expected_key_slots(world: World, mode: str, *, step: int = 0, tree: bool = True) -> list:
+def expected_key_slots(world: World, mode: str, *, step: int = 0, tree: bool = True,
+                       draft_attention: str = "branch") -> list:
     """Per query, in ``q`` order, the slots it must attend (docs/semantics.md).
 
     With ``P > 1`` and ``topk > 1`` a branch reads the prefix's partial last
     page from the copy at the start of its own region (branch 0's region
-    starts on that page itself), so those are the slots listed.
+    starts on that page itself), so those are the slots listed. With
+    ``draft_attention="ancestors"`` (draft decode, any topk) leaf ``t`` reads
+    the whole prefix, then its ancestors and itself,
+    ``world.ancestor_slots(step)[b, t, :step + 1]``.
 
     Query order: decode and draft topk = 1, one per request; draft topk > 1,
     ``[B, K]`` request-major; verify, ``[B, N]``; extend, the packed
@@ -35,12 +39,17 @@ def expected_key_slots(world: World, mode: str, *, step: int = 0, tree: bool = T
     cfg = world.cfg
     r2t = world.req_to_token.cpu()
     loc = world.out_cache_loc.cpu().view(-1, cfg.topk, cfg.num_steps)
+    ancestors = draft_attention == "ancestors"
+    if mode == "draft_decode" and ancestors:
+        paths = world.ancestor_slots(step)[:, :, : step + 1].cpu().tolist()  # ok-host: harness
     out = []
     for b, (row, s) in enumerate(zip(world.req_pool_indices.tolist(), world.seq_lens.tolist())):  # ok-host
         tokens = r2t[row].tolist()  # ok-host: harness, never in a step
         live = s > 0
         if mode == "decode":
             out.append(tokens[:s])
+        elif mode == "draft_decode" and ancestors:
+            out.extend(tokens[:s] + path if live else [] for path in paths[b])
         elif mode == "draft_decode":
             d = step + 1
             if cfg.topk == 1:
@@ -80,7 +89,8 @@ def dense_attention(
     key_slots: list,
     softmax_scale: Optional[float] = None,
 ) -> torch.Tensor:
-    """Float32 attention of ``q[i]`` over ``key_slots[i]`` (zeros if empty).
+    """Float32 attention (float64 for a float64 ``q``) of ``q[i]`` over
+    ``key_slots[i]`` (zeros if empty).
 
     ``q``: ``[total_q, H_q, D]``; caches ``[num_pages, P, H_kv, D]``. Rows of
     ``q`` past ``len(key_slots)`` get zeros. GQA: query head ``h`` reads KV
@@ -89,16 +99,17 @@ def dense_attention(
     hq, dim = q.shape[1], q.shape[2]
     hkv = k_cache.shape[2]
     scale = softmax_scale if softmax_scale is not None else dim ** -0.5
-    kf = k_cache.reshape(-1, hkv, k_cache.shape[-1]).float()
-    vf = v_cache.reshape(-1, hkv, v_cache.shape[-1]).float()
-    out = torch.zeros(q.shape[0], hq, v_cache.shape[-1], dtype=torch.float32, device=q.device)
+    dtype = torch.promote_types(q.dtype, torch.float32)
+    kf = k_cache.reshape(-1, hkv, k_cache.shape[-1]).to(dtype)
+    vf = v_cache.reshape(-1, hkv, v_cache.shape[-1]).to(dtype)
+    out = torch.zeros(q.shape[0], hq, v_cache.shape[-1], dtype=dtype, device=q.device)
     for i, slots in enumerate(key_slots):
         if not slots:
             continue
         idx = torch.tensor(slots, device=q.device)
         keys = kf[idx].repeat_interleave(hq // hkv, dim=1)  # [L, Hq, D]
         vals = vf[idx].repeat_interleave(hq // hkv, dim=1)
-        scores = torch.einsum("hd,lhd->hl", q[i].float(), keys) * scale
+        scores = torch.einsum("hd,lhd->hl", q[i].to(dtype), keys) * scale
         out[i] = torch.einsum("hl,lhd->hd", scores.softmax(-1), vals)
     return out
 

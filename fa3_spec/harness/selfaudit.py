@@ -2,7 +2,9 @@
 
 Two scopes. A "builder" row audits one metadata builder (forward mode x
 configuration x draft step, or every draft step built together, ``step =
-"all"``); its reference is the upstream-style builder. A "step" row audits a
+"all"``, branch semantics); its reference is the upstream-style builder, or
+for ancestor semantics (``draft_attention="ancestors"``) the key-set oracle.
+A "step" row audits a
 whole captured step of `fa3_spec.harness.toy` (metadata + attention + LSE
 merge + KV writes: the full draft iteration, verify, or extend), with FA3 on
 CUDA and the torch backend on CPU; its parity is compiled vs eager (relative
@@ -21,7 +23,7 @@ from ..audit import AuditRow, audit_function
 from ..builders import build_draft_iteration_metadata
 from ..config import SpecConfig
 from ..modes import MODES, build_metadata
-from .oracle import metadata_mismatches
+from .oracle import expected_key_slots, key_slots_read, metadata_mismatches, num_queries
 from .upstream import UpstreamStyleBuilder
 from .worlds import make_world
 
@@ -40,6 +42,7 @@ class AuditCase:
     batch_size: int = 4
     num_padding: int = 1
     scope: str = "builder"  # "builder": a metadata builder; "step": a whole step; "loop": EAGLE
+    draft_attention: str = "branch"  # draft decode and the loop: "branch" or "ancestors"
 
     @property
     def tree(self) -> bool:
@@ -54,7 +57,8 @@ def default_grid(
     max_context_len: int = 256,
 ) -> list:
     """All modes x page sizes x topk; draft decode at its first and last step,
-    and every draft step built together (``step = ALL_STEPS``)."""
+    and every draft step built together (``step = ALL_STEPS``); with topk > 1
+    also ancestor-semantics draft decode at its last (widest) step."""
     cases = []
     for p in page_sizes:
         for k in topks:
@@ -69,6 +73,9 @@ def default_grid(
             for mode in MODES.values():
                 steps = (0, num_steps - 2, ALL_STEPS) if mode.per_step else (0,)
                 cases.extend(AuditCase(mode.name, cfg, step) for step in steps)
+            if k > 1:
+                cases.append(AuditCase("draft_decode", cfg, num_steps - 2,
+                                       draft_attention="ancestors"))
     return cases
 
 
@@ -99,12 +106,15 @@ LOOP = "eagle_iteration"
 
 def loop_grid(topks: Iterable[int] = (1, 8)) -> list:
     """Whole EAGLE iterations (scope ``"loop"``): the tiny models, mid-run
-    states with joins and padding rows; page size 2 for topk > 1, 16 else."""
-    return [AuditCase(LOOP, SpecConfig(page_size=2 if k > 1 else 16, topk=k, num_steps=4,
-                                       num_draft_tokens=6 if k > 1 else 4, max_bs=4,
-                                       max_context_len=64),
-                      scope="loop")
-            for k in topks]
+    states with joins and padding rows; page size 2 for topk > 1, 16 else;
+    both draft semantics for topk > 1."""
+    cases = []
+    for k in topks:
+        cfg = SpecConfig(page_size=2 if k > 1 else 16, topk=k, num_steps=4,
+                         num_draft_tokens=6 if k > 1 else 4, max_bs=4, max_context_len=64)
+        for attention in ("branch", "ancestors") if k > 1 else ("branch",):
+            cases.append(AuditCase(LOOP, cfg, scope="loop", draft_attention=attention))
+    return cases
 
 
 def _builder(case: AuditCase, names: list) -> Callable:
@@ -143,14 +153,20 @@ def _builder_subject(case: AuditCase, device: str) -> _Subject:
     worlds = [make_world(case.cfg, case.batch_size, num_padding=case.num_padding,
                          seed=seed, device=device) for seed in (1, 2)]
     iteration = case.step == ALL_STEPS
-    mode = case.mode
-    kwargs = [w.mode_kwargs(mode, tree=case.tree) for w in worlds]
+    mode, attention = case.mode, case.draft_attention
+    step = 0 if iteration else case.step
+    kwargs = [w.mode_kwargs(mode, tree=case.tree, step=step, draft_attention=attention)
+              for w in worlds]
     names = [k for k, v in kwargs[0].items() if v is not None]
     reference = UpstreamStyleBuilder(case.cfg, device)
     steps = range(case.cfg.num_steps - 1) if iteration else [case.step]
     same = _steps_mismatches if iteration else metadata_mismatches
 
     def reference_problems(i, eager):
+        if attention == "ancestors":  # no upstream builder: the key-set oracle
+            want = expected_key_slots(worlds[i], mode, step=step, draft_attention=attention)
+            read = key_slots_read(eager, num_queries(worlds[i], mode))
+            return [] if read == want else ["vs the key-set oracle: other keys read"]
         want = [reference.build(mode, step=s, **kwargs[i]) for s in steps]
         return [f"vs reference: {m}" for m in same(eager, want if iteration else want[0])]
 
@@ -214,7 +230,8 @@ def _loop_subject(case: AuditCase, device: str) -> _Subject:
     models = make_models("tiny", seed=0, device=device,
                          dtype=torch.bfloat16 if device != "cpu" else torch.float32)
     spec = dc.replace(cfg, num_pages=cfg.pool_pages(2 * cfg.max_bs))
-    lc = LoopConfig(spec, max_new_tokens=24, backend="auto" if device != "cpu" else "torch")
+    lc = LoopConfig(spec, max_new_tokens=24, backend="auto" if device != "cpu" else "torch",
+                    draft_attention=case.draft_attention)
     engine = EagleEngine(lc, models, device=device)
     prompts, news = workload(cfg.max_bs - 1, page_size=cfg.page_size, max_prompt=32, max_new=24,
                              vocab=512, seed=0)
@@ -262,7 +279,9 @@ def audit_case(case: AuditCase, *, backend: str = "aot_eager", device: str = "cp
         backend=backend, device=device, mode=case.mode, scope=case.scope,
         config=dict(page_size=cfg.page_size, topk=cfg.topk, num_steps=cfg.num_steps,
                     num_draft_tokens=cfg.num_draft_tokens,
-                    tree=case.tree if case.mode == "target_verify" else None),
+                    tree=case.tree if case.mode == "target_verify" else None,
+                    draft_attention=(case.draft_attention
+                                     if case.mode in ("draft_decode", LOOP) else None)),
         step=case.step if case.mode == "draft_decode" and case.scope == "builder" else None,
     )
 

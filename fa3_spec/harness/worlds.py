@@ -3,8 +3,9 @@
 `make_world` lays out what an engine would hold for one batch: a paged
 ``req_to_token`` whose physical pages are shuffled (page 0 is the reserved
 dummy page, never allocated), draft slots allocated exactly as
-docs/semantics.md prescribes, random draft trees, and accepted-token counts
-for draft extend. `fill_kv_cache` writes random keys/values, including the
+docs/semantics.md prescribes, random draft trees (the verify tree, and the
+draft steps' trees for ancestor semantics, on shuffled slots), and
+accepted-token counts for draft extend. `fill_kv_cache` writes random keys/values, including the
 copies of each prefix's partial last page into every branch's first page.
 
 Host-side code (loops, host reads of tensor values) is fine here; nothing in this module
@@ -18,7 +19,7 @@ from typing import Optional, Sequence
 
 import torch
 
-from ..builders import draft_positions
+from ..builders import draft_ancestor_slots, draft_positions
 from ..config import SpecConfig, cdiv
 from ..tree import tree_mask_from_parents
 
@@ -38,6 +39,13 @@ class World:
         tree_mask: bool ``[B, N, N]`` ancestor-or-self mask of ``parents``.
         extend_seq_lens: int64 ``[B]`` accepted tokens (included in seq_lens).
         num_pages: pages in the KV pool.
+        ancestor_positions: int64 ``[S-1, B, K, S-1]`` row positions of the
+            draft steps' ancestor slots (`ancestor_slots`): at step ``i``,
+            columns ``0 .. i`` are leaf ``t``'s path in a random draft tree
+            (random parent at every step, own slots shuffled over the row's
+            ``cfg.ancestor_draft_slots`` positions after the prefix); the
+            columns after hold the own slots of later steps, which step ``i``
+            must not read.
     """
 
     cfg: SpecConfig
@@ -50,6 +58,7 @@ class World:
     tree_mask: torch.Tensor
     extend_seq_lens: torch.Tensor
     num_pages: int
+    ancestor_positions: torch.Tensor
 
     @property
     def batch_size(self) -> int:
@@ -63,10 +72,20 @@ class World:
             seq_lens=self.seq_lens,
         )
 
-    def mode_kwargs(self, mode: str, tree: bool = True) -> dict:
-        """Keyword arguments of the builder of ``mode`` (a key of `fa3_spec.MODES`)."""
+    def ancestor_slots(self, step: int) -> torch.Tensor:
+        """int64 ``[B, K, S-1]``: the ``ancestor_slots`` of draft ``step``."""
+        rows = self.req_pool_indices.view(-1, 1, 1)
+        return self.req_to_token[rows, self.ancestor_positions[step]].to(torch.int64)
+
+    def mode_kwargs(self, mode: str, tree: bool = True, *, step: int = 0,
+                    draft_attention: str = "branch") -> dict:
+        """Keyword arguments of the builder of ``mode`` (a key of `fa3_spec.MODES`);
+        draft decode at ``step`` with ``draft_attention="ancestors"`` gets
+        `ancestor_slots` instead of ``out_cache_loc``."""
         kw = self.batch()
-        if mode == "draft_decode":
+        if mode == "draft_decode" and draft_attention == "ancestors":
+            kw["ancestor_slots"] = self.ancestor_slots(step)
+        elif mode == "draft_decode":
             kw["out_cache_loc"] = self.out_cache_loc
         elif mode == "target_verify":
             kw["tree_mask"] = self.tree_mask if tree else None
@@ -151,8 +170,28 @@ def make_world(
         tree_mask=tree_mask,
         extend_seq_lens=ext,
         num_pages=num_pages,
+        ancestor_positions=_random_ancestors(cfg, seq, g),
     )
     return world.to(device)
+
+
+def _random_ancestors(cfg: SpecConfig, seq: torch.Tensor, g: torch.Generator) -> torch.Tensor:
+    """`World.ancestor_positions`: random draft trees over shuffled positions."""
+    k, steps = cfg.topk, cfg.num_draft_decode_steps
+    bs = seq.shape[0]
+    positions = draft_positions(cfg, seq, "ancestors").transpose(1, 2).reshape(bs, steps * k)
+    order = torch.rand(bs, steps * k, generator=g).argsort(dim=1)
+    own = positions.gather(1, order).view(bs, steps, k)  # own[b, i, t]: leaf t of step i
+    parents = torch.randint(0, k, (max(steps, 1), bs, k), generator=g)
+    path = own.new_zeros(bs, k, 0)
+    per_step = []
+    for i in range(steps):
+        path = draft_ancestor_slots(path, parents[i], own[:, i])
+        later = own[:, i + 1:].transpose(1, 2)  # never read at step i
+        per_step.append(torch.cat([path, later], dim=2))
+    if not per_step:
+        return torch.zeros(0, bs, k, 0, dtype=torch.int64)
+    return torch.stack(per_step)
 
 
 def rebase_world(world: World, req_to_token: torch.Tensor) -> World:
