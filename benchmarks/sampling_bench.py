@@ -35,9 +35,8 @@ def bench(models, args, batch: int, variant: str) -> dict:
     steps = args.warmup + args.iters
     max_new = steps * min(n, s + 1) + 8
     spec = fa3_spec.SpecConfig(page_size=p, topk=k, num_steps=s, num_draft_tokens=n,
-                               max_bs=batch, max_context_len=args.context + max_new + n,
-                               num_pages=1)
-    spec = dataclasses.replace(spec, num_pages=1 + batch * -(-spec.draft_row_len // p))
+                               max_bs=batch, max_context_len=args.context + max_new + n)
+    spec = dataclasses.replace(spec, num_pages=spec.pool_pages(batch))
     lc = LoopConfig(spec, max_new_tokens=max_new, backend=args.backend,
                     sampling=variant != "greedy")
     cuda = args.device == "cuda"

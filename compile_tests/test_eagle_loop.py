@@ -428,3 +428,16 @@ def test_cli_help_documents_the_exit_status(capsys):
     text = " ".join(capsys.readouterr().out.replace("`", "").split())
     assert "Exit status: 0" in text and "1 when --check-greedy found a mismatch" in text
     assert "2 for an invalid invocation" in text
+
+
+def test_request_at_names_the_request_of_a_batch_row_until_the_host_reads_its_finish():
+    eng = make_engine(models_for(), 2, 4, 3, 6, max_bs=2, max_new=6)
+    assert eng.request_at(0) is None and eng.request_at(1) is None
+    first, second = eng.submit([5, 6, 7], 4), eng.submit([8, 9], 6)
+    seen = []
+    eng.run(lambda e, host: seen.append((e.request_at(0), e.request_at(1))))
+    assert seen[0] == (first, second)
+    assert (eng.request_at(0), eng.request_at(1)) == (None, None)
+    for row in (-1, 2):
+        with pytest.raises(ValueError, match="row"):
+            eng.request_at(row)

@@ -208,6 +208,12 @@ def test_benchmarks_use_no_private_member_of_the_engine_or_the_runner():
     assert {k: v for k, v in found.items() if v} == {}
 
 
+def test_notebooks_use_no_private_member_of_the_engine_or_the_runner():
+    found = {path.name: _private_calls(_code_cells(path))
+             for path in sorted((ROOT.parent / "notebooks").glob("*.ipynb"))}
+    assert {k: v for k, v in found.items() if v} == {}
+
+
 def test_the_private_member_check_sees_a_planted_call():
     assert {"_admit", "_plan", "_route"} <= ENGINE_AND_RUNNER_PRIVATES
     assert _private_calls("eng._admit()\nrunner._route(batch)\nself._admit()") == {"_admit", "_route"}

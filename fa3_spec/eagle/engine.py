@@ -302,6 +302,15 @@ class EagleEngine:
     def has_work(self) -> bool:
         return bool(self._waiting) or self.active > 0 or self._pending is not None
 
+    def request_at(self, row: int) -> Optional[int]:
+        """The id of the request in batch row ``row`` (None when the row is free),
+        as the host knows it: a row's request stays there until the host reads
+        its finish (e.g. inside an ``on_iteration`` callback of `step`)."""
+        if not 0 <= row < self.max_bs:
+            raise ValueError(f"row must be in [0, {self.max_bs}), got {row}")
+        req = self._slots[row]
+        return None if req is None else req.rid
+
     def results(self) -> Dict[int, List[int]]:
         return {rid: r.output for rid, r in self._done.items()}
 
