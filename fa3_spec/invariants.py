@@ -164,7 +164,7 @@ def ancestor_flags(cfg: SpecConfig, view: BatchView, slots: torch.Tensor,
     """ANCESTOR_SLOTS bit for the live ancestor slots ``slots`` (int64 ``[B*K, d]``,
     depth ``i`` at column ``i``, the leaf's own slot last).
 
-    Per request: every slot is ``>= 0`` (and ``< num_pages * P`` when the pool
+    Per request (a slot shared between two requests is not flagged): every slot is ``>= 0`` (and ``< num_pages * P`` when the pool
     size is known); none holds a prefix token (a slot on the page at column
     ``j`` of the row at offset ``o`` holds position ``j*P + o``, prefix iff
     ``< seq_len``: exact on page-aligned rows, which ``MISALIGNED_ROW``
@@ -179,13 +179,17 @@ def ancestor_flags(cfg: SpecConfig, view: BatchView, slots: torch.Tensor,
     if num_pages is not None:
         bad = bad | (per_leaf >= num_pages * p)
     bad = bad.any(dim=2)  # [B, K]
-    # A prefix token's slot: the row's page starts, offsets inside their pages.
+    # A prefix token's slot: on the row's page at column j, at offset o, it holds
+    # position j*P + o, a prefix token iff j < ceil((seq_len - o) / P). Only bool
+    # [B, K*d, W] temporaries (the table width W is the whole context at P = 1).
     j = torch.arange(cfg.page_table_width, device=slots.device)
-    starts = view.raw_slots((j * p).unsqueeze(0).expand(bs, -1))  # [B, W]
+    row_pages = torch.div(view.raw_slots((j * p).unsqueeze(0).expand(bs, -1)), p,
+                          rounding_mode="floor")  # [B, W]
     flat = per_leaf.reshape(bs, k * d)
-    offset = flat.unsqueeze(2) - starts.unsqueeze(1)  # [B, K*d, W]
-    position = j * p + offset
-    in_prefix = (offset >= 0) & (offset < p) & (position < view.seq_lens.view(bs, 1, 1))
+    page, offset = torch.div(flat, p, rounding_mode="floor"), flat % p
+    columns = -torch.div(offset - view.seq_lens.view(bs, 1), p, rounding_mode="floor")  # [B, K*d]
+    in_prefix = ((page.unsqueeze(2) == row_pages.unsqueeze(1))
+                 & (j.view(1, 1, -1) < columns.unsqueeze(2)))
     bad = bad | in_prefix.any(dim=2).view(bs, k, d).any(dim=2)
     # One slot, one depth.
     depth = torch.arange(k * d, device=slots.device) % d

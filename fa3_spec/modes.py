@@ -8,15 +8,15 @@ Dispatch sites (``build_metadata``, ``error_flags``, the audit, the CLI) look
 the mode up in `MODES`; there is no other list of modes and no switch over
 their names.
 
-======================  ===================  =====================  ===========
-mode                    extra inputs         queries per request    per step
-======================  ===================  =====================  ===========
-``decode``              --                   1                      no
-``draft_decode``        ``out_cache_loc``    K                      yes
+======================  ======================  =====================  ===========
+mode                    extra inputs            queries per request    per step
+======================  ======================  =====================  ===========
+``decode``              --                      1                      no
+``draft_decode``        ``out_cache_loc``       K                      yes
                         or ``ancestor_slots``
-``target_verify``       ``tree_mask``        N                      no
-``draft_extend``        ``extend_seq_lens``  <= N (static bound N)  no
-======================  ===================  =====================  ===========
+``target_verify``       ``tree_mask``           N                      no
+``draft_extend``        ``extend_seq_lens``     <= N (static bound N)  no
+======================  ======================  =====================  ===========
 
 Draft decode takes ``out_cache_loc`` (each branch attends its own slots,
 sglang's semantics) or ``ancestor_slots`` (each leaf attends its true

@@ -137,8 +137,9 @@ def build_draft_decode_metadata(
         out_cache_loc: int ``B*K*S`` draft slots in upstream's row-major
             ``[B, K, S]`` order (flat or shaped), in the layout of
             `draft_positions`: each branch attends its own first ``d``
-            slots (sglang's semantics). Ignored when topk = 1 (the drafts
-            then follow the prefix in the row).
+            slots (sglang's semantics). Its values are ignored when topk = 1
+            (the drafts then follow the prefix in the row), but it is still
+            refused together with ``ancestor_slots``.
         ancestor_slots: int64 ``[B, K, d']`` or ``[B*K, d']``, ``d' >= d``
             (only the first ``d`` columns are read, so one ``[B, K, S-1]``
             buffer serves every step): per leaf, the slots of its ancestors
@@ -147,6 +148,10 @@ def build_draft_decode_metadata(
             attends the whole prefix and exactly those slots. Also works
             with topk = 1 (a chain on any slots). Give this or
             ``out_cache_loc``, never both; one of them when topk > 1.
+            Without ``num_pages`` the builder trusts these values (as it
+            trusts ``req_to_token``): they are cast to int32 page ids, so a
+            slot >= 2**31 wraps; give ``num_pages`` to clamp them into the
+            pool, and check them with `error_flags`.
         prefix: the step-invariant prefix call from
             `build_draft_prefix_metadata` of the same semantics
             (``draft_attention="ancestors"`` with ``ancestor_slots``), to

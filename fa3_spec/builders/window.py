@@ -13,7 +13,8 @@ row, then the query's draft path. Positions, per mode (``s = seq_len``)::
     verify tree, token j   pos = s + depth(j)    depth = attended drafts - 1
     draft extend, query j  pos = s - e + j
 
-**Single calls** (decode, draft topk = 1, chain verify, draft extend). A row's
+**Single calls** (decode, draft topk = 1 on ``out_cache_loc``, chain verify, draft extend;
+with ``ancestor_slots`` a draft step is a cascade at any topk). A row's
 queries are consecutive positions ending at its last key, so FA3's
 bottom-right alignment is the true position, and FA3's own window cuts
 exactly. The table starts at the page of the first query's window start,
