@@ -399,7 +399,7 @@ def test_bad_parameters_are_value_errors_naming_the_argument(kwargs, name):
         check_sampling_params(**args)
 
 
-@pytest.mark.parametrize("v, block", [(1, 4), (7, 4), (8, 4), (9, 4), (2500, 1024), (3, 1024)])
+@pytest.mark.parametrize("v, block", [(1, 4), (4, 4), (7, 4), (8, 4), (9, 4), (2500, 1024), (3, 1024)])
 def test_vocab_cumsum_is_the_cumsum_in_two_short_scans(v, block):
     from fa3_spec.eagle.sampling import vocab_cumsum
 

@@ -151,8 +151,8 @@ SCAN_BLOCK = 1024
 def vocab_cumsum(x: torch.Tensor, block: int = SCAN_BLOCK) -> torch.Tensor:
     """``torch.cumsum(x, -1)`` over a vocabulary-sized last dimension, as two short scans.
 
-    ``x [..., V]`` is zero-padded to ``nb * block`` and viewed as ``[..., nb,
-    block]``: an inclusive scan inside each block, plus the exclusive scan of
+    ``x [..., V]`` (``V > block``; a shorter one is one plain scan) is
+    zero-padded to ``nb * block`` and viewed as ``[..., nb, block]``: an inclusive scan inside each block, plus the exclusive scan of
     the ``nb`` block totals. Same values up to summation order. Why: inductor
     (torch 2.11, CUDA) turns one scan of 128K elements over few rows into a
     split scan whose code generation fails ("list indices must be integers or
@@ -163,6 +163,8 @@ def vocab_cumsum(x: torch.Tensor, block: int = SCAN_BLOCK) -> torch.Tensor:
     so ``[1, 2, 3, 4, 5]``.
     """
     v = x.shape[-1]
+    if v <= block:  # static: one short scan already
+        return torch.cumsum(x, dim=-1)
     nb = -(-v // block)
     blocks = torch.nn.functional.pad(x, (0, nb * block - v)).unflatten(-1, (nb, block))
     inner = torch.cumsum(blocks, dim=-1)
