@@ -20,7 +20,7 @@ import zlib
 import pytest
 import torch
 
-from fa3_spec.probes import RecordingBackend, graph_breaks
+from fa3_spec.probes import RecordingBackend
 from fa3_spec.harness.sglang_upstream import (
     make_req_to_token, sglang_batch,
 )
@@ -224,8 +224,8 @@ def test_adapter_compiles_fullgraph_without_data_dependent_ops(mode, topk):
 
     fill = _fill_fn(cfg, mode, step, names)
     args = lambda b: [r2t] + list(b.inputs(base).values())  # noqa: E731
-    count, reasons = graph_breaks(fill, make_buffers(), *args(batches[0]))
-    assert count == 0, reasons
+    # fullgraph=True fails on any graph break (test_compile.py's negative controls), and
+    # the recorder flags data-dependent ops that it accepts: no separate explain pass.
     recorder = RecordingBackend("aot_eager")
     compiled = torch.compile(fill, fullgraph=True, backend=recorder)
     with torch._dynamo.config.patch(error_on_recompile=True):
