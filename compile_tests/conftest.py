@@ -1,5 +1,6 @@
 import os
 
+import children  # first: it keeps the environment the session started with
 import pytest
 import torch
 from hypothesis import HealthCheck, settings
@@ -14,6 +15,32 @@ settings.register_profile(
     suppress_health_check=[HealthCheck.too_slow],
 )
 settings.load_profile(os.environ.get("FA3_SPEC_HYPOTHESIS_PROFILE", "ci"))
+
+
+def pytest_collection_modifyitems(items):
+    """Tests marked ``children`` (children.py) run last, in their order: their jobs then
+    run side by side while pytest only waits, not beside the in-process tests."""
+    items[:] = ([i for i in items if i.get_closest_marker("children") is None]
+                + [i for i in items if i.get_closest_marker("children") is not None])
+
+
+@pytest.fixture(scope="session")
+def _child_jobs(request, tmp_path_factory):
+    jobs = children.Jobs(request.session, tmp_path_factory)
+    yield jobs
+    jobs.close()
+
+
+@pytest.fixture
+def child(request, _child_jobs):
+    """The result of this test's ``@pytest.mark.children(job=...)``: ``child.result()``."""
+    if request.node.get_closest_marker("children") is None:
+        raise pytest.UsageError("the child fixture needs @pytest.mark.children(job=...)")
+    return children.Child(_child_jobs.future(request.node))
+
+
+def pytest_unconfigure(config):
+    children.kill_running()
 
 
 @pytest.fixture(autouse=True)

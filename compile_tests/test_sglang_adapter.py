@@ -274,17 +274,23 @@ def fa3_spec_error_flags(cfg, mode, **kw):
 
 
 # ------------------------------------------------------------- benchmark
-def test_bench_smoke(upstream, tmp_path):
-    """benchmarks/sglang_adapter_bench.py --smoke runs end to end with parity
-    (its CPU timings mean nothing)."""
+def _bench_smoke(tmp):
     import json
     import pathlib
-    import subprocess
     import sys
 
+    import children
+
     root = pathlib.Path(__file__).resolve().parents[1]
-    out = tmp_path / "rows.json"
-    subprocess.run([sys.executable, str(root / "benchmarks" / "sglang_adapter_bench.py"), "--smoke",
-                    "--json", str(out)], check=True, cwd=root, capture_output=True, timeout=600)
-    rows = json.loads(out.read_text())["rows"]
+    out = tmp / "rows.json"
+    children.run([sys.executable, str(root / "benchmarks" / "sglang_adapter_bench.py"), "--smoke",
+                  "--json", str(out)], cwd=root)
+    return json.loads(out.read_text())["rows"]
+
+
+@pytest.mark.children(job=_bench_smoke)
+def test_bench_smoke(upstream, child):
+    """benchmarks/sglang_adapter_bench.py --smoke runs end to end with parity
+    (its CPU timings mean nothing), in a child (children.py)."""
+    rows = child.result()
     assert [r["bs"] for r in rows] == [1, 3] and all(r["parity"] for r in rows)
