@@ -1,20 +1,28 @@
-"""Tests whose work runs in child processes, run side by side at the end of the session.
+"""Tests whose work runs in child processes, run beside the rest of the session.
 
-A benchmark smoke, a notebook or a cross-process cache check spends its time in
-a child Python (importing torch, tracing, compiling) while pytest only waits
-for it. Such a test is marked ``@pytest.mark.children(job=job)``: ``job(tmp, **params)``
-(``tmp`` a fresh directory, ``params`` the test's parametrization) does the
-child-process work and returns what the test checks, which the test gets from
-``child.result()`` (the ``child`` fixture; an exception in the job is raised
-there). conftest.py moves these tests to the end of the session, in their
-order, and the first of them to run starts every selected job, `PARALLEL` at a
-time, so the children of later tests run while earlier ones are checked.
+A benchmark smoke, a notebook, a CLI run or a cross-process cache check spends
+its time in a child Python (importing torch, tracing, compiling) while pytest
+only waits for it. Such a test is marked ``@pytest.mark.children(job=job)``:
+``job(tmp, **params)`` (``tmp`` a fresh directory, ``params`` the test's
+parametrization) does the child-process work and returns what the test checks,
+which the test gets from ``child.result()`` (the ``child`` fixture; an exception
+in the job is raised there).
+
+CI has two cores and the in-process tests keep about one busy. So, with
+`PARALLEL` = 2 (the default): every selected job is submitted before the first
+test and they run one at a time beside the in-process tests; conftest.py
+moves the children tests to the end of the session, and from the first of them
+on (pytest then only waits) `PARALLEL` jobs run at once. Every torch runs one
+thread: this process (conftest.py) and each child (``OMP_NUM_THREADS=1``), so
+that no two multi-threaded processes share the two cores (their OpenMP threads
+would spin against each other: many-small-op tests then run several times
+slower). ``FA3_SPEC_TEST_CHILDREN=1``: torch's default threads, and the jobs
+run one after another once the children tests are reached.
 
 Children run with the environment the session started with (not what a test
-set in this process since, e.g. ``TRITON_INTERPRET`` from the sglang
-fixture), one torch/OpenMP thread each when several run at once (two
-children with two threads each on CI's two cores would oversubscribe them),
-and are killed if the session ends first.
+set in this process since, e.g. ``TRITON_INTERPRET`` from the sglang fixture)
+and are killed if the session ends first. Each job's own time is listed at the
+end of the run (the children tests' durations are mostly waiting).
 """
 
 from __future__ import annotations
@@ -25,19 +33,22 @@ import re
 import signal
 import subprocess
 import threading
+import time
 
-#: Jobs at once: CI's 2 cores by default; FA3_SPEC_TEST_CHILDREN=1 runs them one
-#: after another.
+#: Jobs at once once only children tests are left: CI's 2 cores by default;
+#: FA3_SPEC_TEST_CHILDREN=1 runs them one after another, nothing beside other tests.
 PARALLEL = max(1, int(os.environ.get("FA3_SPEC_TEST_CHILDREN",
                                      min(2, len(os.sched_getaffinity(0))))))
 
 _ENV = dict(os.environ)  # as the session started (conftest imports this first)
 _running: set = set()
+#: nodeid -> a finished job's own wall time (listed at the end of the run).
+SECONDS: dict = {}
 _lock = threading.Lock()
 
 
 def env(**extra) -> dict:
-    """The environment of a child: the session's initial one, one thread if side by side."""
+    """The environment of a child: the session's initial one, one thread (PARALLEL > 1)."""
     out = dict(_ENV)
     if PARALLEL > 1:
         out.setdefault("OMP_NUM_THREADS", "1")
@@ -91,34 +102,56 @@ def _skipped(item) -> bool:
 
 
 class Jobs:
-    """The session's jobs, started together at the first request."""
+    """The session's jobs: all submitted before the first test, one running at a time
+    beside the in-process tests, `PARALLEL` at a time once only children tests are left."""
 
     def __init__(self, session, tmp_path_factory):
         self._session = session
         self._tmp = tmp_path_factory
-        self._pool = None
+        self._pool = concurrent.futures.ThreadPoolExecutor(PARALLEL, thread_name_prefix="child")
+        self._gate = threading.Semaphore(1)  # widened to PARALLEL by `widen`
+        self._widened = False
+        self._started = False
         self._futures: dict = {}
+
+    def start(self):
+        if self._started:
+            return
+        self._started = True
+        for item in self._session.items:
+            if item.get_closest_marker("children") is not None and not _skipped(item):
+                self._submit(item)
 
     def _submit(self, item):
         job = item.get_closest_marker("children").kwargs["job"]
         params = dict(getattr(getattr(item, "callspec", None), "params", {}))
         tmp = self._tmp.mktemp(re.sub(r"\W", "_", item.name)[:40], numbered=True)
-        self._futures[item.nodeid] = self._pool.submit(job, tmp, **params)
+
+        def gated():
+            with self._gate:
+                begin = time.perf_counter()
+                try:
+                    return job(tmp, **params)
+                finally:
+                    SECONDS[item.nodeid] = time.perf_counter() - begin
+
+        self._futures[item.nodeid] = self._pool.submit(gated)
+
+    def widen(self):
+        """Only children tests are left: this process now just waits; run PARALLEL at once."""
+        if not self._widened:
+            self._widened = True
+            for _ in range(PARALLEL - 1):
+                self._gate.release()
 
     def future(self, item):
-        if self._pool is None:
-            self._pool = concurrent.futures.ThreadPoolExecutor(PARALLEL,
-                                                               thread_name_prefix="child")
-            for other in self._session.items:
-                if other.get_closest_marker("children") is not None and not _skipped(other):
-                    self._submit(other)
+        self.start()  # FA3_SPEC_TEST_CHILDREN=1: nothing started before the children tests
+        self.widen()
         if item.nodeid not in self._futures:
             self._submit(item)
         return self._futures[item.nodeid]
 
     def close(self):
-        if self._pool is None:
-            return
         self._pool.shutdown(wait=False, cancel_futures=True)
         kill_running()
 

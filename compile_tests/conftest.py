@@ -18,15 +18,19 @@ settings.load_profile(os.environ.get("FA3_SPEC_HYPOTHESIS_PROFILE", "ci"))
 
 
 def pytest_collection_modifyitems(items):
-    """Tests marked ``children`` (children.py) run last, in their order: their jobs then
-    run side by side while pytest only waits, not beside the in-process tests."""
+    """Tests marked ``children`` (children.py) run last, in their order: their jobs run
+    beside the in-process tests, then side by side while pytest only waits for them."""
     items[:] = ([i for i in items if i.get_closest_marker("children") is None]
                 + [i for i in items if i.get_closest_marker("children") is not None])
 
 
-@pytest.fixture(scope="session")
+@pytest.fixture(scope="session", autouse=True)
 def _child_jobs(request, tmp_path_factory):
+    if children.PARALLEL > 1:  # one core for this process, one for the children (children.py)
+        torch.set_num_threads(1)
     jobs = children.Jobs(request.session, tmp_path_factory)
+    if children.PARALLEL > 1:
+        jobs.start()
     yield jobs
     jobs.close()
 
@@ -37,6 +41,13 @@ def child(request, _child_jobs):
     if request.node.get_closest_marker("children") is None:
         raise pytest.UsageError("the child fixture needs @pytest.mark.children(job=...)")
     return children.Child(_child_jobs.future(request.node))
+
+
+def pytest_terminal_summary(terminalreporter):
+    if children.SECONDS:
+        terminalreporter.write_sep("=", "children jobs (their own time; the tests mostly wait)")
+        for nodeid, s in sorted(children.SECONDS.items(), key=lambda kv: -kv[1]):
+            terminalreporter.write_line(f"{s:7.2f}s job      {nodeid}")
 
 
 def pytest_unconfigure(config):
