@@ -32,6 +32,7 @@ import os
 import re
 import signal
 import subprocess
+import sys
 import threading
 import time
 
@@ -101,6 +102,14 @@ def _skipped(item) -> bool:
         for m in item.iter_markers("skipif"))
 
 
+#: The first job when jobs run beside the in-process tests: sglang's source and Triton
+#: into their cache (`fa3_spec.harness.sglang_upstream`), fetched as the ``upstream``
+#: fixture would fetch them, so that no process reads that cache while another one
+#: (this process's fixture, a child) fills it. The other jobs and the fixture wait for it.
+PREFETCH = [sys.executable, "-c", "from fa3_spec.harness.sglang_upstream import "
+            "load_upstream_or_reason as load; load(fetch=True)"]
+
+
 class Jobs:
     """The session's jobs: all submitted before the first test, one running at a time
     beside the in-process tests, `PARALLEL` at a time once only children tests are left."""
@@ -112,15 +121,33 @@ class Jobs:
         self._gate = threading.Semaphore(1)  # widened to PARALLEL by `widen`
         self._widened = False
         self._started = False
+        self._prefetch = None
         self._futures: dict = {}
 
     def start(self):
         if self._started:
             return
         self._started = True
-        for item in self._session.items:
-            if item.get_closest_marker("children") is not None and not _skipped(item):
-                self._submit(item)
+        items = [item for item in self._session.items
+                 if item.get_closest_marker("children") is not None and not _skipped(item)]
+        if items and PARALLEL > 1:  # one after another (PARALLEL = 1) needs no prefetch
+            self._prefetch = self._pool.submit(self._gated, "(sglang prefetch)",
+                                               lambda: run(PREFETCH, timeout=1800, check=False))
+        for item in items:
+            self._submit(item)
+
+    def wait_prefetch(self):
+        """Until the prefetch (if any) has ended, however it ended."""
+        if self._prefetch is not None:
+            concurrent.futures.wait([self._prefetch])
+
+    def _gated(self, name, fn):
+        with self._gate:
+            begin = time.perf_counter()
+            try:
+                return fn()
+            finally:
+                SECONDS[name] = time.perf_counter() - begin
 
     def _submit(self, item):
         job = item.get_closest_marker("children").kwargs["job"]
@@ -128,12 +155,8 @@ class Jobs:
         tmp = self._tmp.mktemp(re.sub(r"\W", "_", item.name)[:40], numbered=True)
 
         def gated():
-            with self._gate:
-                begin = time.perf_counter()
-                try:
-                    return job(tmp, **params)
-                finally:
-                    SECONDS[item.nodeid] = time.perf_counter() - begin
+            self.wait_prefetch()  # before the gate: the prefetch needs it
+            return self._gated(item.nodeid, lambda: job(tmp, **params))
 
         self._futures[item.nodeid] = self._pool.submit(gated)
 

@@ -79,12 +79,13 @@ SGLANG_DEVICE = os.environ.get("FA3_SPEC_SGLANG_DEVICE",
 
 
 @pytest.fixture(scope="session")
-def upstream():
+def upstream(_child_jobs):
     """sglang 0.5.23's own metadata code, obtained from its wheel at run time
     (`fa3_spec.harness.sglang_upstream`); the test skips, with the reason,
     when it cannot be had."""
     from fa3_spec.harness.sglang_upstream import SGLANG_VERSION, load_upstream_or_reason
 
+    _child_jobs.wait_prefetch()  # children.py: no two processes fill the cache at once
     up, why = load_upstream_or_reason(device=SGLANG_DEVICE)
     if up is None:
         pytest.skip(f"sglang {SGLANG_VERSION}'s own code is unavailable here: {why}")
