@@ -17,7 +17,8 @@ thread: this process (conftest.py) and each child (``OMP_NUM_THREADS=1``), so
 that no two multi-threaded processes share the two cores (their OpenMP threads
 would spin against each other: many-small-op tests then run several times
 slower). ``FA3_SPEC_TEST_CHILDREN=1``: torch's default threads, and the jobs
-run one after another once the children tests are reached.
+run one after another once the children tests are reached. Beside the tests,
+a first job (`PREFETCH`) fills sglang's cache before any other process reads it.
 
 Children run with the environment the session started with (not what a test
 set in this process since, e.g. ``TRITON_INTERPRET`` from the sglang fixture)
@@ -36,7 +37,7 @@ import sys
 import threading
 import time
 
-#: Jobs at once once only children tests are left: CI's 2 cores by default;
+#: Jobs at once when only children tests are left: CI's 2 cores by default;
 #: FA3_SPEC_TEST_CHILDREN=1 runs them one after another, nothing beside other tests.
 PARALLEL = max(1, int(os.environ.get("FA3_SPEC_TEST_CHILDREN",
                                      min(2, len(os.sched_getaffinity(0))))))
