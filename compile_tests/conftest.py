@@ -1,5 +1,6 @@
 import os
 
+import children  # first: it keeps the environment the session started with
 import pytest
 import torch
 from hypothesis import HealthCheck, settings
@@ -14,6 +15,43 @@ settings.register_profile(
     suppress_health_check=[HealthCheck.too_slow],
 )
 settings.load_profile(os.environ.get("FA3_SPEC_HYPOTHESIS_PROFILE", "ci"))
+
+
+def pytest_collection_modifyitems(items):
+    """Tests marked ``children`` (children.py) run last, in their order: their jobs run
+    beside the in-process tests, then side by side while pytest only waits for them."""
+    items[:] = ([i for i in items if i.get_closest_marker("children") is None]
+                + [i for i in items if i.get_closest_marker("children") is not None])
+
+
+@pytest.fixture(scope="session", autouse=True)
+def _child_jobs(request, tmp_path_factory):
+    if children.PARALLEL > 1:  # one core for this process, one for the children (children.py)
+        torch.set_num_threads(1)
+    jobs = children.Jobs(request.session, tmp_path_factory)
+    if children.PARALLEL > 1:
+        jobs.start()
+    yield jobs
+    jobs.close()
+
+
+@pytest.fixture
+def child(request, _child_jobs):
+    """The result of this test's ``@pytest.mark.children(job=...)``: ``child.result()``."""
+    if request.node.get_closest_marker("children") is None:
+        raise pytest.UsageError("the child fixture needs @pytest.mark.children(job=...)")
+    return children.Child(_child_jobs.future(request.node))
+
+
+def pytest_terminal_summary(terminalreporter):
+    if children.SECONDS:
+        terminalreporter.write_sep("=", "children jobs (their own time; the tests mostly wait)")
+        for nodeid, s in sorted(children.SECONDS.items(), key=lambda kv: -kv[1]):
+            terminalreporter.write_line(f"{s:7.2f}s job      {nodeid}")
+
+
+def pytest_unconfigure(config):
+    children.kill_running()
 
 
 @pytest.fixture(autouse=True)
@@ -41,12 +79,13 @@ SGLANG_DEVICE = os.environ.get("FA3_SPEC_SGLANG_DEVICE",
 
 
 @pytest.fixture(scope="session")
-def upstream():
+def upstream(_child_jobs):
     """sglang 0.5.23's own metadata code, obtained from its wheel at run time
     (`fa3_spec.harness.sglang_upstream`); the test skips, with the reason,
     when it cannot be had."""
     from fa3_spec.harness.sglang_upstream import SGLANG_VERSION, load_upstream_or_reason
 
+    _child_jobs.wait_prefetch()  # children.py: no two processes fill the cache at once
     up, why = load_upstream_or_reason(device=SGLANG_DEVICE)
     if up is None:
         pytest.skip(f"sglang {SGLANG_VERSION}'s own code is unavailable here: {why}")

@@ -1,8 +1,11 @@
 import json
+import sys
 
+import pytest
+
+import children
 import fa3_spec.harness.selfaudit as selfaudit
 from fa3_spec import MODES
-from fa3_spec.harness import cli
 from fa3_spec.harness.selfaudit import ALL_STEPS, AuditCase, audit_case, default_grid
 
 
@@ -14,14 +17,21 @@ def test_default_grid_covers_modes_page_sizes_and_topk():
     assert any(c.cfg.page_size == 2 and c.cfg.topk == 8 for c in cases)  # the seed
 
 
-def test_audit_cli_writes_json_rows(tmp_path, capsys):
-    out = tmp_path / "audit.json"
+def _cli_audit(tmp):
+    """``fa3-spec audit`` on one configuration, as a command (in a child: children.py)."""
+    out = tmp / "audit.json"
     # eager backend: the CLI and its rows are what is tested here; the same
     # steps and loop compile with aot_eager in test_iteration.py and test_eagle_loop.py.
-    code = cli.main(["audit", "--page-sizes", "2", "--topks", "8", "--json", str(out),
-                     "--device", "cpu", "--backend", "eager"])
-    assert code == 0
-    rows = json.loads(out.read_text())
+    done = children.run([sys.executable, "-m", "fa3_spec.harness.cli", "audit",
+                         "--page-sizes", "2", "--topks", "8", "--json", str(out),
+                         "--device", "cpu", "--backend", "eager"], check=False)
+    return done.returncode, done.stdout, json.loads(out.read_text()) if out.exists() else None
+
+
+@pytest.mark.children(job=_cli_audit)
+def test_audit_cli_writes_json_rows(child):
+    code, stdout, rows = child.result()
+    assert code == 0, stdout[-2000:]
     assert {r["mode"] for r in rows} == set(MODES) | {selfaudit.LOOP}
     loops = [r for r in rows if r["mode"] == selfaudit.LOOP]
     assert [(r["scope"], r["config"]["draft_attention"]) for r in loops] == [
@@ -34,7 +44,8 @@ def test_audit_cli_writes_json_rows(tmp_path, capsys):
         assert r["config"]["page_size"] == 2 and r["config"]["topk"] == 8
         assert r["graph_breaks"] == 0 and r["recompiles"] == 0 and r["parity"] is True
         assert r["host_syncs"] is None and r["cuda_graph"] == "skipped"
-    assert "40 cases" not in capsys.readouterr().out  # filtered grid
+    assert "fa3-spec audit: 10 cases" in stdout  # the filtered grid, not all 56 rows
+    assert "wrote " in stdout
 
 
 def test_audit_flags_a_leaky_builder(monkeypatch):

@@ -11,10 +11,11 @@ model (``--upstream model``).
 
 import json
 import pathlib
-import subprocess
 import sys
 
+import pytest
 
+import children
 from fa3_spec.harness.sglang_upstream import SGLANG_VERSION
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
@@ -22,12 +23,15 @@ SGLANG = f"sglang-{SGLANG_VERSION} replay functions"
 MODEL = "fa3_spec upstream-style model"
 
 
-def _smoke(tmp_path, *extra):
-    out = tmp_path / "eagle.json"
-    subprocess.run([sys.executable, str(ROOT / "benchmarks" / "eagle_bench.py"), "--smoke",
-                    "--json", str(out), *extra], check=True, cwd=ROOT, capture_output=True,
-                   timeout=600)
-    rows = json.loads(out.read_text())["rows"]
+def _smoke(tmp, *extra):
+    """A job's run: the smoke's rows (each child runs side by side with the others: children.py)."""
+    out = tmp / "eagle.json"
+    children.run([sys.executable, str(ROOT / "benchmarks" / "eagle_bench.py"), "--smoke",
+                  "--json", str(out), *extra], cwd=ROOT)
+    return json.loads(out.read_text())["rows"]
+
+
+def _check(rows):
     assert len(rows) == 2
     for row in rows:
         assert row["acceptance"] == "scripted:3,4,2,5,3,4"
@@ -45,19 +49,27 @@ def _smoke(tmp_path, *extra):
     return rows
 
 
-def test_eagle_bench_smoke_auto(tmp_path):
-    """auto: sglang's own functions when they load here, else the model, labelled so."""
-    probe = subprocess.run(  # in a child: Triton's interpreter mode is fixed at import
+def _auto(tmp):
+    # In a child: Triton's interpreter mode is fixed at import. Exit 0: sglang's code loads.
+    probe = children.run(
         [sys.executable, "-c", "from fa3_spec.harness.sglang_upstream import "
          "load_upstream_or_reason as l; import sys; sys.exit(l(fetch=False)[0] is None)"],
-        cwd=ROOT, capture_output=True, timeout=300)
-    rows = _smoke(tmp_path)
-    want = SGLANG if probe.returncode == 0 else MODEL
+        cwd=ROOT, timeout=300, check=False)
+    return probe.returncode == 0, _smoke(tmp)
+
+
+@pytest.mark.children(job=_auto)
+def test_eagle_bench_smoke_auto(child):
+    """auto: sglang's own functions when they load here, else the model, labelled so."""
+    loads, rows = child.result()
+    _check(rows)
+    want = SGLANG if loads else MODEL
     assert {row["b_metadata_source"] for row in rows} == {want}
     if want == MODEL:
         assert all("unavailable" in row["b_metadata_note"] for row in rows)
 
 
-def test_eagle_bench_smoke_model(tmp_path):
-    rows = _smoke(tmp_path, "--upstream", "model")
+@pytest.mark.children(job=lambda tmp: _smoke(tmp, "--upstream", "model"))
+def test_eagle_bench_smoke_model(child):
+    rows = _check(child.result())
     assert {row["b_metadata_source"] for row in rows} == {MODEL}

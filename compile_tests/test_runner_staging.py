@@ -2,14 +2,13 @@
 high-water mark, one grouped copy, the zero-copy path, and the compile cache;
 the inputs it refuses and the outputs it returns."""
 
-import os
 import pathlib
-import subprocess
 import sys
 
 import pytest
 import torch
 
+import children
 import fa3_spec
 from fa3_spec.graphs import CUDAGraphRunner, load_compile_cache
 from fa3_spec.harness.toy import ToyModel, make_step, world_batch
@@ -211,17 +210,24 @@ print(loaded, saved, counters["inductor"]["fxgraph_cache_hit"])
 """
 
 
-@pytest.mark.slow
-def test_compile_cache_round_trip_across_processes(tmp_path):
-    """A second process with an empty inductor cache dir hits the saved artifacts."""
+def _compile_twice(tmp):
+    """The cold process, then the warm one, each with its own empty inductor cache dir."""
     def run(cache_dir):
-        env = dict(os.environ, PYTHONPATH=str(ROOT), TORCHINDUCTOR_CACHE_DIR=str(cache_dir))
-        out = subprocess.run([sys.executable, "-c", _COMPILE, str(tmp_path / "c.bin")], env=env,
-                             check=True, capture_output=True, text=True, timeout=300).stdout
+        out = children.run([sys.executable, "-c", _COMPILE, str(tmp / "c.bin")], timeout=300,
+                           env_extra=dict(PYTHONPATH=str(ROOT),
+                                          TORCHINDUCTOR_CACHE_DIR=str(cache_dir))).stdout
         return out.split()[-3:]
 
-    assert run(tmp_path / "cold") == ["False", "True", "0"]
-    assert run(tmp_path / "warm") == ["True", "False", "1"]
+    return run(tmp / "cold"), run(tmp / "warm")
+
+
+@pytest.mark.slow
+@pytest.mark.children(job=_compile_twice)
+def test_compile_cache_round_trip_across_processes(child):
+    """A second process with an empty inductor cache dir hits the saved artifacts."""
+    cold, warm = child.result()
+    assert cold == ["False", "True", "0"]
+    assert warm == ["True", "False", "1"]
 
 
 # What the runner refuses, and outputs that are not one row per request

@@ -20,7 +20,7 @@ import zlib
 import pytest
 import torch
 
-from fa3_spec.probes import RecordingBackend, graph_breaks
+from fa3_spec.probes import RecordingBackend
 from fa3_spec.harness.sglang_upstream import (
     make_req_to_token, sglang_batch,
 )
@@ -224,8 +224,8 @@ def test_adapter_compiles_fullgraph_without_data_dependent_ops(mode, topk):
 
     fill = _fill_fn(cfg, mode, step, names)
     args = lambda b: [r2t] + list(b.inputs(base).values())  # noqa: E731
-    count, reasons = graph_breaks(fill, make_buffers(), *args(batches[0]))
-    assert count == 0, reasons
+    # fullgraph=True fails on any graph break (test_compile.py's negative controls), and
+    # the recorder flags data-dependent ops that it accepts: no separate explain pass.
     recorder = RecordingBackend("aot_eager")
     compiled = torch.compile(fill, fullgraph=True, backend=recorder)
     with torch._dynamo.config.patch(error_on_recompile=True):
@@ -274,17 +274,23 @@ def fa3_spec_error_flags(cfg, mode, **kw):
 
 
 # ------------------------------------------------------------- benchmark
-def test_bench_smoke(upstream, tmp_path):
-    """benchmarks/sglang_adapter_bench.py --smoke runs end to end with parity
-    (its CPU timings mean nothing)."""
+def _bench_smoke(tmp):
     import json
     import pathlib
-    import subprocess
     import sys
 
+    import children
+
     root = pathlib.Path(__file__).resolve().parents[1]
-    out = tmp_path / "rows.json"
-    subprocess.run([sys.executable, str(root / "benchmarks" / "sglang_adapter_bench.py"), "--smoke",
-                    "--json", str(out)], check=True, cwd=root, capture_output=True, timeout=600)
-    rows = json.loads(out.read_text())["rows"]
+    out = tmp / "rows.json"
+    children.run([sys.executable, str(root / "benchmarks" / "sglang_adapter_bench.py"), "--smoke",
+                  "--json", str(out)], cwd=root)
+    return json.loads(out.read_text())["rows"]
+
+
+@pytest.mark.children(job=_bench_smoke)
+def test_bench_smoke(upstream, child):
+    """benchmarks/sglang_adapter_bench.py --smoke runs end to end with parity
+    (its CPU timings mean nothing), in a child (children.py)."""
+    rows = child.result()
     assert [r["bs"] for r in rows] == [1, 3] and all(r["parity"] for r in rows)

@@ -1,0 +1,190 @@
+"""Tests whose work runs in child processes, run beside the rest of the session.
+
+A benchmark smoke, a notebook, a CLI run or a cross-process cache check spends
+its time in a child Python (importing torch, tracing, compiling) while pytest
+only waits for it. Such a test is marked ``@pytest.mark.children(job=job)``:
+``job(tmp, **params)`` (``tmp`` a fresh directory, ``params`` the test's
+parametrization) does the child-process work and returns what the test checks,
+which the test gets from ``child.result()`` (the ``child`` fixture; an exception
+in the job is raised there).
+
+CI has two cores and the in-process tests keep about one busy. So, with
+`PARALLEL` = 2 (the default): every selected job is submitted before the first
+test and they run one at a time beside the in-process tests; conftest.py
+moves the children tests to the end of the session, and from the first of them
+on (pytest then only waits) `PARALLEL` jobs run at once. Every torch runs one
+thread: this process (conftest.py) and each child (``OMP_NUM_THREADS=1``), so
+that no two multi-threaded processes share the two cores (their OpenMP threads
+would spin against each other: many-small-op tests then run several times
+slower). ``FA3_SPEC_TEST_CHILDREN=1``: torch's default threads, and the jobs
+run one after another once the children tests are reached. Beside the tests,
+a first job (`PREFETCH`) fills sglang's cache before any other process reads it.
+
+Children run with the environment the session started with (not what a test
+set in this process since, e.g. ``TRITON_INTERPRET`` from the sglang fixture)
+and are killed if the session ends first. Each job's own time is listed at the
+end of the run (the children tests' durations are mostly waiting).
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import os
+import re
+import signal
+import subprocess
+import sys
+import threading
+import time
+
+#: Jobs at once when only children tests are left: CI's 2 cores by default;
+#: FA3_SPEC_TEST_CHILDREN=1 runs them one after another, nothing beside other tests.
+PARALLEL = max(1, int(os.environ.get("FA3_SPEC_TEST_CHILDREN",
+                                     min(2, len(os.sched_getaffinity(0))))))
+
+_ENV = dict(os.environ)  # as the session started (conftest imports this first)
+_running: set = set()
+#: nodeid -> a finished job's own wall time (listed at the end of the run).
+SECONDS: dict = {}
+_lock = threading.Lock()
+
+
+def env(**extra) -> dict:
+    """The environment of a child: the session's initial one, one thread (PARALLEL > 1)."""
+    out = dict(_ENV)
+    if PARALLEL > 1:
+        out.setdefault("OMP_NUM_THREADS", "1")
+    out.update(extra)
+    return out
+
+
+def run(cmd, *, cwd=None, timeout=600, check=True, env_extra=None) -> subprocess.CompletedProcess:
+    """``subprocess.run(cmd, check=check, capture_output=True, text=True)`` in `env`,
+    killed when the session ends first; a failure names the command and its stderr."""
+    # Its own process group: a kill reaches its children too (a notebook's kernel).
+    proc = subprocess.Popen(cmd, cwd=cwd, env=env(**(env_extra or {})), text=True,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            start_new_session=True)
+    with _lock:
+        _running.add(proc)
+    try:
+        out, err = proc.communicate(timeout=timeout)
+    except BaseException:
+        _kill(proc)
+        proc.communicate()
+        raise
+    finally:
+        with _lock:
+            _running.discard(proc)
+    if check and proc.returncode != 0:
+        raise AssertionError(f"{' '.join(map(str, cmd))} exited {proc.returncode}:\n"
+                             f"{err[-4000:]}")
+    return subprocess.CompletedProcess(cmd, proc.returncode, out, err)
+
+
+def _kill(proc):
+    try:
+        os.killpg(proc.pid, signal.SIGKILL)
+    except ProcessLookupError:
+        pass
+
+
+def kill_running():
+    """Kill every child `run` started that is still running (the session is ending)."""
+    with _lock:
+        for proc in list(_running):
+            _kill(proc)
+
+
+def _skipped(item) -> bool:
+    """Marked skip, or skipif with a condition already true (no job for it)."""
+    return item.get_closest_marker("skip") is not None or any(
+        any(a is True for a in m.args) or m.kwargs.get("condition") is True
+        for m in item.iter_markers("skipif"))
+
+
+#: The first job when jobs run beside the in-process tests: sglang's source and Triton
+#: into their cache (`fa3_spec.harness.sglang_upstream`), fetched as the ``upstream``
+#: fixture would fetch them, so that no process reads that cache while another one
+#: (this process's fixture, a child) fills it. The other jobs and the fixture wait for it.
+PREFETCH = [sys.executable, "-c", "from fa3_spec.harness.sglang_upstream import "
+            "load_upstream_or_reason as load; load(fetch=True)"]
+
+
+class Jobs:
+    """The session's jobs: all submitted before the first test, one running at a time
+    beside the in-process tests, `PARALLEL` at a time once only children tests are left."""
+
+    def __init__(self, session, tmp_path_factory):
+        self._session = session
+        self._tmp = tmp_path_factory
+        self._pool = concurrent.futures.ThreadPoolExecutor(PARALLEL, thread_name_prefix="child")
+        self._gate = threading.Semaphore(1)  # widened to PARALLEL by `widen`
+        self._widened = False
+        self._started = False
+        self._prefetch = None
+        self._futures: dict = {}
+
+    def start(self):
+        if self._started:
+            return
+        self._started = True
+        items = [item for item in self._session.items
+                 if item.get_closest_marker("children") is not None and not _skipped(item)]
+        if items and PARALLEL > 1:  # one after another (PARALLEL = 1) needs no prefetch
+            self._prefetch = self._pool.submit(self._gated, "(sglang prefetch)",
+                                               lambda: run(PREFETCH, timeout=1800, check=False))
+        for item in items:
+            self._submit(item)
+
+    def wait_prefetch(self):
+        """Until the prefetch (if any) has ended, however it ended."""
+        if self._prefetch is not None:
+            concurrent.futures.wait([self._prefetch])
+
+    def _gated(self, name, fn):
+        with self._gate:
+            begin = time.perf_counter()
+            try:
+                return fn()
+            finally:
+                SECONDS[name] = time.perf_counter() - begin
+
+    def _submit(self, item):
+        job = item.get_closest_marker("children").kwargs["job"]
+        params = dict(getattr(getattr(item, "callspec", None), "params", {}))
+        tmp = self._tmp.mktemp(re.sub(r"\W", "_", item.name)[:40], numbered=True)
+
+        def gated():
+            self.wait_prefetch()  # before the gate: the prefetch needs it
+            return self._gated(item.nodeid, lambda: job(tmp, **params))
+
+        self._futures[item.nodeid] = self._pool.submit(gated)
+
+    def widen(self):
+        """Only children tests are left: this process now just waits; run PARALLEL at once."""
+        if not self._widened:
+            self._widened = True
+            for _ in range(PARALLEL - 1):
+                self._gate.release()
+
+    def future(self, item):
+        self.start()  # FA3_SPEC_TEST_CHILDREN=1: nothing started before the children tests
+        self.widen()
+        if item.nodeid not in self._futures:
+            self._submit(item)
+        return self._futures[item.nodeid]
+
+    def close(self):
+        self._pool.shutdown(wait=False, cancel_futures=True)
+        kill_running()
+
+
+class Child:
+    """What the ``child`` fixture gives a test: its job's result, when done."""
+
+    def __init__(self, future):
+        self._future = future
+
+    def result(self):
+        return self._future.result()
