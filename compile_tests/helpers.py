@@ -1,5 +1,6 @@
 """Hypothesis strategies and assertions shared by the property and parity tests."""
 
+import dataclasses
 import os
 
 import torch
@@ -105,3 +106,22 @@ def symbol_recorder(record: list, delegate="eager"):
         record.append(found)
         return torch._dynamo.lookup_backend(delegate)(gm, example_inputs)
     return backend
+
+
+def one_prompt_prefill(models, t: int, page_size: int = 1):
+    """One request of ``t`` prompt tokens in a fresh pool of ``models``' shapes:
+    ``(pool, slots [t] int64, prefill metadata)``, for a forward over the prompt."""
+    from fa3_spec.eagle import KVPool
+
+    spec = fa3_spec.SpecConfig(page_size=page_size, topk=1, num_steps=2, num_draft_tokens=2,
+                               max_bs=1, max_context_len=t + 4)
+    spec = dataclasses.replace(spec, num_pages=spec.pool_pages(1))
+    pool = KVPool(spec, max_reqs=1, target_layers=models.num_target_layers, draft_layers=1,
+                  num_kv_heads=models.num_kv_heads, head_dim=models.head_dim,
+                  dtype=models.dtype, device="cpu")
+    row = pool.allocate(t, 1)
+    lens = torch.tensor([t])
+    md = fa3_spec.build_prefill_metadata(spec, req_to_token=pool.req_to_token,
+                                         req_pool_indices=torch.tensor([row]), seq_lens=lens,
+                                         extend_seq_lens=lens, max_seqlen_q=t)
+    return pool, pool.req_to_token[row, :t].to(torch.int64), md

@@ -44,7 +44,7 @@ def test_audit_cli_writes_json_rows(child):
         assert r["config"]["page_size"] == 2 and r["config"]["topk"] == 8
         assert r["graph_breaks"] == 0 and r["recompiles"] == 0 and r["parity"] is True
         assert r["host_syncs"] is None and r["cuda_graph"] == "skipped"
-    assert "fa3-spec audit: 10 cases" in stdout  # the filtered grid, not all 56 rows
+    assert "fa3-spec audit: 12 cases" in stdout  # the filtered grid, not all 61 rows
     assert "wrote " in stdout
 
 

@@ -67,11 +67,9 @@ def test_load_checkpoint_smoke(child):
     assert all(r["tokens"] > 0 and r["acceptance"].startswith("SCRIPTED") for r in doc["loop"])
 
 
-def test_ancestors_bench_smoke(tmp_path):
-    out = tmp_path / "ancestors.json"
-    subprocess.run([sys.executable, str(ROOT / "benchmarks" / "ancestors_bench.py"), "--smoke",
-                    "--json", str(out)], check=True, cwd=ROOT, capture_output=True, timeout=600)
-    doc = json.loads(out.read_text())
+@pytest.mark.children(job=smoke("ancestors_bench.py", out="ancestors.json"))
+def test_ancestors_bench_smoke(child):
+    doc = child.result()
     [row] = doc["acceptance_rows"]
     assert row["same_tokens"] is True and row["branch"] >= 1 and row["ancestors"] >= 1
     assert [r["draft_attention"] for r in doc["cost_rows"]] == ["branch", "ancestors"]

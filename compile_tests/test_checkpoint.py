@@ -26,10 +26,11 @@ safetensors_torch = pytest.importorskip("safetensors.torch")
 
 import fa3_spec  # noqa: E402
 from fa3_spec.eagle import (  # noqa: E402
-    CheckpointError, Eagle3Draft, EagleDraft, EagleEngine, KVPool, LoopConfig, from_pretrained,
+    CheckpointError, Eagle3Draft, EagleDraft, EagleEngine, LoopConfig, from_pretrained,
     greedy_generate,
 )
 from fa3_spec.eagle import cli  # noqa: E402
+from helpers import one_prompt_prefill  # noqa: E402
 from transformers.models.llama.modeling_llama import (  # noqa: E402
     LlamaRotaryEmbedding, apply_rotary_pos_emb,
 )
@@ -406,19 +407,8 @@ def draft_prefill(models, tokens, shifted):
     """The target and then the draft over one prompt, through the public pieces
     (a page-size-1 pool, prefill metadata): draft logits at every position."""
     t = len(tokens)
-    spec = fa3_spec.SpecConfig(page_size=1, topk=1, num_steps=2, num_draft_tokens=2, max_bs=1,
-                               max_context_len=t + 4)
-    spec = dataclasses.replace(spec, num_pages=spec.pool_pages(1))
-    pool = KVPool(spec, max_reqs=1, target_layers=models.num_target_layers, draft_layers=1,
-                  num_kv_heads=models.num_kv_heads, head_dim=models.head_dim,
-                  dtype=models.dtype, device="cpu")
-    row = pool.allocate(t, 1)
-    lens, rpi = torch.tensor([t]), torch.tensor([row])
-    md = fa3_spec.build_prefill_metadata(spec, req_to_token=pool.req_to_token,
-                                         req_pool_indices=rpi, seq_lens=lens,
-                                         extend_seq_lens=lens, max_seqlen_q=t)
+    pool, slots, md = one_prompt_prefill(models, t)
     pos = torch.arange(t)
-    slots = pool.req_to_token[row, :t].to(torch.int64)
     feats = models.target_forward(torch.tensor(tokens), pos, slots, md, pool.target_kv,
                                   backend="torch")
     h = models.draft_forward(torch.tensor(shifted), models.draft_input(feats), pos, slots, md,

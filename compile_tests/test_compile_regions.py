@@ -17,7 +17,7 @@ import torch
 
 import fa3_spec
 from fa3_spec.eagle import EagleEngine, LoopConfig, make_models
-from fa3_spec.eagle.pool import KVPool
+from helpers import one_prompt_prefill
 
 
 @pytest.fixture(scope="module")
@@ -27,19 +27,8 @@ def models():
 
 
 def _prefill_inputs(models, t=9):
-    spec = fa3_spec.SpecConfig(page_size=2, topk=1, num_steps=2, num_draft_tokens=2, max_bs=1,
-                               max_context_len=t + 4)
-    spec = dataclasses.replace(spec, num_pages=spec.pool_pages(1))
-    pool = KVPool(spec, max_reqs=1, target_layers=models.num_target_layers, draft_layers=1,
-                  num_kv_heads=models.num_kv_heads, head_dim=models.head_dim,
-                  dtype=models.dtype, device="cpu")
-    row = pool.allocate(t, 1)
-    lens = torch.tensor([t])
-    md = fa3_spec.build_prefill_metadata(spec, req_to_token=pool.req_to_token,
-                                         req_pool_indices=torch.tensor([row]), seq_lens=lens,
-                                         extend_seq_lens=lens, max_seqlen_q=t)
-    tokens = torch.arange(3, 3 + t)
-    return tokens, torch.arange(t), pool.req_to_token[row, :t].to(torch.int64), md, pool
+    pool, slots, md = one_prompt_prefill(models, t, page_size=2)
+    return torch.arange(3, 3 + t), torch.arange(t), slots, md, pool
 
 
 def _traced(models, regions: bool):
