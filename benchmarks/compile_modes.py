@@ -9,7 +9,8 @@
   static   one frame per bucket, the layers as nested compile regions.
 
 Per mode, in a fresh process each: compile + capture of ``--buckets`` (seconds
-per bucket), then ms per iteration (20 replays after 3, synced) at each of
+per bucket), then ms per iteration (20 replays back to back after 3, synced
+at both ends: launch throughput, not `timing`'s drained per-call wall) at each of
 ``--time-batches``, scripted acceptance, `llama3-8b` shapes, P 2 / topk 8 /
 5 steps / N 16, context 1024. ``--restart`` adds a second dynamic process
 that loads the first one's compile cache file (`cache_path=`).
@@ -32,6 +33,8 @@ import torch
 
 import fa3_spec
 from fa3_spec.eagle import DEFAULT_SCRIPT, EagleEngine, LoopConfig, make_models
+
+import timing
 
 
 def child(mode: str, cache: str, buckets, timed, num_layers) -> dict:
@@ -74,8 +77,8 @@ def main(argv=None) -> int:
     ap.add_argument("--buckets", type=int, nargs="+", default=[1, 2, 4, 8, 16, 32, 64],
                     help="dynamic mode's buckets (static mode: --time-batches only)")
     ap.add_argument("--time-batches", type=int, nargs="+", default=[1, 8])
-    ap.add_argument("--restart", action="store_true", default=True)
-    ap.add_argument("--no-restart", dest="restart", action="store_false")
+    ap.add_argument("--no-restart", dest="restart", action="store_false",
+                    help="skip the dynamic restart from the cold run's cache file")
     ap.add_argument("--num-layers", type=int, default=None)
     ap.add_argument("--json", metavar="PATH")
     ap.add_argument("--_child", nargs=2, default=None, help=argparse.SUPPRESS)
@@ -91,13 +94,14 @@ def main(argv=None) -> int:
     runs = []
     with tempfile.TemporaryDirectory() as tmp:
         cache = os.path.join(tmp, "engine.cache")
-        plan = [(m, m == "dynamic") for m in args.modes]
+        # (mode, cache file, phase): the cold dynamic run writes the file its restart loads.
+        plan = [(m, cache if m == "dynamic" else "", "cold") for m in args.modes]
         if args.restart and "dynamic" in args.modes:
-            plan.append(("dynamic", True))
-        for i, (mode, with_cache) in enumerate(plan):
+            plan.append(("dynamic", cache, "restart"))
+        for i, (mode, cache_file, phase) in enumerate(plan):
             env = dict(os.environ, TORCHINDUCTOR_CACHE_DIR=os.path.join(tmp, f"inductor-{i}"))
             cmd = [sys.executable, os.path.abspath(__file__), "--_child", mode,
-                   cache if with_cache else "", "--buckets", *map(str, args.buckets),
+                   cache_file, "--buckets", *map(str, args.buckets),
                    "--time-batches", *map(str, timed)]
             if args.num_layers:
                 cmd += ["--num-layers", str(args.num_layers)]
@@ -105,14 +109,14 @@ def main(argv=None) -> int:
             if done.returncode:
                 raise SystemExit(f"{mode} failed:\n{done.stderr[-3000:]}")
             row = json.loads(done.stdout.strip().splitlines()[-1])
-            row["phase"] = "restart" if i == len(args.modes) else "cold"
+            row["phase"] = phase
             runs.append(row)
             print(json.dumps(row), flush=True)
     if args.json:
-        with open(args.json, "w") as fh:
-            json.dump(dict(command="python3 benchmarks/compile_modes.py " + " ".join(
-                sys.argv[1:] if argv is None else argv), torch=torch.__version__,
-                device=torch.cuda.get_device_name(), runs=runs), fh, indent=1)
+        timing.write_json(args.json, dict(
+            command="python3 benchmarks/compile_modes.py " + " ".join(
+                sys.argv[1:] if argv is None else argv),
+            torch=torch.__version__, device=torch.cuda.get_device_name(), runs=runs))
     return 0
 
 

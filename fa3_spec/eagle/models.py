@@ -554,7 +554,11 @@ class SpecModel(Protocol):
     Optional: ``draft_vocab_size``, the tokens the draft head proposes from
     (a reduced-vocabulary head such as EAGLE-3's ``V_d``, the width of
     ``draft_logits``); ``vocab_size`` when absent. `EagleEngine` refuses a
-    ``topk`` above it.
+    ``topk`` above it. ``with_compile_regions(enabled) -> SpecModel``: the
+    same model tracing its layers inline (False) instead of as nested compile
+    regions; `EagleEngine` calls it before compiling a dynamic batch with
+    inductor (`EagleModels.with_compile_regions`); a model without it is
+    compiled as it is.
     """
 
     hidden_size: int

@@ -152,8 +152,9 @@ def vocab_cumsum(x: torch.Tensor, block: int = SCAN_BLOCK) -> torch.Tensor:
     """``torch.cumsum(x, -1)`` over a vocabulary-sized last dimension, as two short scans.
 
     ``x [..., V]`` (``V > block``; a shorter one is one plain scan) is
-    zero-padded to ``nb * block`` and viewed as ``[..., nb, block]``: an inclusive scan inside each block, plus the exclusive scan of
-    the ``nb`` block totals. Same values up to summation order. Why: inductor
+    zero-padded to ``nb * block`` and viewed as ``[..., nb, block]``: an
+    inclusive scan inside each block, plus the exclusive scan of the ``nb``
+    block totals. Same values up to summation order. Why: inductor
     (torch 2.11, CUDA) turns one scan of 128K elements over few rows into a
     split scan whose code generation fails ("list indices must be integers or
     slices, not NoneType"); scans of ``block`` and ``nb`` elements are not split.
