@@ -2,11 +2,15 @@
 
 `EagleEngine(dynamic_batch=...)` with inductor:
 
-  dynamic  the buckets above 1 share one frame with a symbolic batch; the
-           layers trace inline (inductor cannot compile the nested regions
-           with a symbolic batch) and inductor's index propagation is off;
-           bucket 1 is its own static frame.
-  static   one frame per bucket, the layers as nested compile regions.
+  dynamic  the buckets above 1 share one frame with a symbolic batch, and
+           inductor's index propagation is off; bucket 1 is its own static
+           frame.
+  static   one frame per bucket.
+
+Both trace the layers inline (under inductor the engine always does: with
+the layers as nested compile regions it emitted wrong tokens on the H200).
+The committed figures' static rows were measured with the regions (before
+that was found).
 
 Per mode, in a fresh process each: compile + capture of ``--buckets`` (seconds
 per bucket), then ms per iteration (20 replays back to back after 3, synced

@@ -88,8 +88,6 @@ def main(argv=None) -> int:
     ap.add_argument("--iters", type=int, default=20)
     ap.add_argument("--json", metavar="PATH")
     args = ap.parse_args(argv)
-    if args.backend == "auto":  # resolved here: the compiled iteration cannot look for FA3
-        args.backend = "fa3" if args.device == "cuda" else "torch"
     torch.manual_seed(0)
     models = make_models(args.preset, draft=args.draft, device=args.device,
                          num_layers=args.num_layers)

@@ -1,11 +1,13 @@
-"""The layers as nested compile regions or inline, and the engine's choice between them.
+"""The layers as nested compile regions or inline, and the engine's choices.
 
-Inductor cannot compile the nested regions with a symbolic batch, so an
-engine whose buckets share a dynamic frame traces its layers inline
-(`EagleModels.with_compile_regions`). These tests check, without running
-inductor, that the switch does what it says: the regions appear in the traced
-graph only when on, both give the same numbers, and the engine picks the
-dynamic frame (with the inline layers) exactly when several buckets can share it.
+The regions are opt-in (`EagleModels.with_compile_regions`): inductor gave
+wrong tokens with them on the H200 and cannot compile them with a symbolic
+batch, so an engine compiling with inductor always traces its layers inline.
+These tests check, without running inductor, that the switch does what it
+says: the regions appear in the traced graph only when on, both give the same
+numbers, the engine's inductor iteration runs the layers inline whatever the
+models asked for, and it picks the dynamic frame exactly when several buckets
+can share it.
 """
 
 from __future__ import annotations
@@ -62,11 +64,12 @@ def test_the_layers_are_nested_regions_only_when_asked_and_compute_the_same(mode
 
 
 def test_with_compile_regions_shares_the_weights_and_leaves_the_models_as_they_were(models):
-    inline = models.with_compile_regions(False)
-    assert inline.target.compile_regions is False and inline.draft.compile_regions is False
-    assert models.target.compile_regions is True and models.draft.compile_regions is True
-    assert inline.target.layers is models.target.layers
-    assert inline.draft.layer is models.draft.layer
+    assert models.target.compile_regions is False and models.draft.compile_regions is False
+    regions = models.with_compile_regions(True)
+    assert regions.target.compile_regions is True and regions.draft.compile_regions is True
+    assert models.target.compile_regions is False and models.draft.compile_regions is False
+    assert regions.target.layers is models.target.layers
+    assert regions.draft.layer is models.draft.layer
 
 
 def _engine(models, buckets, backend, dynamic_batch=None):
@@ -79,15 +82,19 @@ def _engine(models, buckets, backend, dynamic_batch=None):
 
 @pytest.mark.parametrize("buckets, backend, dynamic", [
     ([1, 2, 4], "inductor", True),    # two buckets above 1 share the dynamic frame
-    ([1, 4], "inductor", False),      # one bucket above 1: static, with regions
+    ([1, 4], "inductor", False),      # one bucket above 1: static
     ([4], "inductor", False),
     ([4], "aot_eager", True),         # other backends handle the regions dynamically
     ([1, 2, 4], "none", True),
 ])
 def test_the_engine_shares_a_dynamic_frame_when_several_buckets_can(models, buckets, backend,
                                                                    dynamic):
-    eng = _engine(models, buckets, backend)
+    eng = _engine(models.with_compile_regions(True), buckets, backend)
     assert eng.dynamic_batch is dynamic and eng.runner.dynamic_batch is dynamic
+    # Inductor always runs the layers inline; other backends as the models say.
+    inline = backend == "inductor"
+    assert eng.iteration_models.target.compile_regions is not inline
+    assert eng.iteration_models.draft.compile_regions is not inline
     options = eng.runner.compile_counter.options
     # Index propagation is off exactly for inductor with a symbolic batch.
     assert options.get("constant_and_index_propagation", True) is not (

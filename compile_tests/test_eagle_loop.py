@@ -317,6 +317,17 @@ def test_topk_above_the_draft_vocabulary_is_refused_at_construction():
     make_engine(small_head, 2, 6, 2, 4)  # within it: accepted
 
 
+def test_the_auto_attention_backend_is_resolved_when_the_engine_is_built():
+    """Found on the H200: an engine given ``backend="auto"`` whose first FA3 lookup
+    happened while dynamo traced the compiled iteration failed to compile (the
+    lookup imports). The engine resolves it eagerly; its ``lc`` says which."""
+    eng = make_engine(models_for(), 2, 4, 2, 4)
+    lc = dataclasses.replace(eng.lc, backend="auto")
+    auto = EagleEngine(lc, models_for(), max_reqs=8)
+    assert lc.backend == "auto" and auto.lc.backend == "torch"
+    assert auto.lc == dataclasses.replace(lc, backend="torch")
+
+
 def test_a_failed_admission_leaves_the_engine_as_it_was():
     models = models_for()
     failures = [RuntimeError("prefill failed")]

@@ -59,6 +59,33 @@ def test_fa3_matches_dense_reference(p, k, mode, dtype):
     _record("fa3_vs_dense", f"{mode} P={p} K={k}", worst)
 
 
+@pytest.mark.parametrize("p, k", GRID, ids=[f"P{p}-K{k}" for p, k in GRID])
+def test_fa3_ancestor_draft_decode_matches_dense_reference(p, k):
+    """``draft_attention="ancestors"``: every draft step's prefix (the whole
+    prefix, partial page included) + expand (page-size-1 view over the leaf's
+    path) through FA3, against dense attention over the key-set oracle's keys."""
+    cfg = _case(p, k)
+    world = make_world(cfg, 6, seq_lens=[1, p, 77, 300, 0, 2 * p + 1], seed=p * 37 + k, device="cuda")
+    kc, vc = fill_kv_cache(world, num_kv_heads=KV_HEADS, head_dim=128, dtype=torch.bfloat16, seed=k)
+    worst = 0.0
+    for step in range(cfg.num_steps - 1):
+        kw = world.mode_kwargs("draft_decode", step=step, draft_attention="ancestors")
+        prefix = fa3_spec.build_draft_prefix_metadata(
+            cfg, req_to_token=kw["req_to_token"], req_pool_indices=kw["req_pool_indices"],
+            seq_lens=kw["seq_lens"], draft_attention="ancestors")
+        md = fa3_spec.build_draft_decode_metadata(cfg, step, prefix=prefix, **kw)
+        q = torch.randn(num_queries(world, "draft_decode"), HEADS, 128, device="cuda",
+                        dtype=torch.bfloat16)
+        out = fa3_spec.cascade_attention(q, kc, vc, md, backend="fa3")
+        ref = dense_attention(q, kc, vc, expected_key_slots(world, "draft_decode", step=step,
+                                                            draft_attention="ancestors"))
+        assert not torch.isnan(out).any()
+        err = _rel_err(out, ref)
+        worst = max(worst, err)
+        assert err <= 1e-2, (step, err)
+    _record("fa3_vs_dense", f"draft_decode ancestors P={p} K={k}", worst)
+
+
 @pytest.mark.parametrize("head_dim, dtype", [(64, torch.float16), (256, torch.bfloat16)])
 def test_head_dims_and_fp16(head_dim, dtype):
     cfg = _case(2, 8)

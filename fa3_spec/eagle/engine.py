@@ -33,6 +33,7 @@ from typing import Callable, Dict, Iterable, List, Optional, Sequence, Tuple, Un
 
 import torch
 
+from ..attention import fa3_available
 from ..builders.prefill import build_prefill_metadata, extend_query_positions
 from ..config import SpecConfig
 from ..graphs import INDUCTOR_OPTIONS, CUDAGraphRunner
@@ -140,7 +141,9 @@ class EagleEngine:
 
     Args:
         lc: `LoopConfig` (``lc.spec.max_bs`` = batch rows; ``lc.spec.num_pages``
-            = pool size). ``lc.spec.topk`` must not exceed the draft's
+            = pool size). ``lc.backend="auto"`` is resolved here (``"fa3"``
+            where FA3 runs on ``device``, else ``"torch"``); the engine's
+            ``lc`` says which. ``lc.spec.topk`` must not exceed the draft's
             vocabulary (``models.draft_vocab_size`` when it has one, else ``vocab_size``).
         models: a `SpecModel`.
         max_reqs: ``req_to_token`` rows (default ``2 * max_bs``).
@@ -157,12 +160,10 @@ class EagleEngine:
         dynamic_batch: compile one frame, the batch dimension dynamic, for
             every bucket above 1 (bucket 1 is always its own frame). None
             (default): dynamic unless the backend is inductor with at most one
-            bucket above 1. With inductor a dynamic batch traces the layers
-            inline instead of as nested compile regions
-            (`EagleModels.with_compile_regions`): fewer compiles for many
-            buckets, a slower one for a single bucket, the same ms per
-            iteration (measured in ``benchmarks/RESULTS.md``). The attribute
-            ``dynamic_batch`` says what was chosen.
+            bucket above 1: fewer compiles for many buckets. Under inductor
+            the layers always trace inline (``iteration_models``; nested
+            compile regions gave wrong tokens on CUDA, see `decoder_layer`).
+            The attribute ``dynamic_batch`` says what was chosen.
         device: where everything lives.
         seed: pool page shuffle.
         count_syncs: on CUDA, count synchronizing calls during each iteration
@@ -179,10 +180,15 @@ class EagleEngine:
                 f"topk={lc.spec.topk} exceeds the draft's vocabulary of "
                 f"{_draft_vocab_size(models)} tokens: every tree node draws its topk children "
                 "from it")
+        self.device = torch.device(device)
+        if lc.backend == "auto":
+            # Resolved here, eagerly: a compiled iteration cannot look for the
+            # FA3 provider (an import) while dynamo traces it.
+            fa3 = self.device.type == "cuda" and fa3_available(self.device)
+            lc = dataclasses.replace(lc, backend="fa3" if fa3 else "torch")
         self.lc = lc
         self.spec = lc.spec
         self.models = models
-        self.device = torch.device(device)
         self.max_bs = lc.spec.max_bs
         self.pool = KVPool(lc.spec, max_reqs=max_reqs or 2 * self.max_bs,
                            target_layers=models.num_target_layers,
@@ -216,16 +222,20 @@ class EagleEngine:
         self.dynamic_batch = (len(shared) > 1 or backend != "inductor") if dynamic_batch is None \
             else bool(dynamic_batch)
         step_models, options = models, None
-        if backend == "inductor" and self.dynamic_batch:
-            # Inductor cannot compile the layers' nested compile regions with a
-            # symbolic batch, nor (torch 2.13, CPU) index propagation through
-            # the symbolic loop ranges of this graph ("vr must not be None"):
-            # the layers trace inline and index propagation is off. Measured on
-            # the H200 (benchmarks/RESULTS.md): same ms per iteration, one
-            # compile for every bucket above 1.
+        if backend == "inductor":
+            # Inductor traces the layers inline: with the layers as nested
+            # compile regions it emitted wrong tokens on the H200 (torch 2.11;
+            # `decoder_layer`), and it cannot compile them with a symbolic
+            # batch. With a symbolic batch index propagation is off too: torch
+            # 2.13 (CPU) fails in it on this graph's symbolic loop ranges ("vr
+            # must not be None"). Measured on the H200 (benchmarks/RESULTS.md):
+            # the same ms per iteration either way.
             if hasattr(models, "with_compile_regions"):
                 step_models = models.with_compile_regions(False)
-            options = {**INDUCTOR_OPTIONS, "constant_and_index_propagation": False}
+            if self.dynamic_batch:
+                options = {**INDUCTOR_OPTIONS, "constant_and_index_propagation": False}
+        #: The models the iteration runs (under inductor: the layers inline).
+        self.iteration_models = step_models
 
         def iteration(**st: torch.Tensor) -> dict:
             step_in_place(lambda s: eagle_iteration(lc, step_models, self.pool.target_kv,

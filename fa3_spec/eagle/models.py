@@ -285,7 +285,7 @@ _REGIONS = (torch.compiler.nested_compile_region(attention_inputs),
 def decoder_layer(shape: ModelShape, w: LayerWeights, x: torch.Tensor, cos: torch.Tensor,
                   sin: torch.Tensor, slots: torch.Tensor, metadata, k_cache: torch.Tensor,
                   v_cache: torch.Tensor, backend: str, num_splits: Optional[int],
-                  attn_in: Optional[torch.Tensor] = None, regions: bool = True) -> torch.Tensor:
+                  attn_in: Optional[torch.Tensor] = None, regions: bool = False) -> torch.Tensor:
     """One layer on ``x [T, H]``: write K/V of the T tokens at ``slots``, then attend.
 
     ``attn_in``: what the attention reads when it is not ``x`` (the EAGLE-3
@@ -297,18 +297,22 @@ def decoder_layer(shape: ModelShape, w: LayerWeights, x: torch.Tensor, cos: torc
     ``metadata`` (an `fa3_spec.FA3Metadata` or `fa3_spec.CascadeMetadata`)
     says which keys each query reads; the K/V just written are among them.
 
-    With ``regions`` (the default) the two dense parts are nested compile
-    regions (`attention_inputs`, `attention_output_and_mlp`): under
-    ``torch.compile`` every layer of the model, and the draft's layer of the
-    same shapes, reuses one compiled body of each, so compile time does not
-    grow with depth. Inductor cannot yet compile such regions with a symbolic
-    batch (torch 2.11/2.13: "expected [s10] to have been codegen-ed"), so a
-    model compiled with a dynamic batch traces them inline
-    (``regions=False``, the models' ``compile_regions`` field). The cache write and
-    the attention sit between them, traced inline: a region must not mutate
-    its inputs (torch 2.11's functionalization refuses a mutating custom op
-    inside one), and the metadata differs per forward. Eagerly all of it is
-    plain calls.
+    With ``regions`` (opt-in: the models' ``compile_regions`` field) the two
+    dense parts are nested compile regions (`attention_inputs`,
+    `attention_output_and_mlp`): under ``torch.compile`` every layer of the
+    model, and the draft's layer of the same shapes, reuses one compiled body
+    of each, so compile time does not grow with depth. They are off by
+    default because inductor got them wrong on CUDA: on the H200 (torch 2.11,
+    bf16, FA3) the tiny preset's loop compiled with them emitted tokens that
+    greedy decoding does not (logit gaps of 1.6 and 5.1, not near-ties), in
+    both draft semantics, with or without CUDA graphs, while the same loop
+    with the layers inline, or with the regions under ``aot_eager``, was
+    exact (``benchmarks/RESULTS.md``). Inductor also cannot compile them with
+    a symbolic batch ("expected [s10] to have been codegen-ed"). The cache
+    write and the attention sit between them, traced inline: a region must
+    not mutate its inputs (torch 2.11's functionalization refuses a mutating
+    custom op inside one), and the metadata differs per forward.
+    Eagerly all of it is plain calls.
     """
     inputs, output_and_mlp = _REGIONS if regions else (attention_inputs,
                                                        attention_output_and_mlp)
@@ -338,7 +342,7 @@ class LlamaTarget:
     norm: torch.Tensor  # [H]
     lm_head: torch.Tensor  # [H, V]
     rope: RopeTable
-    compile_regions: bool = True  # `decoder_layer`'s ``regions``
+    compile_regions: bool = False  # `decoder_layer`'s ``regions`` (opt-in)
 
     @classmethod
     def random(cls, shape: ModelShape, *, seed: int = 0, dtype=torch.float32,
@@ -411,7 +415,7 @@ class EagleDraft:
     rope: RopeTable  # shared with the target
     fc_bias: Optional[torch.Tensor] = None  # [H]
     normed_target: bool = False  # reads the target's post-norm hidden state
-    compile_regions: bool = True  # `decoder_layer`'s ``regions``
+    compile_regions: bool = False  # `decoder_layer`'s ``regions`` (opt-in)
 
     @classmethod
     def random(cls, target: LlamaTarget, *, seed: int = 1) -> "EagleDraft":
@@ -503,7 +507,7 @@ class Eagle3Draft:
     aux_layers: Tuple[int, ...]  # target layers whose input fc reads (low, middle, high)
     fc_bias: Optional[torch.Tensor] = None  # [H]
     norm_before_residual: bool = False
-    compile_regions: bool = True  # `decoder_layer`'s ``regions``
+    compile_regions: bool = False  # `decoder_layer`'s ``regions`` (opt-in)
 
     def input_from_target(self, target: "LlamaTarget", features: torch.Tensor) -> torch.Tensor:
         """`LlamaTarget.forward`'s ``[T, 4H]`` (captures of ``aux_layers``) -> ``[T, H]``."""
@@ -556,9 +560,9 @@ class SpecModel(Protocol):
     ``draft_logits``); ``vocab_size`` when absent. `EagleEngine` refuses a
     ``topk`` above it. ``with_compile_regions(enabled) -> SpecModel``: the
     same model tracing its layers inline (False) instead of as nested compile
-    regions; `EagleEngine` calls it before compiling a dynamic batch with
-    inductor (`EagleModels.with_compile_regions`); a model without it is
-    compiled as it is.
+    regions; `EagleEngine` calls it with False before compiling with inductor
+    (`EagleModels.with_compile_regions`); a model without it is compiled as
+    it is.
     """
 
     hidden_size: int
