@@ -150,7 +150,7 @@ class HostMetadataLoop:
         self.lc, self.spec = lc, lc.spec
         self.view = engine.bucket_state(bucket)
         be = engine.compile_backend
-        st, m, r2t = self.view, engine.models, pool.req_to_token
+        st, m, r2t = self.view, engine.iteration_models, pool.req_to_token
         n = lc.spec.num_draft_tokens
         tree_mask = torch.tril(torch.ones(bucket, n, n, dtype=torch.bool, device=engine.device))
         # Static metadata (values refilled before each replay), valid for the capture.
@@ -321,10 +321,10 @@ def metadata_reads_as_builders(host: HostMetadataLoop) -> list:
     return bad
 
 
-def _greedy_segment(engine: EagleEngine, bucket: int, graphs: bool):
+def greedy_segment(engine: EagleEngine, bucket: int, graphs: bool):
     """Variant (c): one plain decode step (`fa3_spec.eagle.decode.decode_step`)
     of the target over the same requests, compiled as (a) is."""
-    m, pool, spec = engine.models, engine.pool, engine.spec
+    m, pool, spec = engine.iteration_models, engine.pool, engine.spec
     st = engine.bucket_state(bucket)
     tok = st["root"].clone()
     seq = st["seq_lens"].clone()
@@ -415,7 +415,42 @@ def forward_bytes(models, batch: int, context: int) -> dict:
     return dict(target=target, draft=draft)
 
 
-def bench_point(cfg_tuple, batch, args, models, bandwidth=None) -> dict:
+def forward_flops(models, spec, batch: int, context: int) -> dict:
+    """Matmul FLOPs of one (a) iteration and of one (c) decode step at
+    ``batch`` requests of ``context`` keys, counted as the compiled graphs
+    run them (padding rows included): ``2 * in * out`` per token and weight
+    matrix, ``4 * keys * H_q * D`` per query and layer for attention.
+
+    (a): the target verify over ``B * N`` tokens (lm_head included); each of
+    the ``S - 1`` draft decode steps over ``B * K`` leaves (the draft layer,
+    ``fc`` and the lm_head; the prefix plus up to ``S`` draft keys); the draft
+    extend over its ``B * N`` query rows (layer and ``fc``) and the lm_head of
+    the ``B`` last rows. (c): ``B`` tokens through the target.
+    """
+    t, d = models.target, models.draft
+    sh = t.shape
+
+    def mats(ws):
+        return sum(2 * w.shape[0] * w.shape[1] for w in ws
+                   if isinstance(w, torch.Tensor) and w.dim() == 2)
+
+    def attn(keys):
+        return 4 * keys * sh.num_heads * sh.head_dim
+
+    layer = lambda w: mats(dataclasses.astuple(w))  # noqa: E731
+    target_tok = sum(layer(w) for w in t.layers) + mats([t.lm_head])
+    draft_body = layer(d.layer) + mats([d.fc])
+    draft_head = mats([d.lm_head])
+    n, k, s = spec.num_draft_tokens, spec.topk, spec.num_steps
+    a_mm = (batch * n * target_tok + (s - 1) * batch * k * (draft_body + draft_head)
+            + batch * n * draft_body + batch * draft_head)
+    a_attn = (batch * n * sh.num_layers * attn(context) + (s - 1) * batch * k * attn(context + s)
+              + batch * n * attn(context))
+    c_mm, c_attn = batch * target_tok, batch * sh.num_layers * attn(context)
+    return dict(a=a_mm + a_attn, c=c_mm + c_attn, a_matmul=a_mm, c_matmul=c_mm)
+
+
+def bench_point(cfg_tuple, batch, args, models, bandwidth=None, tflops=None) -> dict:
     p, k, s, n = cfg_tuple
     cuda = args.device == "cuda"
     scripted = None if args.real_acceptance else DEFAULT_SCRIPT
@@ -488,7 +523,7 @@ def bench_point(cfg_tuple, batch, args, models, bandwidth=None) -> dict:
     restore()
 
     # (c) plain greedy decoding, the same compiled model.
-    seg, seq = _greedy_segment(eng, batch, cuda)
+    seg, seq = greedy_segment(eng, batch, cuda)
     c = _measure(seg.run, lambda: float(seq.sum()), args.iters, cuda)
     row["c_greedy"] = c
     restore()
@@ -510,6 +545,17 @@ def bench_point(cfg_tuple, batch, args, models, bandwidth=None) -> dict:
         row.update(read_bandwidth_TBps=bandwidth, a_floor_ms=round(a_floor, 4), a_over_floor=round(a["ms_per_iteration"] / a_floor, 3),
                    c_floor_ms=round(c_floor, 4),
                    c_roofline_frac=round(c_floor / c["ms_per_iteration"], 4))
+    flops = forward_flops(models, spec, batch, args.context)
+    row.update(a_gflop=round(flops["a"] / 1e9, 1), c_gflop=round(flops["c"] / 1e9, 1))
+    if tflops:
+        # Which roof binds the row: the larger of the two floors.
+        a_compute = flops["a"] / (tflops * 1e12) * 1e3
+        c_compute = flops["c"] / (tflops * 1e12) * 1e3
+        row.update(matmul_TFLOPs=tflops, a_compute_floor_ms=round(a_compute, 4),
+                   c_compute_floor_ms=round(c_compute, 4))
+        if bandwidth:
+            row.update(a_bound="compute" if a_compute > row["a_floor_ms"] else "bandwidth",
+                       c_bound="compute" if c_compute > row["c_floor_ms"] else "bandwidth")
     return row
 
 
@@ -633,20 +679,21 @@ def main(argv=None) -> int:
         with open(args.json) as fh:
             old = json.load(fh)
         out = {**old, "rows": rows, "commands": old.get("commands", []) + [command]}
-    bandwidth = None
+    bandwidth = tflops = None
     if args.device == "cuda":
-        from model_roofline import read_bandwidth
+        from model_roofline import matmul_throughput, read_bandwidth
 
         bandwidth = round(read_bandwidth(), 3)
-        out["read_bandwidth_TBps"] = bandwidth
-        print(f"read bandwidth {bandwidth} TB/s", flush=True)
+        tflops = round(matmul_throughput(), 1)
+        out.update(read_bandwidth_TBps=bandwidth, matmul_TFLOPs=tflops)
+        print(f"read bandwidth {bandwidth} TB/s, bf16 matmul {tflops} TFLOP/s", flush=True)
     if args.capture_buckets:
         timing = capture_timing(args)
         out.update(buckets=sorted(args.capture_buckets), cold_compile_capture_s=timing["cold"]["seconds"],
                    restart_s=timing["restart"]["seconds"], capture_detail=timing)
     for cfg in configs:
         for batch in batches:
-            row = bench_point(cfg, batch, args, models, bandwidth)
+            row = bench_point(cfg, batch, args, models, bandwidth, tflops)
             rows.append(row)
             a, b, c = row["a_in_graph"], row["b_host_metadata"], row["c_greedy"]
             print(f"P={cfg[0]} topk={cfg[1]} S={cfg[2]} N={cfg[3]} bs={batch} [{row['acceptance']}]: "

@@ -68,6 +68,16 @@ def read_bandwidth() -> float:
     return x.numel() * 4 / (ms * 1e-3) / 1e12
 
 
+def matmul_throughput(n: int = 8192, dtype=torch.bfloat16) -> float:
+    """Dense TFLOP/s of one ``[n, n] @ [n, n]`` matmul (cuBLAS), replayed as a
+    graph: the compute roof the loop's large-batch rows are held against."""
+    a = torch.randn(n, n, device="cuda", dtype=dtype)
+    b = torch.randn(n, n, device="cuda", dtype=dtype)
+    out = torch.empty(n, n, device="cuda", dtype=dtype)
+    ms = replay_ms(lambda: torch.mm(a, b, out=out), reps=20, inner=4) / 4
+    return 2 * n ** 3 / (ms * 1e-3) / 1e12
+
+
 def gemm_rows(shape, ms_list, dtype=torch.bfloat16):
     h, i, d = shape.hidden_size, shape.intermediate_size, shape.head_dim
     qkv = (shape.num_heads + 2 * shape.num_kv_heads) * d

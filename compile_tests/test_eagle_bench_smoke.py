@@ -73,3 +73,42 @@ def test_eagle_bench_smoke_auto(child):
 def test_eagle_bench_smoke_model(child):
     rows = _check(child.result())
     assert {row["b_metadata_source"] for row in rows} == {MODEL}
+
+
+@pytest.mark.parametrize("p, k, s, n, mode", [(2, 8, 5, 16, "branch"), (16, 1, 5, 6, "ancestors")])
+def test_the_flop_count_of_the_compute_floor_is_what_torch_counts(p, k, s, n, mode):
+    """`forward_flops`' matmul FLOPs equal `FlopCounterMode`'s ``aten.mm`` count
+    of one eager (a) iteration and of one (c) decode step (the attention's
+    FLOPs are not compared: the reference attention computes over padded keys)."""
+    import dataclasses
+
+    import torch
+    from torch.utils.flop_counter import FlopCounterMode
+
+    import fa3_spec
+    from fa3_spec.eagle import DEFAULT_SCRIPT, EagleEngine, LoopConfig, make_models
+
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    import eagle_bench
+
+    models = make_models("tiny", draft="random")
+    batch, context = 3, 40
+    spec = fa3_spec.SpecConfig(page_size=p, topk=k, num_steps=s, num_draft_tokens=n,
+                               max_bs=batch, max_context_len=context + 64 + n)
+    spec = dataclasses.replace(spec, num_pages=spec.pool_pages(batch, mode))
+    lc = LoopConfig(spec, max_new_tokens=64, backend="torch", scripted=DEFAULT_SCRIPT,
+                    draft_attention=mode)
+    eng = EagleEngine(lc, models, max_reqs=batch, buckets=[batch], compile_backend="none")
+    for _ in range(batch):
+        eng.submit(list(range(1, context + 1)), 64)
+    eng.admit()
+    want = eagle_bench.forward_flops(models, spec, batch, context)
+    with FlopCounterMode(display=False) as a:
+        eng.launch(batch)
+    seg, _ = eagle_bench.greedy_segment(eng, batch, graphs=False)
+    with FlopCounterMode(display=False) as c:
+        seg.run()
+    mm = torch.ops.aten.mm
+    assert a.get_flop_counts()["Global"][mm] == want["a_matmul"]
+    assert c.get_flop_counts()["Global"][mm] == want["c_matmul"]
+    assert want["a"] > want["a_matmul"] and want["c"] > want["c_matmul"]
