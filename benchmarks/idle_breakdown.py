@@ -1,0 +1,219 @@
+"""Where the GPU waits during the EAGLE loop: inside a graph, between launches.
+
+Profiles ``--iters`` back-to-back launches of the engine's captured iteration
+((a) in ``eagle_bench.py``), and with ``--decode`` of the plain decode step
+((c)), under ``torch.profiler`` with CPU and CUDA activity, exports the
+chrome trace and splits the span of GPU activity (`breakdown`):
+
+* ``busy``: the union of the kernel, memcpy and memset intervals;
+* ``idle_in_graph``: gaps between consecutive GPU ops of one
+  ``cudaGraphLaunch`` (the same correlation id): dependencies and launch
+  latency inside the graph, which only fusing kernels removes;
+* ``idle_between_launches``: every other gap (the host launching the next
+  graph, host work between iterations, an eager op).
+
+It also sums kernel time per category (GEMM, attention, Triton, copies,
+other) and lists the largest gaps with the ops on both sides. Scripted
+acceptance (``eagle_bench``'s), one bucket per engine, inductor + CUDA graph
+(the engine's CUDA default), ``llama3-8b`` shapes, context 1024.
+
+    python3 benchmarks/idle_breakdown.py --configs 2,8,5,16 --batches 1 8 --decode \\
+        --json benchmarks/results/idle_h200.json
+
+Needs CUDA (exit 2 without it).
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import os
+import re
+import sys
+import tempfile
+import time
+
+import torch
+
+import fa3_spec
+from fa3_spec.eagle import DEFAULT_SCRIPT, EagleEngine, LoopConfig, make_models
+
+import timing
+
+#: Chrome-trace categories of GPU work.
+GPU_CATS = ("kernel", "gpu_memcpy", "gpu_memset")
+#: Kernel-name patterns of the categories, tried in order (else "other").
+CATEGORIES = (
+    ("attention", re.compile(r"flash|fmha|FlashAttn", re.I)),
+    ("gemm", re.compile(r"gemm|nvjet|cutlass|xmma|cublas|sm90_", re.I)),
+    ("triton", re.compile(r"^triton_")),
+    ("copy", re.compile(r"memcpy|memset|copy", re.I)),
+)
+
+
+def category(event: dict) -> str:
+    """The category of one GPU op of a chrome trace."""
+    if event.get("cat") in ("gpu_memcpy", "gpu_memset"):
+        return "copy"
+    name = event.get("name", "")
+    return next((label for label, pattern in CATEGORIES if pattern.search(name)), "other")
+
+
+def breakdown(events: list, top: int = 8) -> dict:
+    """Split the span of GPU activity of chrome-trace ``events`` (µs).
+
+    Returns ``span_us``, ``busy_us``, ``idle_in_graph_us``,
+    ``idle_between_launches_us``, their fractions of the span (``*_frac``,
+    busy + both idles = 1), ``ops``, ``graph_launches``, ``by_category_us``
+    (kernel time, overlaps counted in each op) and ``largest_gaps`` (the
+    ``top`` largest, each with its kind and the ops before and after it).
+
+        >>> ev = [dict(cat="cuda_runtime", name="cudaGraphLaunch", args=dict(correlation=1)),
+        ...       dict(cat="kernel", name="nvjet_a", ts=0, dur=10, args=dict(correlation=1)),
+        ...       dict(cat="kernel", name="triton_b", ts=12, dur=3, args=dict(correlation=1)),
+        ...       dict(cat="kernel", name="flash_c", ts=20, dur=5, args=dict(correlation=2))]
+        >>> r = breakdown(ev)
+        >>> r["busy_us"], r["idle_in_graph_us"], r["idle_between_launches_us"]
+        (18.0, 2.0, 5.0)
+    """
+    launches = {e["args"]["correlation"]: e.get("name", "")
+                for e in events if e.get("cat") == "cuda_runtime"
+                and "correlation" in e.get("args", {})}
+    ops = sorted((e for e in events if e.get("cat") in GPU_CATS and e.get("dur", 0) > 0),
+                 key=lambda e: (e["ts"], e["ts"] + e["dur"]))
+    by_cat: dict = {}
+    for e in ops:
+        by_cat[category(e)] = by_cat.get(category(e), 0.0) + float(e["dur"])
+    if not ops:
+        return dict(span_us=0.0, busy_us=0.0, idle_in_graph_us=0.0, idle_between_launches_us=0.0,
+                    busy_frac=0.0, idle_in_graph_frac=0.0, idle_between_launches_frac=0.0,
+                    ops=0, graph_launches=0, by_category_us={}, largest_gaps=[])
+    busy = in_graph = between = 0.0
+    gaps = []
+    last = ops[0]  # the op that ends the merged interval so far
+    start, end = float(ops[0]["ts"]), float(ops[0]["ts"] + ops[0]["dur"])
+    for e in ops[1:]:
+        s, t = float(e["ts"]), float(e["ts"] + e["dur"])
+        if s > end:
+            busy += end - start
+            gap = s - end
+            corr = e.get("args", {}).get("correlation")
+            same = corr is not None and corr == last.get("args", {}).get("correlation")
+            kind = "in_graph" if same and launches.get(corr) == "cudaGraphLaunch" else "between"
+            if kind == "in_graph":
+                in_graph += gap
+            else:
+                between += gap
+            gaps.append(dict(gap_us=round(gap, 2), kind=kind, before=last.get("name", ""),
+                             after=e.get("name", "")))
+            start, end, last = s, t, e
+        elif t > end:
+            end, last = t, e
+    busy += end - start
+    span = float(ops[-1]["ts"] + ops[-1]["dur"]) - float(ops[0]["ts"])
+    span = max(span, end - float(ops[0]["ts"]))
+    gaps.sort(key=lambda g: -g["gap_us"])
+    frac = (lambda x: round(x / span, 4)) if span > 0 else (lambda x: 0.0)
+    graph_corrs = {e.get("args", {}).get("correlation") for e in ops} & {
+        c for c, name in launches.items() if name == "cudaGraphLaunch"}
+    return dict(span_us=round(span, 2), busy_us=round(busy, 2), idle_in_graph_us=round(in_graph, 2),
+                idle_between_launches_us=round(between, 2), busy_frac=frac(busy),
+                idle_in_graph_frac=frac(in_graph), idle_between_launches_frac=frac(between),
+                ops=len(ops), graph_launches=len(graph_corrs),
+                by_category_us={k: round(v, 2) for k, v in sorted(by_cat.items())},
+                largest_gaps=gaps[:top])
+
+
+def profile_events(fn, iters: int) -> list:
+    """Chrome-trace events of ``iters`` back-to-back ``fn()`` calls."""
+    from torch.profiler import ProfilerActivity, profile
+
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        for _ in range(iters):
+            fn()
+        torch.cuda.synchronize()
+    with tempfile.TemporaryDirectory() as tmp:
+        path = os.path.join(tmp, "trace.json")
+        prof.export_chrome_trace(path)
+        with open(path) as fh:
+            return json.load(fh)["traceEvents"]
+
+
+def engine_for(models, cfg, batch: int, context: int, iters: int) -> EagleEngine:
+    """One captured bucket of ``batch`` requests of ``context`` tokens, admitted."""
+    p, k, s, n = cfg
+    max_new = (iters + 8) * max(DEFAULT_SCRIPT) + 8
+    spec = fa3_spec.SpecConfig(page_size=p, topk=k, num_steps=s, num_draft_tokens=n,
+                               max_bs=batch, max_context_len=context + max_new + n)
+    spec = dataclasses.replace(spec, num_pages=spec.pool_pages(batch))
+    lc = LoopConfig(spec, max_new_tokens=max_new, scripted=DEFAULT_SCRIPT)
+    eng = EagleEngine(lc, models, max_reqs=batch, buckets=[batch], device="cuda")
+    eng.capture()
+    g = torch.Generator().manual_seed(batch)
+    for _ in range(batch):
+        eng.submit(torch.randint(0, models.vocab_size, (context,), generator=g).tolist(), max_new)
+    eng.admit()
+    return eng
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--preset", default="llama3-8b")
+    ap.add_argument("--num-layers", type=int, default=None)
+    ap.add_argument("--configs", nargs="+", default=["2,8,5,16"], help="P,topk,steps,N")
+    ap.add_argument("--batches", type=int, nargs="+", default=[1, 8])
+    ap.add_argument("--context", type=int, default=1024)
+    ap.add_argument("--iters", type=int, default=5, help="launches profiled back to back")
+    ap.add_argument("--decode", action="store_true", help="also the plain decode step (c)")
+    ap.add_argument("--json", metavar="PATH")
+    args = ap.parse_args(argv)
+    try:
+        configs = [tuple(int(x) for x in c.split(",")) for c in args.configs]
+        if any(len(c) != 4 for c in configs):
+            raise ValueError
+    except ValueError:
+        print(f"--configs: expected P,topk,steps,N, got {args.configs}", file=sys.stderr)
+        return 2
+    if not torch.cuda.is_available():
+        print("idle_breakdown.py needs CUDA (it profiles captured graphs)", file=sys.stderr)
+        return 2
+    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+    from eagle_bench import greedy_segment
+
+    models = make_models(args.preset, draft="random", device="cuda", num_layers=args.num_layers)
+    command = "python3 benchmarks/idle_breakdown.py " + " ".join(
+        sys.argv[1:] if argv is None else argv)
+    doc = dict(command=command, torch=torch.__version__, device=torch.cuda.get_device_name(),
+               preset=args.preset, acceptance="scripted:" + ",".join(map(str, DEFAULT_SCRIPT)),
+               rows=[])
+    for cfg in configs:
+        for batch in args.batches:
+            t0 = time.perf_counter()
+            eng = engine_for(models, cfg, batch, args.context, args.iters)
+            row = dict(config=list(cfg), batch=batch, context=args.context,
+                       compile=eng.compile_backend, draft_attention=eng.lc.draft_attention,
+                       capture_s=round(time.perf_counter() - t0, 1))
+            for _ in range(3):
+                eng.launch(batch)
+            row["a"] = breakdown(profile_events(lambda: eng.launch(batch), args.iters))
+            if args.decode:
+                seg, _ = greedy_segment(eng, batch, graphs=True)
+                seg.run()
+                row["c"] = breakdown(profile_events(seg.run, args.iters))
+            doc["rows"].append(row)
+            a = row["a"]
+            print(f"{cfg} batch {batch}: busy {a['busy_frac']:.3f}, idle in graph "
+                  f"{a['idle_in_graph_frac']:.3f}, between launches "
+                  f"{a['idle_between_launches_frac']:.3f}; {a['by_category_us']}", flush=True)
+            if args.json:
+                timing.write_json(args.json, doc)
+            del eng
+            torch.cuda.empty_cache()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,71 @@
+"""benchmarks/idle_breakdown.py: the split of a trace's GPU span, on synthetic traces.
+
+The profile itself needs CUDA; on CPU the script exits 2. What is checked
+here is the accounting every GPU figure of the script rests on: busy time is
+the union of the ops (overlaps counted once), a gap between two ops of one
+``cudaGraphLaunch`` is idle inside the graph, any other gap is idle between
+launches, and the three add up to the span.
+"""
+
+import pathlib
+import subprocess
+import sys
+
+import pytest
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "benchmarks"))
+
+import idle_breakdown  # noqa: E402
+
+
+def _launch(corr, name="cudaGraphLaunch"):
+    return dict(cat="cuda_runtime", name=name, ts=0, dur=1, args=dict(correlation=corr))
+
+
+def _op(name, ts, dur, corr, cat="kernel"):
+    return dict(cat=cat, name=name, ts=ts, dur=dur, args=dict(correlation=corr))
+
+
+def test_gaps_inside_a_graph_and_between_launches_add_up_to_the_span():
+    events = [
+        _launch(1), _launch(2), _launch(3, "cudaLaunchKernel"),
+        _op("nvjet_tst_gemm", 100, 50, 1),
+        _op("triton_red_fused_norm", 140, 20, 1),   # overlaps the GEMM: busy 100-160
+        _op("flash_fwd_kernel", 165, 10, 1),        # 5 us inside graph 1
+        _op("Memcpy DtoD", 180, 4, 1, cat="gpu_memcpy"),  # 5 us inside graph 1
+        _op("nvjet_tst_gemm", 200, 30, 2),          # 16 us: the next launch
+        _op("elementwise_kernel", 240, 5, 3),       # 10 us: an eager op
+    ]
+    r = idle_breakdown.breakdown(events, top=2)
+    assert r["span_us"] == 145.0
+    assert r["busy_us"] == 60 + 10 + 4 + 30 + 5
+    assert r["idle_in_graph_us"] == 10.0
+    assert r["idle_between_launches_us"] == 26.0
+    assert r["busy_us"] + r["idle_in_graph_us"] + r["idle_between_launches_us"] == r["span_us"]
+    assert abs(r["busy_frac"] + r["idle_in_graph_frac"] + r["idle_between_launches_frac"] - 1) < 1e-3
+    assert r["graph_launches"] == 2 and r["ops"] == 6
+    assert r["by_category_us"] == {"attention": 10.0, "copy": 4.0, "gemm": 80.0, "other": 5.0,
+                                   "triton": 20.0}
+    assert [(g["gap_us"], g["kind"]) for g in r["largest_gaps"]] == [(16.0, "between"),
+                                                                     (10.0, "between")]
+    assert r["largest_gaps"][0]["before"] == "Memcpy DtoD"
+
+
+def test_a_gap_between_two_eager_launches_of_one_correlation_is_not_a_graphs():
+    events = [_launch(7, "cudaLaunchKernel"), _op("a", 0, 5, 7), _op("b", 8, 2, 7)]
+    r = idle_breakdown.breakdown(events)
+    assert r["idle_in_graph_us"] == 0.0 and r["idle_between_launches_us"] == 3.0
+
+
+def test_a_trace_without_gpu_ops_is_all_zeros():
+    r = idle_breakdown.breakdown([_launch(1), dict(cat="cpu_op", name="aten::mm", ts=0, dur=9)])
+    assert r["span_us"] == 0.0 and r["ops"] == 0 and r["largest_gaps"] == []
+
+
+@pytest.mark.parametrize("argv", [[], ["--configs", "2,8,5"]])
+def test_the_script_exits_2_without_cuda_or_with_a_bad_config(argv):
+    proc = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "idle_breakdown.py"), *argv],
+                          capture_output=True, text=True, cwd=ROOT, timeout=120)
+    assert proc.returncode == 2, proc.stderr
+    assert ("--configs" in proc.stderr) if argv else ("needs CUDA" in proc.stderr)
