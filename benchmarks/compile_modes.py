@@ -46,13 +46,15 @@ def child(mode: str, cache: str, buckets, timed, num_layers) -> dict:
     models = make_models("llama3-8b", draft="random", device="cuda", num_layers=num_layers)
     spec = fa3_spec.SpecConfig(page_size=2, topk=8, num_steps=5, num_draft_tokens=16,
                                max_bs=max(buckets), max_context_len=1024 + 400)
-    spec = dataclasses.replace(spec, num_pages=spec.pool_pages(max(buckets)))
-    lc = LoopConfig(spec, max_new_tokens=300, backend="fa3", scripted=DEFAULT_SCRIPT)
+    draft_attention = LoopConfig.draft_attention
+    spec = dataclasses.replace(spec, num_pages=spec.pool_pages(max(buckets), draft_attention))
+    lc = LoopConfig(spec, max_new_tokens=300, backend="fa3", scripted=DEFAULT_SCRIPT,
+                    draft_attention=draft_attention)
     eng = EagleEngine(lc, models, buckets=buckets, device="cuda", cache_path=cache or None,
                       dynamic_batch=mode == "dynamic")
     t0 = time.perf_counter()
     per = eng.capture()
-    out = dict(mode=mode, seconds=round(time.perf_counter() - t0, 2),
+    out = dict(mode=mode, draft_attention=draft_attention, seconds=round(time.perf_counter() - t0, 2),
                frames=eng.runner.compile_counter.frame_count,
                per_bucket={str(b): round(x, 2) for b, x in per.items()}, ms_per_iteration={})
     g = torch.Generator().manual_seed(0)

@@ -64,7 +64,7 @@ import torch
 import torch.utils._pytree as pytree
 
 import fa3_spec
-from fa3_spec.eagle import EagleEngine, LoopConfig, make_models
+from fa3_spec.eagle import Eagle3Draft, EagleEngine, LoopConfig, make_models
 from fa3_spec.eagle.decode import decode_step
 from fa3_spec.eagle.engine import COMPILE_BACKENDS
 from fa3_spec.eagle.iteration import (
@@ -401,14 +401,20 @@ def _measure(fn, tokens_fn, iters: int, cuda: bool) -> dict:
                 host_syncs_per_iteration=_count_syncs(fn, cuda), gpu_idle_share=_gpu_idle(fn, cuda))
 
 
+def _fields(w) -> list:
+    """A weights dataclass's fields, the tensors themselves (``dataclasses.astuple``
+    would deep-copy them: gigabytes on the device)."""
+    return [getattr(w, f.name) for f in dataclasses.fields(w)]
+
+
 def forward_bytes(models, batch: int, context: int) -> dict:
     """Bytes one forward must read: ``target`` (every layer's matrices, the
     final norm and the lm_head, plus its K/V at ``context`` for ``batch``
     requests) and ``draft`` (the draft layer, ``fc``, norm and the lm_head,
     read again by every draft forward, plus one layer's K/V)."""
     t, d = models.target, models.draft
-    size = lambda ts: sum(x.numel() * x.element_size() for x in ts)  # noqa: E731
-    layer = lambda w: size(dataclasses.astuple(w))  # noqa: E731
+    size = lambda ts: sum(x.numel() * x.element_size() for x in ts if x is not None)  # noqa: E731
+    layer = lambda w: size(_fields(w))  # noqa: E731
     kv_layer = 2 * batch * context * models.num_kv_heads * models.head_dim * t.embed.element_size()
     target = sum(layer(w) for w in t.layers) + size([t.norm, t.lm_head]) + t.shape.num_layers * kv_layer
     draft = layer(d.layer) + size([d.fc, d.norm, d.lm_head]) + kv_layer
@@ -423,9 +429,13 @@ def forward_flops(models, spec, batch: int, context: int) -> dict:
 
     (a): the target verify over ``B * N`` tokens (lm_head included); each of
     the ``S - 1`` draft decode steps over ``B * K`` leaves (the draft layer,
-    ``fc`` and the lm_head; the prefix plus up to ``S`` draft keys); the draft
+    the lm_head, and ``fc`` where the draft applies it on every forward, as
+    EAGLE-1's does; EAGLE-3's applies it once, in ``draft_input``); the draft
     extend over its ``B * N`` query rows (layer and ``fc``) and the lm_head of
-    the ``B`` last rows. (c): ``B`` tokens through the target.
+    the ``B`` last rows. (c): ``B`` tokens through the target. The matmul
+    count is exact (tested against ``FlopCounterMode``); the attention term is
+    an estimate: every query over ``context`` keys (``context + S`` in a draft
+    step), ignoring the tree's own keys and the growth of ``seq_len``.
     """
     t, d = models.target, models.draft
     sh = t.shape
@@ -437,13 +447,15 @@ def forward_flops(models, spec, batch: int, context: int) -> dict:
     def attn(keys):
         return 4 * keys * sh.num_heads * sh.head_dim
 
-    layer = lambda w: mats(dataclasses.astuple(w))  # noqa: E731
+    layer = lambda w: mats(_fields(w))  # noqa: E731
     target_tok = sum(layer(w) for w in t.layers) + mats([t.lm_head])
-    draft_body = layer(d.layer) + mats([d.fc])
+    fc = mats([d.fc])
+    draft_body = layer(d.layer) + (0 if isinstance(d, Eagle3Draft) else fc)
+    extend_body = layer(d.layer) + fc
     draft_head = mats([d.lm_head])
     n, k, s = spec.num_draft_tokens, spec.topk, spec.num_steps
     a_mm = (batch * n * target_tok + (s - 1) * batch * k * (draft_body + draft_head)
-            + batch * n * draft_body + batch * draft_head)
+            + batch * n * extend_body + batch * draft_head)
     a_attn = (batch * n * sh.num_layers * attn(context) + (s - 1) * batch * k * attn(context + s)
               + batch * n * attn(context))
     c_mm, c_attn = batch * target_tok, batch * sh.num_layers * attn(context)
@@ -487,6 +499,7 @@ def bench_point(cfg_tuple, batch, args, models, bandwidth=None, tflops=None) -> 
 
     out_tokens = lambda: float(st["out_len"].sum())  # noqa: E731 (a sync, outside the timed loop)
     row = dict(page_size=p, topk=k, num_steps=s, num_draft_tokens=n, batch=batch,
+               draft_attention=lc.draft_attention,
                context=args.context, compile=eng.compile_backend,
                acceptance=("scripted:" + ",".join(map(str, DEFAULT_SCRIPT)) if scripted else "real"),
                preset=args.preset, layers=models.num_target_layers,

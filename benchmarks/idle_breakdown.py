@@ -147,8 +147,9 @@ def engine_for(models, cfg, batch: int, context: int, iters: int) -> EagleEngine
     max_new = (iters + 8) * max(DEFAULT_SCRIPT) + 8
     spec = fa3_spec.SpecConfig(page_size=p, topk=k, num_steps=s, num_draft_tokens=n,
                                max_bs=batch, max_context_len=context + max_new + n)
-    spec = dataclasses.replace(spec, num_pages=spec.pool_pages(batch))
-    lc = LoopConfig(spec, max_new_tokens=max_new, scripted=DEFAULT_SCRIPT)
+    mode = LoopConfig.draft_attention
+    spec = dataclasses.replace(spec, num_pages=spec.pool_pages(batch, mode))
+    lc = LoopConfig(spec, max_new_tokens=max_new, scripted=DEFAULT_SCRIPT, draft_attention=mode)
     eng = EagleEngine(lc, models, max_reqs=batch, buckets=[batch], device="cuda")
     eng.capture()
     g = torch.Generator().manual_seed(batch)

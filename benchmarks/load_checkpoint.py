@@ -185,8 +185,10 @@ def loop(models, args, label: str) -> dict:
     p, k, s, n = args.config
     spec = fa3_spec.SpecConfig(page_size=p, topk=k, num_steps=s, num_draft_tokens=n,
                                max_bs=args.batch, max_context_len=args.context + args.new + n)
-    spec = dataclasses.replace(spec, num_pages=spec.pool_pages(2 * args.batch))
-    lc = LoopConfig(spec, max_new_tokens=args.new, backend=args.backend, scripted=DEFAULT_SCRIPT)
+    mode = LoopConfig.draft_attention
+    spec = dataclasses.replace(spec, num_pages=spec.pool_pages(2 * args.batch, mode))
+    lc = LoopConfig(spec, max_new_tokens=args.new, backend=args.backend, scripted=DEFAULT_SCRIPT,
+                    draft_attention=mode)
     cuda = torch.device(args.device).type == "cuda"
     eng = EagleEngine(lc, models, max_reqs=2 * args.batch, buckets=[args.batch], graphs=cuda,
                       compile_backend=args.compile, device=args.device)
@@ -205,7 +207,8 @@ def loop(models, args, label: str) -> dict:
         torch.cuda.synchronize()
     seconds = time.perf_counter() - start
     tokens = sum(len(o) for o in done.values())
-    return dict(models=label, tokens=tokens, iterations=eng.stats["iterations"] - iters,
+    return dict(models=label, draft_attention=mode, tokens=tokens,
+                iterations=eng.stats["iterations"] - iters,
                 seconds=seconds, tokens_per_s=tokens / seconds,
                 acceptance="SCRIPTED " + ",".join(map(str, DEFAULT_SCRIPT)))
 

@@ -10,9 +10,9 @@ CUDA-event timings):
 * ``attention``: one layer's decode FA3 call at batch 1 for several split counts;
 * ``decode``: one plain decode step of the whole model (`fa3_spec.eagle.decode_step`,
   metadata + 32 layers + lm_head + argmax) at each batch, eager-captured and
-  compiled with inductor (layers as one nested compile region), with compile
-  time, kernels per step and the share of the floor (weights + KV at the
-  context, over the measured bandwidth).
+  compiled with inductor (the layers inline, the models' default), with
+  compile time, kernels per step and the share of the floor (weights + KV at
+  the context, over the measured bandwidth).
 
     python3 benchmarks/model_roofline.py --json benchmarks/results/model_roofline_h200.json
 """
@@ -74,7 +74,7 @@ def matmul_throughput(n: int = 8192, dtype=torch.bfloat16) -> float:
     a = torch.randn(n, n, device="cuda", dtype=dtype)
     b = torch.randn(n, n, device="cuda", dtype=dtype)
     out = torch.empty(n, n, device="cuda", dtype=dtype)
-    ms = replay_ms(lambda: torch.mm(a, b, out=out), reps=20, inner=4) / 4
+    ms = replay_ms(lambda: torch.mm(a, b, out=out), reps=20, inner=4)
     return 2 * n ** 3 / (ms * 1e-3) / 1e12
 
 

@@ -36,9 +36,10 @@ def bench(models, args, batch: int, variant: str) -> dict:
     max_new = steps * min(n, s + 1) + 8
     spec = fa3_spec.SpecConfig(page_size=p, topk=k, num_steps=s, num_draft_tokens=n,
                                max_bs=batch, max_context_len=args.context + max_new + n)
-    spec = dataclasses.replace(spec, num_pages=spec.pool_pages(batch))
+    mode = LoopConfig.draft_attention
+    spec = dataclasses.replace(spec, num_pages=spec.pool_pages(batch, mode))
     lc = LoopConfig(spec, max_new_tokens=max_new, backend=args.backend,
-                    sampling=variant != "greedy")
+                    sampling=variant != "greedy", draft_attention=mode)
     cuda = args.device == "cuda"
     eng = EagleEngine(lc, models, max_reqs=batch, buckets=[batch], graphs=cuda,
                       device=args.device, count_syncs=cuda)
@@ -63,7 +64,7 @@ def bench(models, args, batch: int, variant: str) -> dict:
     ms = 1e3 * (time.perf_counter() - start) / args.iters
     acc = eng.stats["accept_lens"]
     syncs = eng.stats["host_syncs"]
-    return dict(variant=variant, batch=batch, ms_per_iteration=round(ms, 3),
+    return dict(variant=variant, batch=batch, draft_attention=mode, ms_per_iteration=round(ms, 3),
                 mean_accept_len=round(sum(acc) / max(len(acc), 1), 3),
                 host_syncs_per_iteration=max(syncs) if syncs else None,
                 active_rows_at_end=eng.active)

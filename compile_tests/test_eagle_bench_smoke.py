@@ -111,4 +111,3 @@ def test_the_flop_count_of_the_compute_floor_is_what_torch_counts(p, k, s, n, mo
     mm = torch.ops.aten.mm
     assert a.get_flop_counts()["Global"][mm] == want["a_matmul"]
     assert c.get_flop_counts()["Global"][mm] == want["c_matmul"]
-    assert want["a"] > want["a_matmul"] and want["c"] > want["c_matmul"]

@@ -33,7 +33,7 @@ NEAR_TIE = 0.02
 
 
 def _engine(models, p, k, s, n, *, batch, max_new, prompt_len, buckets, compile_backend,
-            graphs=True, count_syncs=True, draft_attention="branch"):
+            graphs=True, count_syncs=True, draft_attention=LoopConfig.draft_attention):
     spec = fa3_spec.SpecConfig(page_size=p, topk=k, num_steps=s, num_draft_tokens=n,
                                max_bs=batch, max_context_len=prompt_len + max_new + n)
     spec = dataclasses.replace(spec, num_pages=spec.pool_pages(2 * batch, draft_attention))
@@ -43,7 +43,8 @@ def _engine(models, p, k, s, n, *, batch, max_new, prompt_len, buckets, compile_
 
 
 def check(preset, p, k, s, n, *, batch=4, requests=8, max_new=32, prompt_len=48,
-          buckets=None, compile_backend=None, num_layers=None, label="", draft_attention="branch"):
+          buckets=None, compile_backend=None, num_layers=None, label="",
+          draft_attention=LoopConfig.draft_attention):
     torch.manual_seed(0)
     models = make_models(preset, draft="derived", device="cuda", num_layers=num_layers)
     prompts, news = workload(requests, page_size=p, max_prompt=prompt_len, max_new=max_new,
@@ -87,10 +88,12 @@ def check(preset, p, k, s, n, *, batch=4, requests=8, max_new=32, prompt_len=48,
     return report
 
 
+@pytest.mark.parametrize("draft_attention", ["ancestors", "branch"])
 @pytest.mark.parametrize("p, k, s, n", [(16, 1, 5, 6), (16, 4, 5, 8), (2, 8, 5, 16), (1, 4, 2, 4)])
-def test_tiny_bf16_matches_greedy_up_to_near_ties(p, k, s, n):
+def test_tiny_bf16_matches_greedy_up_to_near_ties(p, k, s, n, draft_attention):
     check("tiny", p, k, s, n, batch=4, requests=10, buckets=[1, 2, 4],
-          compile_backend="aot_eager", label="tiny")
+          compile_backend="aot_eager", label=f"tiny-{draft_attention}",
+          draft_attention=draft_attention)
 
 
 @pytest.mark.parametrize("p, k, s, n", [(16, 4, 5, 8), (2, 8, 5, 16)])
@@ -107,19 +110,15 @@ def test_llama3_8b_shapes_compiled_by_default_match_greedy_up_to_near_ties():
           buckets=[4], compile_backend="auto", label="llama3-8b-inductor")
 
 
-def test_inductor_with_a_dynamic_batch_and_inline_layers_matches_greedy_up_to_near_ties():
+@pytest.mark.parametrize("draft_attention", ["ancestors", "branch"])
+def test_inductor_with_a_dynamic_batch_and_inline_layers_matches_greedy_up_to_near_ties(
+        draft_attention):
     """The default for several buckets: inductor, one dynamic frame for buckets 2 and 4
-    (the layers inline, index propagation off), one static frame for bucket 1."""
+    (index propagation off), one static frame for bucket 1."""
     report = check("tiny", 2, 8, 5, 16, batch=4, requests=10, buckets=[1, 2, 4],
-                   compile_backend="auto", label="tiny-inductor-dynamic")
+                   compile_backend="auto", label=f"tiny-inductor-dynamic-{draft_attention}",
+                   draft_attention=draft_attention)
     assert report["dynamic_batch"] and report["frames"] == 2
-
-
-@pytest.mark.parametrize("p, k, s, n", [(16, 4, 5, 8), (2, 8, 5, 16), (1, 4, 2, 4), (16, 1, 5, 6)])
-def test_ancestor_drafts_tiny_bf16_match_greedy_up_to_near_ties(p, k, s, n):
-    """``draft_attention="ancestors"``: FA3 reads each leaf's true path."""
-    check("tiny", p, k, s, n, batch=4, requests=10, buckets=[1, 2, 4],
-          compile_backend="aot_eager", label="tiny-ancestors", draft_attention="ancestors")
 
 
 @pytest.mark.parametrize("draft_attention", ["branch", "ancestors"])

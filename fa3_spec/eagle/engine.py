@@ -160,10 +160,11 @@ class EagleEngine:
         dynamic_batch: compile one frame, the batch dimension dynamic, for
             every bucket above 1 (bucket 1 is always its own frame). None
             (default): dynamic unless the backend is inductor with at most one
-            bucket above 1: fewer compiles for many buckets. Under inductor
-            the layers always trace inline (``iteration_models``; nested
-            compile regions gave wrong tokens on CUDA, see `decoder_layer`).
-            The attribute ``dynamic_batch`` says what was chosen.
+            bucket above 1 (nothing to share, so each frame keeps its batch a
+            constant): fewer compiles for many buckets. Under inductor the
+            layers always trace inline (``iteration_models``; nested compile
+            regions gave wrong tokens on CUDA, see `decoder_layer`). The
+            attribute ``dynamic_batch`` says what was chosen.
         device: where everything lives.
         seed: pool page shuffle.
         count_syncs: on CUDA, count synchronizing calls during each iteration

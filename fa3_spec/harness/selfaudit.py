@@ -229,7 +229,7 @@ def _loop_subject(case: AuditCase, device: str) -> _Subject:
     cfg = case.cfg
     models = make_models("tiny", seed=0, device=device,
                          dtype=torch.bfloat16 if device != "cpu" else torch.float32)
-    spec = dc.replace(cfg, num_pages=cfg.pool_pages(2 * cfg.max_bs))
+    spec = dc.replace(cfg, num_pages=cfg.pool_pages(2 * cfg.max_bs, case.draft_attention))
     lc = LoopConfig(spec, max_new_tokens=24, backend="auto" if device != "cpu" else "torch",
                     draft_attention=case.draft_attention)
     engine = EagleEngine(lc, models, device=device)
