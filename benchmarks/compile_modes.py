@@ -5,11 +5,9 @@
   dynamic  the buckets above 1 share one frame with a symbolic batch, and
            inductor's index propagation is off; bucket 1 is its own static
            frame.
-  shared   the dynamic frame serves bucket 1 too (``share_bucket_one=True``:
-           the batch traced size-obliviously): one compile for all buckets.
   static   one frame per bucket.
 
-All trace the layers inline (under inductor the engine always does: with
+Both trace the layers inline (under inductor the engine always does: with
 the layers as nested compile regions it emitted wrong tokens on the H200).
 The committed figures' static rows were measured with the regions (before
 that was found).
@@ -18,12 +16,10 @@ Per mode, in a fresh process each: compile + capture of ``--buckets`` (seconds
 per bucket), then ms per iteration (20 replays back to back after 3, synced
 at both ends: launch throughput, not `timing`'s drained per-call wall) at each of
 ``--time-batches``, scripted acceptance, `llama3-8b` shapes, P 2 / topk 8 /
-5 steps / N 16, context 1024. Unless ``--no-restart``, each dynamic or shared
-run is followed by a restart: a second process that loads the first one's
-compile cache file (`cache_path=`).
+5 steps / N 16, context 1024. ``--restart`` adds a second dynamic process
+that loads the first one's compile cache file (`cache_path=`).
 
     python3 benchmarks/compile_modes.py --json benchmarks/results/compile_modes_h200.json
-    python3 benchmarks/compile_modes.py --modes shared --json ...   # bucket 1 in the frame
 """
 
 from __future__ import annotations
@@ -55,7 +51,7 @@ def child(mode: str, cache: str, buckets, timed, num_layers) -> dict:
     lc = LoopConfig(spec, max_new_tokens=300, backend="fa3", scripted=DEFAULT_SCRIPT,
                     draft_attention=draft_attention)
     eng = EagleEngine(lc, models, buckets=buckets, device="cuda", cache_path=cache or None,
-                      dynamic_batch=mode != "static", share_bucket_one=mode == "shared")
+                      dynamic_batch=mode == "dynamic")
     t0 = time.perf_counter()
     per = eng.capture()
     out = dict(mode=mode, draft_attention=draft_attention, seconds=round(time.perf_counter() - t0, 2),
@@ -83,12 +79,12 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--modes", nargs="+", default=["dynamic", "static"],
-                    choices=["dynamic", "shared", "static"])
+                    choices=["dynamic", "static"])
     ap.add_argument("--buckets", type=int, nargs="+", default=[1, 2, 4, 8, 16, 32, 64],
-                    help="dynamic and shared modes' buckets (static mode: --time-batches only)")
+                    help="dynamic mode's buckets (static mode: --time-batches only)")
     ap.add_argument("--time-batches", type=int, nargs="+", default=[1, 8])
     ap.add_argument("--no-restart", dest="restart", action="store_false",
-                    help="skip the restarts from the cold runs' cache files")
+                    help="skip the dynamic restart from the cold run's cache file")
     ap.add_argument("--num-layers", type=int, default=None)
     ap.add_argument("--json", metavar="PATH")
     ap.add_argument("--_child", nargs=2, default=None, help=argparse.SUPPRESS)
@@ -96,21 +92,18 @@ def main(argv=None) -> int:
     timed = sorted(args.time_batches)
     if args._child:
         mode, cache = args._child
-        buckets = sorted(args.buckets) if mode != "static" else timed
+        buckets = sorted(args.buckets) if mode == "dynamic" else timed
         print(json.dumps(child(mode, cache, buckets, timed, args.num_layers)))
         return 0
     if not torch.cuda.is_available():
         raise SystemExit("compile_modes.py times CUDA graphs: it needs a CUDA device")
     runs = []
     with tempfile.TemporaryDirectory() as tmp:
-        # (mode, cache file, phase): a cold dynamic or shared run writes the file
-        # its restart loads.
-        plan = []
-        for m in args.modes:
-            cache = "" if m == "static" else os.path.join(tmp, f"{m}.cache")
-            plan.append((m, cache, "cold"))
-            if args.restart and cache:
-                plan.append((m, cache, "restart"))
+        cache = os.path.join(tmp, "engine.cache")
+        # (mode, cache file, phase): the cold dynamic run writes the file its restart loads.
+        plan = [(m, cache if m == "dynamic" else "", "cold") for m in args.modes]
+        if args.restart and "dynamic" in args.modes:
+            plan.append(("dynamic", cache, "restart"))
         for i, (mode, cache_file, phase) in enumerate(plan):
             env = dict(os.environ, TORCHINDUCTOR_CACHE_DIR=os.path.join(tmp, f"inductor-{i}"))
             cmd = [sys.executable, os.path.abspath(__file__), "--_child", mode,

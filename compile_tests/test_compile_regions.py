@@ -72,13 +72,12 @@ def test_with_compile_regions_shares_the_weights_and_leaves_the_models_as_they_w
     assert regions.draft.layer is models.draft.layer
 
 
-def _engine(models, buckets, backend, dynamic_batch=None, **kw):
+def _engine(models, buckets, backend, dynamic_batch=None):
     spec = fa3_spec.SpecConfig(page_size=2, topk=4, num_steps=3, num_draft_tokens=6, max_bs=4,
                                max_context_len=64)
     spec = dataclasses.replace(spec, num_pages=spec.pool_pages(4))
     return EagleEngine(LoopConfig(spec, max_new_tokens=8, backend="torch"), models,
-                       buckets=buckets, compile_backend=backend, dynamic_batch=dynamic_batch,
-                       **kw)
+                       buckets=buckets, compile_backend=backend, dynamic_batch=dynamic_batch)
 
 
 @pytest.mark.parametrize("buckets, backend, dynamic", [
@@ -135,54 +134,3 @@ def test_a_static_runner_stays_static_after_the_same_step_ran_at_another_batch()
     for bucket in (2, 5):  # the control: a dynamic runner does get the symbol
         runner(bucket, True)(x=torch.ones(bucket, 3))
     assert any(record), record
-
-
-def test_share_size_one_lets_a_bucket_of_one_run_the_shared_frame():
-    """Dynamo specialises a batch of 1; traced size-obliviously it is one more
-    value of the symbolic batch (``share_size_one``), whatever bucket runs first."""
-    from fa3_spec.graphs import CUDAGraphRunner
-
-    def step(x, y):
-        return {"z": (x * 2 + y.sum(-1, keepdim=True)).cumsum(0)}
-
-    def example(bs):
-        return {"x": torch.zeros(bs, 3), "y": torch.zeros(bs, 5)}
-
-    for share, frames in ((True, 1), (False, 2)):
-        for order in ((4, 1, 2), (1, 2, 4)):
-            torch._dynamo.reset()
-            runner = CUDAGraphRunner(step, example=example, buckets=[1, 2, 4], strategy="compile",
-                                     backend="eager", share_size_one=share)
-            for bs in order:
-                x, y = torch.randn(bs, 3), torch.randn(bs, 5)
-                torch.testing.assert_close(runner(x=x, y=y)["z"], step(x, y)["z"])
-            assert runner.compile_counter.frame_count == frames, (share, order)
-
-
-def test_share_size_one_needs_the_dynamic_frame():
-    from fa3_spec.graphs import CUDAGraphRunner
-
-    with pytest.raises(ValueError, match="share_size_one=True .* dynamic_batch=True"):
-        CUDAGraphRunner(lambda x: {"x": x}, example=lambda bs: {"x": torch.zeros(bs)},
-                        buckets=[1, 2], strategy="compile", backend="eager",
-                        dynamic_batch=False, share_size_one=True)
-    with pytest.raises(ValueError, match="share_bucket_one=True .* dynamic_batch=False"):
-        _engine(make_models("tiny", num_layers=1), [1, 4], "aot_eager", dynamic_batch=False,
-                share_bucket_one=True)
-
-
-def test_the_loop_with_bucket_one_sharing_the_frame_is_one_compile_and_exact(models):
-    from fa3_spec.eagle import greedy_generate
-
-    torch._dynamo.reset()
-    eng = _engine(models, [1, 2, 4], "aot_eager", share_bucket_one=True)
-    assert eng.dynamic_batch and eng.runner.share_size_one
-    prompts = [[5, 6, 7, 8, 9], [3, 1, 4, 1, 5, 9, 2], [2, 7, 1, 8]]
-    eng.submit(prompts[0], 6)
-    out = dict(eng.run())  # bucket 1 first
-    for p in prompts[1:]:
-        eng.submit(p, 6)
-    out.update(eng.run())   # then 2 rows, bucket 2
-    want = greedy_generate(models, prompts, [6, 6, 6], page_size=2, backend="torch")
-    assert [out[i] for i in range(3)] == [want[i] for i in range(3)]
-    assert eng.runner.compile_counter.frame_count == 1

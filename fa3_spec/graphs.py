@@ -93,15 +93,6 @@ from .probes import RecordingBackend
 STRATEGIES = ("manual", "reduce-overhead", "compile", "eager")
 
 
-def _size_oblivious(compiled: Callable) -> Callable:
-    """``compiled`` traced (and its guards checked) with backed sizes treated
-    size-obliviously, so a batch of 1 is one more value of the symbolic batch."""
-    def call(*args, **kwargs):
-        with torch.fx.experimental._config.patch(backed_size_oblivious=True):
-            return compiled(*args, **kwargs)
-    return call
-
-
 def capture(fn: Callable, *args, warmup: int = 2, pool=None, **kwargs):
     """Warm ``fn(*args, **kwargs)`` up on a side stream, then capture one call.
 
@@ -193,12 +184,6 @@ class CUDAGraphRunner:
             compiled graph (``"manual"``, ``"compile"``); False compiles with
             ``dynamic=False``: one static frame per bucket, whatever was
             compiled before in the process.
-        share_size_one: with ``dynamic_batch``, trace the batch dimension
-            size-obliviously (``torch.fx.experimental._config.
-            backed_size_oblivious``), so that a bucket of 1 runs the shared
-            frame instead of compiling its own (dynamo otherwise specialises
-            sizes 0 and 1). Off by default: exact on CPU (aot_eager), not yet
-            measured with inductor on the GPU.
         warmup: eager-compiled runs before each capture.
         cache_path: a file for PyTorch's compile caches: loaded (if it
             exists) before the first compile, written after `capture`, so a
@@ -222,8 +207,7 @@ class CUDAGraphRunner:
                  buckets: Sequence[int], strategy: str = "manual",
                  backend: Optional[str] = "inductor", dynamic_batch: bool = True, warmup: int = 2,
                  cache_path: Optional[str] = None, inductor_options: Optional[dict] = None,
-                 buffers: Optional[Callable[[int], Dict[str, torch.Tensor]]] = None,
-                 share_size_one: bool = False):
+                 buffers: Optional[Callable[[int], Dict[str, torch.Tensor]]] = None):
         if strategy not in STRATEGIES:
             raise ValueError(f"strategy must be one of {STRATEGIES}, got {strategy!r}")
         if not buckets or min(buckets) < 1:
@@ -232,13 +216,6 @@ class CUDAGraphRunner:
             raise ValueError("give example= (runner-owned buffers) or buffers= (caller-owned)")
         if backend is None and strategy in ("reduce-overhead", "compile"):
             raise ValueError(f"strategy={strategy!r} compiles the step: backend must be given")
-        if share_size_one and not (dynamic_batch and strategy in ("manual", "compile")):
-            raise ValueError("share_size_one=True shares the dynamic frame: it needs "
-                             "dynamic_batch=True and strategy 'manual' or 'compile', got "
-                             f"dynamic_batch={dynamic_batch!r}, strategy={strategy!r}")
-        if share_size_one and not hasattr(torch.fx.experimental._config, "backed_size_oblivious"):
-            raise ValueError(f"share_size_one=True needs a torch with backed_size_oblivious "
-                             f"(this is {torch.__version__})")
         self.step = step
         self.example = example if example is not None else buffers
         self.buffers = buffers
@@ -271,9 +248,6 @@ class CUDAGraphRunner:
             # before at another batch, e.g. by an earlier runner of one bucket.
             self.compiled_step = torch.compile(step, fullgraph=True, backend=self.compile_counter,
                                                dynamic=None if dynamic_batch else False)
-            if share_size_one and backend is not None:
-                self.compiled_step = _size_oblivious(self.compiled_step)
-        self.share_size_one = share_size_one
 
     @property
     def captured(self) -> bool:

@@ -165,11 +165,6 @@ class EagleEngine:
             layers always trace inline (``iteration_models``; nested compile
             regions gave wrong tokens on CUDA, see `decoder_layer`). The
             attribute ``dynamic_batch`` says what was chosen.
-        share_bucket_one: bucket 1 runs the dynamic frame too (the batch
-            traced size-obliviously: `CUDAGraphRunner`'s ``share_size_one``),
-            so one compile serves every bucket; implies a dynamic batch (a
-            ``ValueError`` with ``dynamic_batch=False``). Off by default: exact
-            on CPU, not yet measured with inductor on the GPU.
         device: where everything lives.
         seed: pool page shuffle.
         count_syncs: on CUDA, count synchronizing calls during each iteration
@@ -180,7 +175,7 @@ class EagleEngine:
                  buckets: Optional[Sequence[int]] = None, graphs: Optional[bool] = None,
                  compile_backend: Optional[str] = "auto", cache_path: Optional[str] = None,
                  dynamic_batch: Optional[bool] = None, device="cpu", seed: int = 0,
-                 count_syncs: bool = False, share_bucket_one: bool = False):
+                 count_syncs: bool = False):
         if lc.spec.topk > _draft_vocab_size(models):
             raise ValueError(
                 f"topk={lc.spec.topk} exceeds the draft's vocabulary of "
@@ -225,14 +220,8 @@ class EagleEngine:
         self._views: Dict[int, State] = {}
 
         shared = [b for b in self.buckets if b > 1]
-        if share_bucket_one and dynamic_batch is False:
-            raise ValueError("share_bucket_one=True shares the dynamic frame: it cannot be "
-                             "combined with dynamic_batch=False")
-        if share_bucket_one:
-            self.dynamic_batch = True
-        else:
-            self.dynamic_batch = (len(shared) > 1 or backend != "inductor") \
-                if dynamic_batch is None else bool(dynamic_batch)
+        self.dynamic_batch = (len(shared) > 1 or backend != "inductor") if dynamic_batch is None \
+            else bool(dynamic_batch)
         step_models, options = models, None
         if backend == "inductor":
             # Inductor traces the layers inline: with the layers as nested
@@ -260,7 +249,7 @@ class EagleEngine:
             iteration, buckets=self.buckets, strategy=strategy,
             backend=None if backend == "none" else backend, buffers=self.bucket_state,
             dynamic_batch=self.dynamic_batch, warmup=1, cache_path=cache_path,
-            inductor_options=options, share_size_one=share_bucket_one and backend != "none")
+            inductor_options=options)
         self._waiting: List[Request] = []
         self._slots: List[Optional[Request]] = [None] * self.max_bs
         self._done: Dict[int, Request] = {}
