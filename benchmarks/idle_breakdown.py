@@ -84,7 +84,8 @@ def breakdown(events: list, top: int = 8) -> dict:
                  key=lambda e: (e["ts"], e["ts"] + e["dur"]))
     by_cat: dict = {}
     for e in ops:
-        by_cat[category(e)] = by_cat.get(category(e), 0.0) + float(e["dur"])
+        label = category(e)
+        by_cat[label] = by_cat.get(label, 0.0) + float(e["dur"])
     if not ops:
         return dict(span_us=0.0, busy_us=0.0, idle_in_graph_us=0.0, idle_between_launches_us=0.0,
                     busy_frac=0.0, idle_in_graph_frac=0.0, idle_between_launches_frac=0.0,
@@ -111,8 +112,7 @@ def breakdown(events: list, top: int = 8) -> dict:
         elif t > end:
             end, last = t, e
     busy += end - start
-    span = float(ops[-1]["ts"] + ops[-1]["dur"]) - float(ops[0]["ts"])
-    span = max(span, end - float(ops[0]["ts"]))
+    span = end - float(ops[0]["ts"])  # end: the latest end of any op
     gaps.sort(key=lambda g: -g["gap_us"])
     frac = (lambda x: round(x / span, 4)) if span > 0 else (lambda x: 0.0)
     graph_corrs = {e.get("args", {}).get("correlation") for e in ops} & {

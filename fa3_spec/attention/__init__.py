@@ -4,7 +4,7 @@ Importing this package registers both custom ops, with their fakes:
 ``fa3_spec::fa3_paged_attention`` and ``fa3_spec::store_kv``.
 """
 
-from .cascade import BACKENDS, attention_call, cascade_attention
+from .cascade import BACKENDS, attention_call, cascade_attention, resolve_backend
 from .fa3_op import default_num_splits, fa3_paged_attention
 from .kv_store import store_kv
 from .merge import add_attention_sink, merge_attention_states
@@ -28,6 +28,7 @@ __all__ = [
     "provider_features",
     "provider_supports",
     "provider_version",
+    "resolve_backend",
     "store_kv",
     "visible_keys",
 ]

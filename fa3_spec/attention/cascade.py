@@ -95,12 +95,21 @@ def _check_query_rows(q: torch.Tensor, calls: list) -> None:
             )
 
 
-def _resolve(backend: str, q: torch.Tensor) -> str:
+def resolve_backend(backend: str, device) -> str:
+    """``backend`` (one of `BACKENDS`) as the attention on ``device`` runs it:
+    ``"auto"`` is ``"fa3"`` where FA3 runs there (`fa3_available`), else
+    ``"torch"``. Call it eagerly before compiling a step that says
+    ``"auto"``: the first lookup of the provider imports it."""
     if backend not in BACKENDS:
         raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
     if backend == "auto":
-        return "fa3" if q.is_cuda and fa3_available(q.device) else "torch"
+        device = torch.device(device)
+        return "fa3" if device.type == "cuda" and fa3_available(device) else "torch"
     return backend
+
+
+def _resolve(backend: str, q: torch.Tensor) -> str:
+    return resolve_backend(backend, q.device)
 
 
 def _check_window(window_size, metadata) -> tuple:

@@ -33,7 +33,7 @@ from typing import Callable, Dict, Iterable, List, Optional, Sequence, Tuple, Un
 
 import torch
 
-from ..attention import fa3_available
+from ..attention import resolve_backend
 from ..builders.prefill import build_prefill_metadata, extend_query_positions
 from ..config import SpecConfig
 from ..graphs import INDUCTOR_OPTIONS, CUDAGraphRunner
@@ -182,11 +182,9 @@ class EagleEngine:
                 f"{_draft_vocab_size(models)} tokens: every tree node draws its topk children "
                 "from it")
         self.device = torch.device(device)
-        if lc.backend == "auto":
-            # Resolved here, eagerly: a compiled iteration cannot look for the
-            # FA3 provider (an import) while dynamo traces it.
-            fa3 = self.device.type == "cuda" and fa3_available(self.device)
-            lc = dataclasses.replace(lc, backend="fa3" if fa3 else "torch")
+        # Resolved here, eagerly: a compiled iteration cannot look for the FA3
+        # provider (an import) while dynamo traces it.
+        lc = dataclasses.replace(lc, backend=resolve_backend(lc.backend, self.device))
         self.lc = lc
         self.spec = lc.spec
         self.models = models

@@ -175,7 +175,7 @@ def _builder_subject(case: AuditCase, device: str) -> _Subject:
 
 
 def _step_subject(case: AuditCase, device: str) -> _Subject:
-    from ..attention import fa3_available
+    from ..attention import resolve_backend
     from .toy import ToyModel, make_step, step_inputs, world_batch
     from .worlds import rebase_world
 
@@ -189,7 +189,7 @@ def _step_subject(case: AuditCase, device: str) -> _Subject:
     model = ToyModel.create(layers=1, num_pages=base.num_pages, page_size=cfg.page_size,
                             num_heads=4, num_kv_heads=2, head_dim=64, dtype=dtype, device=device)
     initial = (model.k_cache.clone(), model.v_cache.clone())
-    backend = "fa3" if on_gpu and fa3_available() else "torch"
+    backend = resolve_backend("auto", device)
     step = make_step(step_mode, cfg, model, base.req_to_token, backend=backend, tree=case.tree)
     names = list(step_inputs(step_mode, tree=case.tree))
     g = torch.Generator().manual_seed(0)
