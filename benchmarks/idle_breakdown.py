@@ -60,14 +60,23 @@ def category(event: dict) -> str:
     return next((label for label, pattern in CATEGORIES if pattern.search(name)), "other")
 
 
-def breakdown(events: list, top: int = 8) -> dict:
+def kernel_name(name: str, width: int = 96) -> str:
+    """A kernel's name without its template arguments, cut to ``width``
+    (cuBLAS/CUTLASS and FA3 names run to thousands of characters)."""
+    base = name.split("<", 1)[0].split("(", 1)[0].strip() or name
+    return base[:width]
+
+
+def breakdown(events: list, top: int = 8, top_kernels: int = 30) -> dict:
     """Split the span of GPU activity of chrome-trace ``events`` (µs).
 
     Returns ``span_us``, ``busy_us``, ``idle_in_graph_us``,
     ``idle_between_launches_us``, their fractions of the span (``*_frac``,
     busy + both idles = 1), ``ops``, ``graph_launches``, ``by_category_us``
-    (kernel time, overlaps counted in each op) and ``largest_gaps`` (the
-    ``top`` largest, each with its kind and the ops before and after it).
+    (kernel time, overlaps counted in each op), ``largest_gaps`` (the
+    ``top`` largest, each with its kind and the ops before and after it) and
+    ``kernels`` (the ``top_kernels`` names with the most time, each with its
+    ``count`` and ``total_us``; names as `kernel_name` shortens them).
 
         >>> ev = [dict(cat="cuda_runtime", name="cudaGraphLaunch", args=dict(correlation=1)),
         ...       dict(cat="kernel", name="nvjet_a", ts=0, dur=10, args=dict(correlation=1)),
@@ -83,13 +92,19 @@ def breakdown(events: list, top: int = 8) -> dict:
     ops = sorted((e for e in events if e.get("cat") in GPU_CATS and e.get("dur", 0) > 0),
                  key=lambda e: (e["ts"], e["ts"] + e["dur"]))
     by_cat: dict = {}
+    by_name: dict = {}
     for e in ops:
         label = category(e)
         by_cat[label] = by_cat.get(label, 0.0) + float(e["dur"])
+        entry = by_name.setdefault((label, kernel_name(e.get("name", ""))), [0, 0.0])
+        entry[0] += 1
+        entry[1] += float(e["dur"])
+    kernels = [dict(name=name, category=label, count=n, total_us=round(t, 2))
+               for (label, name), (n, t) in sorted(by_name.items(), key=lambda kv: -kv[1][1])]
     if not ops:
         return dict(span_us=0.0, busy_us=0.0, idle_in_graph_us=0.0, idle_between_launches_us=0.0,
                     busy_frac=0.0, idle_in_graph_frac=0.0, idle_between_launches_frac=0.0,
-                    ops=0, graph_launches=0, by_category_us={}, largest_gaps=[])
+                    ops=0, graph_launches=0, by_category_us={}, largest_gaps=[], kernels=[])
     busy = in_graph = between = 0.0
     gaps = []
     last = ops[0]  # the op that ends the merged interval so far
@@ -122,7 +137,7 @@ def breakdown(events: list, top: int = 8) -> dict:
                 idle_in_graph_frac=frac(in_graph), idle_between_launches_frac=frac(between),
                 ops=len(ops), graph_launches=len(graph_corrs),
                 by_category_us={k: round(v, 2) for k, v in sorted(by_cat.items())},
-                largest_gaps=gaps[:top])
+                largest_gaps=gaps[:top], kernels=kernels[:top_kernels])
 
 
 def profile_events(fn, iters: int) -> list:

@@ -50,6 +50,16 @@ def test_gaps_inside_a_graph_and_between_launches_add_up_to_the_span():
     assert [(g["gap_us"], g["kind"]) for g in r["largest_gaps"]] == [(16.0, "between"),
                                                                      (10.0, "between")]
     assert r["largest_gaps"][0]["before"] == "Memcpy DtoD"
+    assert [(k["name"], k["count"], k["total_us"]) for k in r["kernels"][:2]] == [
+        ("nvjet_tst_gemm", 2, 80.0), ("triton_red_fused_norm", 1, 20.0)]
+    assert sum(k["total_us"] for k in r["kernels"]) == sum(r["by_category_us"].values())
+
+
+def test_kernel_names_lose_their_template_arguments():
+    assert idle_breakdown.kernel_name("void flash::FlashAttnFwdSm90<Shape<_64>, true>(Params)") == \
+        "void flash::FlashAttnFwdSm90"
+    assert idle_breakdown.kernel_name("triton_poi_fused_add_0") == "triton_poi_fused_add_0"
+    assert len(idle_breakdown.kernel_name("x" * 500)) == 96
 
 
 def test_a_gap_between_two_eager_launches_of_one_correlation_is_not_a_graphs():
