@@ -66,6 +66,7 @@ import torch.utils._pytree as pytree
 import fa3_spec
 from fa3_spec.eagle import Eagle3Draft, EagleEngine, LoopConfig, make_models
 from fa3_spec.eagle.decode import decode_step
+from fa3_spec.eagle.vocab import vocab_argmax
 from fa3_spec.eagle.engine import COMPILE_BACKENDS
 from fa3_spec.eagle.iteration import (
     DEFAULT_SCRIPT, draft_phase, draft_slots, extend_phase, verify_phase,
@@ -333,7 +334,7 @@ def greedy_segment(engine: EagleEngine, bucket: int, graphs: bool):
     def step():
         logits = decode_step(m, spec, pool.target_kv, pool.req_to_token, rpi, seq, tok,
                              backend=engine.lc.backend, num_splits=engine.lc.num_splits)
-        tok.copy_(logits.argmax(-1))
+        tok.copy_(vocab_argmax(logits))
         seq.copy_(torch.where(seq > 0, seq + 1, 0))
         return {}
 

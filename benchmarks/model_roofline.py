@@ -32,6 +32,7 @@ import torch.nn.functional as F
 import fa3_spec
 from fa3_spec.eagle import KVPool, make_models
 from fa3_spec.eagle.decode import decode_step
+from fa3_spec.eagle.vocab import vocab_argmax
 from fa3_spec.graphs import capture, compile_fullgraph
 
 import timing
@@ -138,8 +139,9 @@ def decode_rows(models, batches, context, bandwidth, compile_backends, page_size
         floor_ms = (weight_bytes + kv_bytes) / (bandwidth * 1e12) * 1e3
 
         def step(fn):
-            return lambda: tok.copy_(fn(models, spec, pool.target_kv, pool.req_to_token, rpi, seq,
-                                        tok, backend="fa3").argmax(-1))
+            return lambda: tok.copy_(vocab_argmax(fn(models, spec, pool.target_kv,
+                                                     pool.req_to_token, rpi, seq, tok,
+                                                     backend="fa3")))
 
         for be in compile_backends:
             torch._dynamo.reset()

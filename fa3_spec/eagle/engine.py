@@ -43,6 +43,7 @@ from .iteration import LoopConfig, State, eagle_iteration, empty_state, step_in_
 from .models import KVCache, SpecModel
 from .pool import KVPool
 from .sampling import RequestSampling, SamplingParams, sample_tokens
+from .vocab import vocab_argmax
 
 #: ``compile_backend`` values: a ``torch.compile`` backend, or ``"none"`` (no
 #: compile; with graphs, eager capture, for debugging); ``"auto"`` is
@@ -119,7 +120,7 @@ def _prefill_forward(models: SpecModel, spec: SpecConfig, kv_target: KVCache,
     hidden = models.target_forward(tokens, pos, slots, md, kv_target, **attn)
     last = md.cu_seqlens_q[1:].to(torch.int64) - 1
     logits = models.target_logits(hidden[last])
-    first = logits.argmax(-1)
+    first = vocab_argmax(logits)
     if sampling is not None:
         first = sample_tokens(logits, sampling, torch.zeros_like(first))
     if kv_draft is None:

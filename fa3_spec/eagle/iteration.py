@@ -83,6 +83,7 @@ from ..paged import BatchView, in_pool
 from ..tree import tree_mask_from_parents
 from .models import KVCache, SpecModel
 from .sampling import SamplingParams, choose_rows, sample_tree, state_entries, walk_tree
+from .vocab import vocab_argmax
 
 #: Emitted tokens per iteration (accepted drafts + bonus) forced in scripted
 #: mode; mean 3.5.
@@ -334,7 +335,7 @@ def verify_phase(lc: LoopConfig, models: SpecModel, target_kv: KVCache,
                                    verify_slots.reshape(-1), md, target_kv,
                                    backend=lc.backend, num_splits=lc.num_splits)
     logits = models.target_logits(hidden).view(bs, n, -1)
-    next_tokens = logits.argmax(-1)
+    next_tokens = vocab_argmax(logits)
 
     # 4. Greedy acceptance; sampled rows: the lossless walk (its counter: tokens emitted).
     path, accepted, bonus = _accept(lc, tokens, parents, next_tokens, live, st["iters"])

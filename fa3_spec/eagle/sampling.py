@@ -47,6 +47,8 @@ from typing import NamedTuple, Optional, Sequence, Tuple
 
 import torch
 
+from .vocab import vocab_argmax, vocab_cumsum
+
 #: Philox4x32 constants (Salmon et al. 2011): round multipliers, Weyl key bumps.
 _PHILOX_M = (0xD2511F53, 0xCD9E8D57)
 _PHILOX_W = (0x9E3779B9, 0xBB67AE85)
@@ -144,36 +146,6 @@ def check_sampling_params(temperature: float, top_k: int, top_p: float,
 
 
 # ------------------------------------------------------------------ distribution
-#: Block of `vocab_cumsum`'s inner scans.
-SCAN_BLOCK = 1024
-
-
-def vocab_cumsum(x: torch.Tensor, block: int = SCAN_BLOCK) -> torch.Tensor:
-    """``torch.cumsum(x, -1)`` over a vocabulary-sized last dimension, as two short scans.
-
-    ``x [..., V]`` (``V > block``; a shorter one is one plain scan) is
-    zero-padded to ``nb * block`` and viewed as ``[..., nb, block]``: an
-    inclusive scan inside each block, plus the exclusive scan of the ``nb``
-    block totals. Same values up to summation order. Why: inductor
-    (torch 2.11, CUDA) turns one scan of 128K elements over few rows into a
-    split scan whose code generation fails ("list indices must be integers or
-    slices, not NoneType"); scans of ``block`` and ``nb`` elements are not split.
-
-    Example: ``vocab_cumsum(torch.ones(5), block=2)`` pads to ``[[1, 1], [1, 1],
-    [1, 0]]``: inner ``[[1, 2], [1, 2], [1, 1]]``, block offsets ``[0, 2, 4]``,
-    so ``[1, 2, 3, 4, 5]``.
-    """
-    v = x.shape[-1]
-    if v <= block:  # static: one short scan already
-        return torch.cumsum(x, dim=-1)
-    nb = -(-v // block)
-    blocks = torch.nn.functional.pad(x, (0, nb * block - v)).unflatten(-1, (nb, block))
-    inner = torch.cumsum(blocks, dim=-1)
-    totals = inner[..., -1]
-    offsets = torch.cumsum(totals, dim=-1) - totals
-    return (inner + offsets.unsqueeze(-1)).flatten(-2)[..., :v]
-
-
 def filtered_probs(logits: torch.Tensor, temperature: torch.Tensor, top_k: torch.Tensor,
                    top_p: torch.Tensor) -> torch.Tensor:
     """The target's sampling distribution per row: temperature, then top-k, then top-p.
@@ -212,7 +184,7 @@ def filtered_probs(logits: torch.Tensor, temperature: torch.Tensor, top_k: torch
     keep = in_k & ((before < p_cut) | (p_cut >= 1) | (rank == 0))
     cutoff = s.gather(-1, keep.sum(-1, keepdim=True) - 1)  # the last kept logit
     probs = torch.softmax(torch.where(z >= cutoff, z, float("-inf")), dim=-1)
-    one_hot = (rank == logits.argmax(-1, keepdim=True)).to(dtype)
+    one_hot = (rank == vocab_argmax(logits).unsqueeze(-1)).to(dtype)
     return torch.where(greedy, one_hot, probs)
 
 
@@ -292,7 +264,7 @@ def sample_tokens(logits: torch.Tensor, params: SamplingParams,
     probs = filtered_probs(logits, params.temperature, params.top_k, params.top_p)
     u = uniforms(params.seed, counter, torch.full_like(counter, FINAL_STREAM))
     drawn = sample_categorical(probs, u)
-    return torch.where(params.temperature > 0, drawn, logits.argmax(-1))
+    return torch.where(params.temperature > 0, drawn, vocab_argmax(logits))
 
 
 def walk_tree(parents: torch.Tensor, live: torch.Tensor, max_depth: int, accepted_child
