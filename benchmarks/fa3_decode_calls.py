@@ -1,0 +1,138 @@
+"""What one FA3 decode call costs a layer at small batch, and whether one
+scheduler plan can serve every layer of a forward.
+
+A decode step at batch 1 makes 32 FA3 calls (one per layer) over the same
+metadata. Each is FA3's varlen path: a ``prepare_varlen_num_blocks`` kernel,
+the attention kernel and, with splits, a combine kernel. This times 32 such
+calls captured as one CUDA graph, per split count, at ``llama3-8b``'s head
+shapes (32 query heads, 8 KV heads, head dim 128), 1024 keys, page size 16.
+It also asks FA3 for one ``scheduler_metadata`` per graph
+(``get_scheduler_metadata``) and passes it to all 32 calls, which would
+leave one prepare kernel per forward instead of one per layer, and records
+what FA3 answers; and it records the plan's size per batch.
+
+    python3 benchmarks/fa3_decode_calls.py --json benchmarks/results/fa3_decode_calls_h200.json
+
+Needs CUDA and FA3's ``flash_attn_interface`` (exit 2 without them).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+
+import torch
+
+import fa3_spec
+from fa3_spec.graphs import capture
+
+import timing
+
+HQ, HKV, D = 32, 8, 128
+
+
+def graph_ms(fn, reps: int = 30) -> float:
+    """Median ms of one replay of ``fn`` captured as a CUDA graph."""
+    graph, _ = capture(fn, warmup=2)
+    _, device = timing.event_samples(graph.replay, reps, warmup=3)
+    return statistics.median(device) * 1e3
+
+
+def plan_sizes(fai, context: int, page_size: int) -> list:
+    rows = []
+    for b in (1, 2, 8, 64):
+        for nq in (1, 16):
+            for s in (0, 1, 8):
+                seqlens = torch.full((b,), context, dtype=torch.int32, device="cuda")
+                cu = torch.arange(0, (b + 1) * nq, nq, dtype=torch.int32, device="cuda")
+                row = dict(B=b, max_seqlen_q=nq, num_splits=s)
+                try:
+                    m = fai.get_scheduler_metadata(b, nq, context + 64, HQ, HKV, D, seqlens,
+                                                   torch.bfloat16, cu_seqlens_q=cu,
+                                                   page_size=page_size, num_splits=s)
+                    row.update(size=m.numel(), dtype=str(m.dtype))
+                except Exception as e:  # what FA3 says is the finding
+                    row.update(error=repr(e)[:200])
+                rows.append(row)
+    return rows
+
+
+def call_rows(fai, batch: int, context: int, page_size: int, layers: int, splits: list) -> list:
+    spec = fa3_spec.SpecConfig(page_size=page_size, topk=1, num_steps=2, num_draft_tokens=1,
+                               max_bs=batch, max_context_len=context + 64)
+    per_row = -(-spec.min_row_len // page_size)
+    k = torch.randn(batch * per_row + 2, page_size, HKV, D, device="cuda", dtype=torch.bfloat16)
+    v = torch.randn_like(k)
+    width = per_row * page_size
+    r2t = torch.arange(batch * width, dtype=torch.int32, device="cuda").view(batch, width) + page_size
+    md = fa3_spec.build_decode_metadata(
+        spec, req_to_token=r2t, req_pool_indices=torch.arange(batch, device="cuda"),
+        seq_lens=torch.full((batch,), context, dtype=torch.int64, device="cuda"))
+    q = torch.randn(batch, HQ, D, device="cuda", dtype=torch.bfloat16)
+    base = dict(cache_seqlens=md.cache_seqlens, page_table=md.page_table,
+                cu_seqlens_q=md.cu_seqlens_q, max_seqlen_q=md.max_seqlen_q, causal=md.causal,
+                return_softmax_lse=True)
+    rows = []
+    for s in splits:
+        plain = graph_ms(lambda: [fai.flash_attn_with_kvcache(q, k, v, num_splits=s, **base)
+                                  for _ in range(layers)])
+
+        def shared():
+            plan = fai.get_scheduler_metadata(batch, 1, md.max_seqlen_k, HQ, HKV, D,
+                                              md.cache_seqlens, torch.bfloat16,
+                                              cu_seqlens_q=md.cu_seqlens_q,
+                                              page_size=page_size, num_splits=s)
+            return [fai.flash_attn_with_kvcache(q, k, v, num_splits=s, scheduler_metadata=plan,
+                                                **base) for _ in range(layers)]
+
+        row = dict(B=batch, num_splits=s, us_per_call=round(plain * 1e3 / layers, 2))
+        try:
+            row["us_per_call_shared_plan"] = round(graph_ms(shared) * 1e3 / layers, 2)
+            ref = fai.flash_attn_with_kvcache(q, k, v, num_splits=s, **base)[0]
+            row["shared_plan_same_out"] = bool(torch.equal(ref, shared()[-1][0]))
+        except Exception as e:  # what FA3 says is the finding
+            row["shared_plan_error"] = repr(e)[:200]
+        print(json.dumps(row), flush=True)
+        rows.append(row)
+    return rows
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--context", type=int, default=1024)
+    ap.add_argument("--page-size", type=int, default=16)
+    ap.add_argument("--layers", type=int, default=32, help="calls per graph")
+    ap.add_argument("--batches", type=int, nargs="+", default=[1, 8])
+    ap.add_argument("--splits", type=int, nargs="+", default=[1, 2, 4, 8, 16])
+    ap.add_argument("--json", metavar="PATH")
+    args = ap.parse_args(argv)
+    if min(args.batches + args.splits + [args.context, args.page_size, args.layers]) < 1:
+        print("--context, --page-size, --layers, --batches and --splits must be >= 1",
+              file=sys.stderr)
+        return 2
+    if not torch.cuda.is_available():
+        print("fa3_decode_calls.py needs CUDA", file=sys.stderr)
+        return 2
+    try:
+        import flash_attn_interface as fai
+    except ImportError:
+        print("fa3_decode_calls.py needs FA3's flash_attn_interface", file=sys.stderr)
+        return 2
+    doc = dict(command="python3 benchmarks/fa3_decode_calls.py " + " ".join(
+                   sys.argv[1:] if argv is None else argv),
+               torch=torch.__version__, device=torch.cuda.get_device_name(),
+               provider=fa3_spec.attention.provider_version(), context=args.context,
+               page_size=args.page_size, layers=args.layers,
+               scheduler_metadata_sizes=plan_sizes(fai, args.context, args.page_size), rows=[])
+    for b in args.batches:
+        doc["rows"] += call_rows(fai, b, args.context, args.page_size, args.layers, args.splits)
+        if args.json:
+            timing.write_json(args.json, doc)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
