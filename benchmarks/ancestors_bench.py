@@ -39,18 +39,18 @@ pair and one eager cost pair on CPU, tiny sizes (timings meaningless).
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import sys
 import time
 
 import torch
 
 import fa3_spec
-from fa3_spec.eagle import EagleEngine, LoopConfig, make_models
+from fa3_spec.eagle import EagleEngine, make_models
 from fa3_spec.eagle.cli import workload
 from fa3_spec.eagle.iteration import DEFAULT_SCRIPT
 
 import timing
+from loop_setup import loop_config, random_prompts
 
 MODES = fa3_spec.DRAFT_ATTENTION
 #: Draft heads of the acceptance rows: (kind, alpha, noise).
@@ -61,11 +61,9 @@ COST_CONFIG = (2, 8, 5, 16)
 
 def _engine(models, p, k, s, n, *, batch, max_new, context, mode, scripted=None, graphs=False,
             compile_backend="none", device="cpu", backend="auto"):
-    spec = fa3_spec.SpecConfig(page_size=p, topk=k, num_steps=s, num_draft_tokens=n,
-                               max_bs=batch, max_context_len=context + max_new + n)
-    spec = dataclasses.replace(spec, num_pages=spec.pool_pages(2 * batch, mode))
-    lc = LoopConfig(spec, max_new_tokens=max_new, backend=backend, scripted=scripted,
-                    draft_attention=mode)
+    lc = loop_config((p, k, s, n), batch=batch, context=context, max_new=max_new,
+                     pool_rows=2 * batch, draft_attention=mode, backend=backend,
+                     scripted=scripted)
     return EagleEngine(lc, models, max_reqs=2 * batch, buckets=[batch], graphs=graphs,
                        compile_backend=compile_backend, device=device)
 
@@ -103,10 +101,8 @@ def cost_row(models, mode, batch, args) -> dict:
     start = time.perf_counter()
     eng.capture()
     capture_s = time.perf_counter() - start
-    g = torch.Generator().manual_seed(batch)
-    for _ in range(batch):
-        eng.submit(torch.randint(0, models.vocab_size, (args.context,), generator=g).tolist(),
-                   max_new)
+    for prompt in random_prompts(batch, args.context, models.vocab_size, seed=batch):
+        eng.submit(prompt, max_new)
     eng.admit()
     _, wall = timing.samples(lambda: eng.launch(batch), args.iters,
                              timing.synchronizer(args.device), warmup=args.warmup)

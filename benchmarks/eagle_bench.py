@@ -79,6 +79,7 @@ from fa3_spec.harness.sglang_upstream import SGLANG_VERSION, load_upstream_or_re
 from fa3_spec.integrations import sglang
 
 import timing
+from loop_setup import loop_config, random_prompts
 
 #: (page_size, topk, num_steps, num_draft_tokens): a chain, a small tree, and the
 #: #27360 shape (P = 2, topk = 8, 5 steps, 16 draft tokens).
@@ -469,18 +470,15 @@ def bench_point(cfg_tuple, batch, args, models, bandwidth=None, tflops=None) -> 
     scripted = None if args.real_acceptance else DEFAULT_SCRIPT
     total_iters = 2 + args.iters + 1 + 3 + 3  # warm-up, timed, sync count, profiler
     max_new = args.max_new_tokens or 2 * (total_iters * min(n, s + 1) + 8)
-    spec = fa3_spec.SpecConfig(page_size=p, topk=k, num_steps=s, num_draft_tokens=n,
-                               max_bs=batch, max_context_len=args.context + max_new + n)
-    spec = dataclasses.replace(spec, num_pages=spec.pool_pages(batch))
     # Branch semantics: (b) fills sglang's metadata, which drafts that way.
-    lc = LoopConfig(spec, max_new_tokens=max_new, backend=args.backend, scripted=scripted,
-                    draft_attention="branch")
+    lc = loop_config(cfg_tuple, batch=batch, context=args.context, max_new=max_new,
+                     draft_attention="branch", backend=args.backend, scripted=scripted)
+    spec = lc.spec
     eng = EagleEngine(lc, models, max_reqs=batch, buckets=[batch], graphs=cuda,
                       compile_backend=args.compile, device=args.device)
-    g = torch.Generator().manual_seed(batch)
     t0 = time.perf_counter()
-    for _ in range(batch):
-        eng.submit(torch.randint(0, models.vocab_size, (args.context,), generator=g).tolist(), max_new)
+    for prompt in random_prompts(batch, args.context, models.vocab_size, seed=batch):
+        eng.submit(prompt, max_new)
     eng.admit()  # prefill every request (eager)
     if cuda:
         torch.cuda.synchronize()

@@ -26,7 +26,6 @@ Needs CUDA (exit 2 without it).
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import json
 import os
 import re
@@ -36,10 +35,10 @@ import time
 
 import torch
 
-import fa3_spec
-from fa3_spec.eagle import DEFAULT_SCRIPT, EagleEngine, LoopConfig, make_models
+from fa3_spec.eagle import DEFAULT_SCRIPT, EagleEngine, make_models
 
 import timing
+from loop_setup import loop_config, random_prompts
 
 #: Chrome-trace categories of GPU work.
 GPU_CATS = ("kernel", "gpu_memcpy", "gpu_memset")
@@ -158,18 +157,12 @@ def profile_events(fn, iters: int) -> list:
 
 def engine_for(models, cfg, batch: int, context: int, iters: int) -> EagleEngine:
     """One captured bucket of ``batch`` requests of ``context`` tokens, admitted."""
-    p, k, s, n = cfg
     max_new = (iters + 8) * max(DEFAULT_SCRIPT) + 8
-    spec = fa3_spec.SpecConfig(page_size=p, topk=k, num_steps=s, num_draft_tokens=n,
-                               max_bs=batch, max_context_len=context + max_new + n)
-    mode = LoopConfig.draft_attention
-    spec = dataclasses.replace(spec, num_pages=spec.pool_pages(batch, mode))
-    lc = LoopConfig(spec, max_new_tokens=max_new, scripted=DEFAULT_SCRIPT, draft_attention=mode)
+    lc = loop_config(cfg, batch=batch, context=context, max_new=max_new, scripted=DEFAULT_SCRIPT)
     eng = EagleEngine(lc, models, max_reqs=batch, buckets=[batch], device="cuda")
     eng.capture()
-    g = torch.Generator().manual_seed(batch)
-    for _ in range(batch):
-        eng.submit(torch.randint(0, models.vocab_size, (context,), generator=g).tolist(), max_new)
+    for prompt in random_prompts(batch, context, models.vocab_size, seed=batch):
+        eng.submit(prompt, max_new)
     eng.admit()
     return eng
 

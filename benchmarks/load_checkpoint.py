@@ -40,9 +40,11 @@ import time
 
 import torch
 
-import fa3_spec
-from fa3_spec.eagle import DEFAULT_SCRIPT, EagleEngine, LoopConfig, from_pretrained, make_models
+from fa3_spec.eagle import DEFAULT_SCRIPT, EagleEngine, from_pretrained, make_models
 from fa3_spec.eagle.models import PRESETS
+
+from loop_setup import loop_config, random_prompts
+
 
 def hf_config(shape, num_layers: int, max_positions: int) -> dict:
     """Llama 3.1's config for ``shape`` (llama3 RoPE scaling over an original
@@ -182,22 +184,15 @@ def load(target_dir: pathlib.Path, device, reps: int) -> dict:
 
 
 def loop(models, args, label: str) -> dict:
-    p, k, s, n = args.config
-    spec = fa3_spec.SpecConfig(page_size=p, topk=k, num_steps=s, num_draft_tokens=n,
-                               max_bs=args.batch, max_context_len=args.context + args.new + n)
-    mode = LoopConfig.draft_attention
-    spec = dataclasses.replace(spec, num_pages=spec.pool_pages(2 * args.batch, mode))
-    lc = LoopConfig(spec, max_new_tokens=args.new, backend=args.backend, scripted=DEFAULT_SCRIPT,
-                    draft_attention=mode)
+    lc = loop_config(args.config, batch=args.batch, context=args.context, max_new=args.new,
+                     pool_rows=2 * args.batch, backend=args.backend, scripted=DEFAULT_SCRIPT)
     cuda = torch.device(args.device).type == "cuda"
     eng = EagleEngine(lc, models, max_reqs=2 * args.batch, buckets=[args.batch], graphs=cuda,
                       compile_backend=args.compile, device=args.device)
     if cuda:
         eng.capture()
-    g = torch.Generator().manual_seed(0)
-    for _ in range(args.batch):
-        eng.submit(torch.randint(models.vocab_size, (args.context,), generator=g).tolist(),
-                   args.new)
+    for prompt in random_prompts(args.batch, args.context, models.vocab_size, seed=0):
+        eng.submit(prompt, args.new)
     eng.step()  # admission (prefill) and the first iteration: not timed
     if cuda:
         torch.cuda.synchronize()
@@ -207,7 +202,7 @@ def loop(models, args, label: str) -> dict:
         torch.cuda.synchronize()
     seconds = time.perf_counter() - start
     tokens = sum(len(o) for o in done.values())
-    return dict(models=label, draft_attention=mode, tokens=tokens,
+    return dict(models=label, draft_attention=lc.draft_attention, tokens=tokens,
                 iterations=eng.stats["iterations"] - iters,
                 seconds=seconds, tokens_per_s=tokens / seconds,
                 acceptance="SCRIPTED " + ",".join(map(str, DEFAULT_SCRIPT)))

@@ -20,35 +20,30 @@ is the models' own (random weights accept little: say so when quoting).
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import json
 import time
 
 import torch
 
-import fa3_spec
-from fa3_spec.eagle import EagleEngine, LoopConfig, make_models
+from fa3_spec.eagle import EagleEngine, make_models
+
+from loop_setup import loop_config, random_prompts
 
 
 def bench(models, args, batch: int, variant: str) -> dict:
     p, k, s, n = args.config
     steps = args.warmup + args.iters
     max_new = steps * min(n, s + 1) + 8
-    spec = fa3_spec.SpecConfig(page_size=p, topk=k, num_steps=s, num_draft_tokens=n,
-                               max_bs=batch, max_context_len=args.context + max_new + n)
-    mode = LoopConfig.draft_attention
-    spec = dataclasses.replace(spec, num_pages=spec.pool_pages(batch, mode))
-    lc = LoopConfig(spec, max_new_tokens=max_new, backend=args.backend,
-                    sampling=variant != "greedy", draft_attention=mode)
+    lc = loop_config(args.config, batch=batch, context=args.context, max_new=max_new,
+                     backend=args.backend, sampling=variant != "greedy")
+    mode = lc.draft_attention
     cuda = args.device == "cuda"
     eng = EagleEngine(lc, models, max_reqs=batch, buckets=[batch], graphs=cuda,
                       device=args.device, count_syncs=cuda)
     if cuda:
         eng.capture()
-    g = torch.Generator().manual_seed(batch)
     sampled = variant == "sampled"
-    for i in range(batch):
-        prompt = torch.randint(0, models.vocab_size, (args.context,), generator=g).tolist()
+    for i, prompt in enumerate(random_prompts(batch, args.context, models.vocab_size, seed=batch)):
         eng.submit(prompt, max_new, temperature=args.temperature if sampled else 0.0,
                    top_k=args.top_k if sampled else 0, top_p=args.top_p if sampled else 1.0,
                    seed=i)
