@@ -397,16 +397,3 @@ def test_bad_parameters_are_value_errors_naming_the_argument(kwargs, name):
     args.update(kwargs)
     with pytest.raises(ValueError, match=name):
         check_sampling_params(**args)
-
-
-@pytest.mark.parametrize("v, block", [(1, 4), (4, 4), (7, 4), (8, 4), (9, 4), (2500, 1024), (3, 1024)])
-def test_vocab_cumsum_is_the_cumsum_in_two_short_scans(v, block):
-    from fa3_spec.eagle.sampling import vocab_cumsum
-
-    x = torch.rand(2, 3, v, dtype=torch.float64, generator=torch.Generator().manual_seed(v))
-    got = vocab_cumsum(x, block=block)
-    assert got.shape == x.shape
-    torch.testing.assert_close(got, torch.cumsum(x, -1), rtol=1e-13, atol=1e-12)
-    compiled = torch.compile(lambda t: vocab_cumsum(t, block=block), backend="aot_eager",
-                             fullgraph=True)(x)
-    torch.testing.assert_close(compiled, got, rtol=0, atol=0)

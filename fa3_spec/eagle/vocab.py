@@ -13,11 +13,13 @@ H200, torch 2.11, inductor, CUDA graph, ``benchmarks/idle_breakdown.py``):
 
 Here each one is a reduction inside blocks of ``block`` entries (``R * V /
 block`` independent pieces of work), then a short one over the blocks'
-results. Each function returns exactly what its one-stage counterpart
-returns (`vocab_argmax`: the same index; `vocab_topk`: the same values, and
-the same indices up to the order of equal values, which ``torch.topk``
-leaves unspecified too; `vocab_cumsum`: the same sums up to summation
-order). Shapes are static, so all three trace with
+results. Each function returns what its one-stage counterpart returns:
+`vocab_argmax` the same index (floating ``x``); `vocab_topk` the same values,
+and where values tie at the ``k``-th place possibly other entries of that
+value than ``torch.topk`` picks (which entries it picks is unspecified too;
+exact speculative decoding does not depend on it, but a comparison of draft
+token ids against ``torch.topk`` must allow it); `vocab_cumsum` the same
+sums up to summation order. Shapes are static, so all three trace with
 ``torch.compile(fullgraph=True)`` and capture.
 """
 
@@ -69,6 +71,10 @@ def vocab_topk(x: torch.Tensor, k: int, block: int = TOPK_BLOCK
                ) -> Tuple[torch.Tensor, torch.Tensor]:
     """``torch.topk(x, k, dim=-1)`` of ``x [..., V]``: values (sorted, largest
     first) and int64 indices ``[..., k]``.
+
+    Where entries tie at the ``k``-th value, which of them are returned may
+    differ from ``torch.topk`` (e.g. an all-zero row of 3000 gives indices
+    2048, 2049 here and 0, 1 from ``torch.topk`` on CPU).
 
     The ``nb = V // block`` full blocks each get their maximum; only the
     ``k`` blocks with the largest maxima can hold the row's ``k`` best entries
