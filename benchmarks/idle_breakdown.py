@@ -59,11 +59,31 @@ def category(event: dict) -> str:
     return next((label for label, pattern in CATEGORIES if pattern.search(name)), "other")
 
 
-def kernel_name(name: str, width: int = 96) -> str:
-    """A kernel's name without its template arguments, cut to ``width``
-    (cuBLAS/CUTLASS and FA3 names run to thousands of characters)."""
-    base = name.split("<", 1)[0].split("(", 1)[0].strip() or name
-    return base[:width]
+_TEMPLATE_HEAD = re.compile(r"<\s*([A-Za-z_][\w:]*)")
+
+
+def kernel_name(name: str, width: int = 96, depth: int = 3) -> str:
+    """A kernel's name with only the first ``depth`` levels of its leading
+    template names, cut to ``width`` (cuBLAS/CUTLASS and FA3 names run to
+    thousands of characters, and FA3's attention and combine kernels are both
+    ``cutlass::device_kernel<...>``, told apart only by their arguments).
+
+        >>> kernel_name("void cutlass::device_kernel<flash::FlashAttnFwdSm90<Shape<_64>, true>>(P)")
+        'void cutlass::device_kernel<flash::FlashAttnFwdSm90<Shape<_64>>>'
+    """
+    head = name.split("(", 1)[0]
+    base = head.split("<", 1)[0].strip() or name
+    levels, rest = [], head[len(head.split("<", 1)[0]):]
+    while len(levels) < depth:
+        m = _TEMPLATE_HEAD.match(rest)
+        if not m:
+            break
+        levels.append(m.group(1))
+        rest = rest[m.end():]
+        if not rest.startswith("<"):
+            break
+    out = base + "".join("<" + lv for lv in levels) + ">" * len(levels)
+    return out[:width]
 
 
 def breakdown(events: list, top: int = 8, top_kernels: int = 30) -> dict:

@@ -55,11 +55,17 @@ def test_gaps_inside_a_graph_and_between_launches_add_up_to_the_span():
     assert sum(k["total_us"] for k in r["kernels"]) == sum(r["by_category_us"].values())
 
 
-def test_kernel_names_lose_their_template_arguments():
-    assert idle_breakdown.kernel_name("void flash::FlashAttnFwdSm90<Shape<_64>, true>(Params)") == \
-        "void flash::FlashAttnFwdSm90"
-    assert idle_breakdown.kernel_name("triton_poi_fused_add_0") == "triton_poi_fused_add_0"
-    assert len(idle_breakdown.kernel_name("x" * 500)) == 96
+def test_kernel_names_keep_only_their_leading_template_names():
+    name = idle_breakdown.kernel_name
+    assert name("void flash::FlashAttnFwdSm90<Shape<_64>, true>(Params)") == \
+        "void flash::FlashAttnFwdSm90<Shape<_64>>"
+    assert name("void cutlass::device_kernel<flash::FlashAttnFwdCombine<X<1>>>(P)") != \
+        name("void cutlass::device_kernel<flash::FlashAttnFwdSm90<X<1>>>(P)")
+    assert name("void k<a<b<c<d>>>>()") == "void k<a<b<c>>>"  # depth 3
+    assert name("void at::native::index_elementwise_kernel<128, 4, F>(int, F)") == \
+        "void at::native::index_elementwise_kernel"  # a number is not a name
+    assert name("triton_poi_fused_add_0") == "triton_poi_fused_add_0"
+    assert len(name("x" * 500)) == 96
 
 
 def test_a_gap_between_two_eager_launches_of_one_correlation_is_not_a_graphs():
