@@ -7,9 +7,10 @@ the attention kernel and, with splits, a combine kernel. This times 32 such
 calls captured as one CUDA graph, per split count, at ``llama3-8b``'s head
 shapes (32 query heads, 8 KV heads, head dim 128), 1024 keys, page size 16.
 It also asks FA3 for one ``scheduler_metadata`` per graph
-(``get_scheduler_metadata``) and passes it to all 32 calls, which would
-leave one prepare kernel per forward instead of one per layer, and records
-what FA3 answers; and it records the plan's size per batch.
+(``get_scheduler_metadata``, with the calls' own arguments) and passes it to
+all 32 calls, which would leave one prepare kernel per forward instead of
+one per layer, and records what FA3 answers; and it records the plan's size
+per batch, split count and causality.
 
     python3 benchmarks/fa3_decode_calls.py --json benchmarks/results/fa3_decode_calls_h200.json
 
@@ -19,6 +20,7 @@ Needs CUDA and FA3's ``flash_attn_interface`` (exit 2 without them).
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import statistics
 import sys
@@ -41,25 +43,29 @@ def graph_ms(fn, reps: int = 30) -> float:
 
 
 def plan_sizes(fai, context: int, page_size: int) -> list:
+    """Entries of the plan ``get_scheduler_metadata`` returns, per batch, queries
+    per row, split count and causality (each row a dict; ``error`` if refused)."""
     rows = []
-    for b in (1, 2, 8, 64):
-        for nq in (1, 16):
-            for s in (0, 1, 8):
-                seqlens = torch.full((b,), context, dtype=torch.int32, device="cuda")
-                cu = torch.arange(0, (b + 1) * nq, nq, dtype=torch.int32, device="cuda")
-                row = dict(B=b, max_seqlen_q=nq, num_splits=s)
-                try:
-                    m = fai.get_scheduler_metadata(b, nq, context + 64, HQ, HKV, D, seqlens,
-                                                   torch.bfloat16, cu_seqlens_q=cu,
-                                                   page_size=page_size, num_splits=s)
-                    row.update(size=m.numel(), dtype=str(m.dtype))
-                except Exception as e:  # what FA3 says is the finding
-                    row.update(error=repr(e)[:200])
-                rows.append(row)
+    for b, nq, s, causal in itertools.product((1, 2, 8, 64), (1, 16), (0, 1, 8), (False, True)):
+        seqlens = torch.full((b,), context, dtype=torch.int32, device="cuda")
+        cu = torch.arange(0, (b + 1) * nq, nq, dtype=torch.int32, device="cuda")
+        row = dict(B=b, max_seqlen_q=nq, num_splits=s, causal=causal)
+        try:
+            m = fai.get_scheduler_metadata(b, nq, context + 64, HQ, HKV, D, seqlens,
+                                           torch.bfloat16, cu_seqlens_q=cu, page_size=page_size,
+                                           causal=causal, num_splits=s)
+            row.update(size=m.numel(), dtype=str(m.dtype))
+        except Exception as e:  # what FA3 says is the finding
+            row.update(error=repr(e)[:200])
+        rows.append(row)
     return rows
 
 
 def call_rows(fai, batch: int, context: int, page_size: int, layers: int, splits: list) -> list:
+    """Per split count: µs per decode call, ``layers`` calls in one graph, each
+    planning for itself (``us_per_call``) or all sharing one plan made at the
+    start of the graph (``us_per_call_shared_plan``, with whether its output
+    equals the unshared call's, or ``shared_plan_error``)."""
     spec = fa3_spec.SpecConfig(page_size=page_size, topk=1, num_steps=2, num_draft_tokens=1,
                                max_bs=batch, max_context_len=context + 64)
     per_row = -(-spec.min_row_len // page_size)
@@ -80,10 +86,13 @@ def call_rows(fai, batch: int, context: int, page_size: int, layers: int, splits
                                   for _ in range(layers)])
 
         def shared():
+            # The plan's arguments are the call's: causal too (a causal call's
+            # plan has one more per-batch vector than a non-causal one's).
             plan = fai.get_scheduler_metadata(batch, 1, md.max_seqlen_k, HQ, HKV, D,
                                               md.cache_seqlens, torch.bfloat16,
                                               cu_seqlens_q=md.cu_seqlens_q,
-                                              page_size=page_size, num_splits=s)
+                                              page_size=page_size, causal=md.causal,
+                                              num_splits=s)
             return [fai.flash_attn_with_kvcache(q, k, v, num_splits=s, scheduler_metadata=plan,
                                                 **base) for _ in range(layers)]
 

@@ -59,7 +59,8 @@ def category(event: dict) -> str:
     return next((label for label, pattern in CATEGORIES if pattern.search(name)), "other")
 
 
-_TEMPLATE_HEAD = re.compile(r"<\s*([A-Za-z_][\w:]*)")
+#: The first name among one level's template arguments (numbers skipped).
+_TEMPLATE_HEAD = re.compile(r"<\s*(?:-?\d+[A-Za-z]*\s*,\s*)*([A-Za-z_][\w:]*)")
 
 
 def kernel_name(name: str, width: int = 96, depth: int = 3) -> str:
@@ -71,7 +72,7 @@ def kernel_name(name: str, width: int = 96, depth: int = 3) -> str:
         >>> kernel_name("void cutlass::device_kernel<flash::FlashAttnFwdSm90<Shape<_64>, true>>(P)")
         'void cutlass::device_kernel<flash::FlashAttnFwdSm90<Shape<_64>>>'
     """
-    head = name.split("(", 1)[0]
+    head = name.replace("(anonymous namespace)::", "").split("(", 1)[0]
     base = head.split("<", 1)[0].strip() or name
     levels, rest = [], head[len(head.split("<", 1)[0]):]
     while len(levels) < depth:

@@ -2,8 +2,9 @@
 
 Shared by ``eagle_bench``, ``idle_breakdown``, ``sampling_bench``,
 ``ancestors_bench`` and ``load_checkpoint`` (imported as ``loop_setup``, the
-way they import ``timing``), so that every script sizes the pool and the
-context the same way.
+way they import ``timing``), so that they size the pool and the context the
+same way. ``compile_modes`` and ``eagle_bench``'s capture-timing child keep
+their own (a context of 1024 + 400, which their committed rows used).
 """
 
 from __future__ import annotations
@@ -28,11 +29,14 @@ def loop_config(config: Sequence[int], *, batch: int, context: int, max_new: int
     requests (default ``batch``) under ``draft_attention`` (default: the
     loop's). ``loop_kw`` go to `LoopConfig` (``backend``, ``scripted``, ...).
     """
+    if len(config) != 4:
+        raise ValueError(f"config must be (P, topk, steps, N), got {tuple(config)}")
     p, k, s, n = config
     mode = LoopConfig.draft_attention if draft_attention is None else draft_attention
     spec = fa3_spec.SpecConfig(page_size=p, topk=k, num_steps=s, num_draft_tokens=n,
                                max_bs=batch, max_context_len=context + max_new + n)
-    spec = dataclasses.replace(spec, num_pages=spec.pool_pages(pool_rows or batch, mode))
+    rows = batch if pool_rows is None else pool_rows
+    spec = dataclasses.replace(spec, num_pages=spec.pool_pages(rows, mode))
     return LoopConfig(spec, max_new_tokens=max_new, draft_attention=mode, **loop_kw)
 
 

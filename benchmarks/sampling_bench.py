@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import sys
 import time
 
 import torch
@@ -84,6 +85,10 @@ def main(argv=None) -> int:
     ap.add_argument("--iters", type=int, default=20)
     ap.add_argument("--json", metavar="PATH")
     args = ap.parse_args(argv)
+    if len(args.config) != 4:
+        print(f"--config: expected page_size,topk,num_steps,num_draft_tokens, got {args.config}",
+              file=sys.stderr)
+        return 2
     torch.manual_seed(0)
     models = make_models(args.preset, draft=args.draft, device=args.device,
                          num_layers=args.num_layers)

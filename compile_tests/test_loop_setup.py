@@ -33,3 +33,10 @@ def test_random_prompts_are_seeded_and_in_the_vocabulary():
     a = loop_setup.random_prompts(3, 50, 17, seed=5)
     assert a == loop_setup.random_prompts(3, 50, 17, seed=5) != loop_setup.random_prompts(3, 50, 17, seed=6)
     assert len(a) == 3 and all(len(p) == 50 and all(0 <= t < 17 for t in p) for p in a)
+
+
+def test_loop_config_refuses_a_config_without_four_values_and_zero_pool_rows():
+    with pytest.raises(ValueError, match="config must be"):
+        loop_setup.loop_config((2, 8, 5), batch=1, context=8, max_new=4)
+    with pytest.raises(ValueError, match="max_reqs"):
+        loop_setup.loop_config((2, 8, 5, 16), batch=1, context=8, max_new=4, pool_rows=0)

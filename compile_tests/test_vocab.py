@@ -74,16 +74,18 @@ def test_vocab_topk_keeps_a_nan_as_the_largest_value():
     assert torch.equal(vals[:, 1], torch.topk(x, 2).values[:, 1])
 
 
-@pytest.mark.parametrize("bad", [0, 11, -1, True, 2.0])
-def test_vocab_topk_refuses_a_k_outside_one_to_v(bad):
-    with pytest.raises(ValueError, match="k must be an int in"):
+@pytest.mark.parametrize("bad, error", [(0, ValueError), (11, ValueError), (-1, ValueError),
+                                        (True, TypeError), (2.0, TypeError)])
+def test_vocab_topk_refuses_a_k_outside_one_to_v(bad, error):
+    with pytest.raises(error, match="k must be"):
         vocab_topk(torch.zeros(2, 10), bad)
 
 
 @pytest.mark.parametrize("fn", [lambda x: vocab_argmax(x, block=0),
-                                lambda x: vocab_topk(x, 2, block=-3)])
+                                lambda x: vocab_topk(x, 2, block=-3),
+                                lambda x: vocab_cumsum(x, block=0)])
 def test_a_bad_block_is_refused(fn):
-    with pytest.raises(ValueError, match="block must be an int >= 1"):
+    with pytest.raises(ValueError, match="block must be >= 1"):
         fn(torch.zeros(2, 10))
 
 
@@ -110,8 +112,10 @@ def test_both_compile_fullgraph_with_a_dynamic_batch_and_match_torch(backend):
     torch._dynamo.reset()
     fn = torch.compile(lambda t: (vocab_argmax(t), *vocab_topk(t, 8)), backend=backend,
                        fullgraph=True)
+    v = 3000  # two stages each: 2 blocks of 1024 and a tail; 11 blocks of 256 (> k) and a tail
+    assert v // VOCAB_BLOCK >= 2 and v // TOPK_BLOCK > 8 and v % TOPK_BLOCK
     for rows in (3, 5):  # [B, N, V] as the verify has it, B dynamic
-        x = torch.randn(rows, 2, 2 * VOCAB_BLOCK + 7, generator=torch.Generator().manual_seed(rows))
+        x = torch.randn(rows, 2, v, generator=torch.Generator().manual_seed(rows))
         torch._dynamo.mark_dynamic(x, 0)
         a, vals, idx = fn(x)
         assert torch.equal(a, x.argmax(-1))
@@ -162,3 +166,34 @@ def test_the_loop_on_a_vocabulary_wider_than_the_blocks_equals_greedy():
                                                     backend="torch")
     acc = eng.stats["accept_lens"]
     assert sum(acc) / len(acc) > 1.5  # drafts accepted: the top-k path chose real tokens
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("shape, dtype", [((1, 128256), torch.bfloat16),
+                                          ((8, 128256), torch.float32),
+                                          ((3, 16, 128256), torch.bfloat16)])
+def test_on_cuda_compiled_and_captured_both_match_torch(shape, dtype):
+    """The two-stage paths at the vocabulary the GPU runs (llama3's 128256):
+    eager, inductor, and a CUDA graph of the compiled call replayed on new data."""
+    from fa3_spec.graphs import capture
+
+    g = torch.Generator(device="cuda").manual_seed(0)
+    x = torch.randn(shape, generator=g, device="cuda").to(dtype)
+    if dtype == torch.float32:
+        x[0, ..., 7] = float("nan")  # a NaN wins both, as in torch
+    fn = torch.compile(lambda t: (vocab_argmax(t), *vocab_topk(t.float(), 8)), backend="inductor",
+                       fullgraph=True)
+
+    def check(t, got):
+        a, vals, idx = got
+        ref = torch.topk(t.float(), 8)
+        assert torch.equal(a, t.argmax(-1))
+        torch.testing.assert_close(vals, ref.values, rtol=0, atol=0, equal_nan=True)
+        assert torch.equal(t.float().gather(-1, idx).nan_to_num(), vals.nan_to_num())
+
+    check(x, (vocab_argmax(x), *vocab_topk(x.float(), 8)))
+    check(x, fn(x))
+    graph, out = capture(fn, x)
+    x.copy_(torch.randn(shape, generator=g, device="cuda").to(dtype))
+    graph.replay()
+    check(x, out)
