@@ -29,12 +29,19 @@ from typing import Tuple
 
 import torch
 
-from .._validate import int_in_range, positive_int
-
 #: Entries per block of the first stage (`vocab_argmax`, `vocab_cumsum`).
 VOCAB_BLOCK = 1024
 #: Entries per block of `vocab_topk`: ``k`` blocks of it are its candidates.
 TOPK_BLOCK = 256
+
+
+def _int_in(name: str, value, low: int, high: float = float("inf"), why: str = "") -> None:
+    """``low <= value <= high`` for a Python int (TypeError otherwise)."""
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise TypeError(f"{name} must be an int, got {type(value).__name__}")
+    if not low <= value <= high:
+        bound = f">= {low}" if high == float("inf") else f"in [{low}, {high}]"
+        raise ValueError(f"{name} must be {bound}{why}, got {value}")
 
 
 def vocab_argmax(x: torch.Tensor, block: int = VOCAB_BLOCK) -> torch.Tensor:
@@ -51,7 +58,7 @@ def vocab_argmax(x: torch.Tensor, block: int = VOCAB_BLOCK) -> torch.Tensor:
     [2, -inf]``, their maxima ``3, 7, 2`` at 0, 0, 0; the best block is 1,
     so the index is ``1 * 2 + 0 = 2``.
     """
-    positive_int("block", block)
+    _int_in("block", block, 1)
     if not x.is_floating_point():
         raise TypeError(f"vocab_argmax needs a floating-point x, got {x.dtype}")
     v = x.shape[-1]
@@ -87,9 +94,9 @@ def vocab_topk(x: torch.Tensor, k: int, block: int = TOPK_BLOCK
     1 and 2, so the candidates are ``4, 8, 2, 6`` (at 2, 3, 4, 5) and the
     tail ``3`` (at 6); their 2 best: ``8, 6`` at 3, 5.
     """
-    positive_int("block", block)
+    _int_in("block", block, 1)
     v = x.shape[-1]
-    int_in_range("k", k, 1, v, f" (V = {v})")
+    _int_in("k", k, 1, v, f" (V = {v})")
     nb = v // block
     if nb <= k or k > block:  # static
         return torch.topk(x, k, dim=-1)
@@ -121,7 +128,7 @@ def vocab_cumsum(x: torch.Tensor, block: int = VOCAB_BLOCK) -> torch.Tensor:
     [1, 0]]``: inner ``[[1, 2], [1, 2], [1, 1]]``, block offsets ``[0, 2, 4]``,
     so ``[1, 2, 3, 4, 5]``.
     """
-    positive_int("block", block)
+    _int_in("block", block, 1)
     v = x.shape[-1]
     if v <= block:  # static: one short scan already
         return torch.cumsum(x, dim=-1)
