@@ -356,31 +356,17 @@ def _count_syncs(fn, cuda: bool):
 
 
 def _gpu_idle(fn, cuda: bool, reps: int = 3):
-    """Median over ``reps`` runs of 1 - busy / span of GPU activity in one ``fn()``."""
+    """Median over ``reps`` runs of 1 - busy / span of GPU activity in one
+    ``fn()`` (`idle_breakdown.breakdown` of its profile)."""
     if not cuda:
         return None
-    from torch.profiler import ProfilerActivity, profile
+    from idle_breakdown import breakdown, profile_events
 
     shares = []
     for _ in range(reps):
-        torch.cuda.synchronize()
-        with profile(activities=[ProfilerActivity.CUDA]) as prof:
-            fn()
-            torch.cuda.synchronize()
-        spans = sorted((e.time_range.start, e.time_range.end) for e in prof.events()
-                       if e.device_type == torch.autograd.DeviceType.CUDA)
-        if not spans:
-            continue
-        busy, cur_s, cur_e = 0.0, *spans[0]
-        for s, e in spans[1:]:
-            if s > cur_e:
-                busy += cur_e - cur_s
-                cur_s, cur_e = s, e
-            else:
-                cur_e = max(cur_e, e)
-        busy += cur_e - cur_s
-        span = spans[-1][1] - spans[0][0]
-        shares.append(1 - busy / span if span > 0 else 0.0)
+        r = breakdown(profile_events(fn, 1, cpu=False))
+        if r["ops"]:
+            shares.append(1 - r["busy_us"] / r["span_us"] if r["span_us"] > 0 else 0.0)
     return round(sorted(shares)[len(shares) // 2], 4) if shares else None
 
 

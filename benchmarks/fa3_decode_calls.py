@@ -22,24 +22,16 @@ from __future__ import annotations
 import argparse
 import itertools
 import json
-import statistics
 import sys
 
 import torch
 
 import fa3_spec
-from fa3_spec.graphs import capture
 
 import timing
+from model_roofline import replay_ms
 
 HQ, HKV, D = 32, 8, 128
-
-
-def graph_ms(fn, reps: int = 30) -> float:
-    """Median ms of one replay of ``fn`` captured as a CUDA graph."""
-    graph, _ = capture(fn, warmup=2)
-    _, device = timing.event_samples(graph.replay, reps, warmup=3)
-    return statistics.median(device) * 1e3
 
 
 def plan_sizes(fai, context: int, page_size: int) -> list:
@@ -82,8 +74,8 @@ def call_rows(fai, batch: int, context: int, page_size: int, layers: int, splits
                 return_softmax_lse=True)
     rows = []
     for s in splits:
-        plain = graph_ms(lambda: [fai.flash_attn_with_kvcache(q, k, v, num_splits=s, **base)
-                                  for _ in range(layers)])
+        plain = replay_ms(lambda: [fai.flash_attn_with_kvcache(q, k, v, num_splits=s, **base)
+                                   for _ in range(layers)], reps=30)
 
         def shared():
             # The plan's arguments are the call's: causal too (a causal call's
@@ -98,7 +90,7 @@ def call_rows(fai, batch: int, context: int, page_size: int, layers: int, splits
 
         row = dict(B=batch, num_splits=s, us_per_call=round(plain * 1e3 / layers, 2))
         try:
-            row["us_per_call_shared_plan"] = round(graph_ms(shared) * 1e3 / layers, 2)
+            row["us_per_call_shared_plan"] = round(replay_ms(shared, reps=30) * 1e3 / layers, 2)
             ref = fai.flash_attn_with_kvcache(q, k, v, num_splits=s, **base)[0]
             row["shared_plan_same_out"] = bool(torch.equal(ref, shared()[-1][0]))
         except Exception as e:  # what FA3 says is the finding

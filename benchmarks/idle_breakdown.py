@@ -160,12 +160,15 @@ def breakdown(events: list, top: int = 8, top_kernels: int = 30) -> dict:
                 largest_gaps=gaps[:top], kernels=kernels[:top_kernels])
 
 
-def profile_events(fn, iters: int) -> list:
-    """Chrome-trace events of ``iters`` back-to-back ``fn()`` calls."""
+def profile_events(fn, iters: int, cpu: bool = True) -> list:
+    """Chrome-trace events of ``iters`` back-to-back ``fn()`` calls. Without
+    ``cpu`` only GPU activity is recorded (less host overhead; no launch
+    correlations, so every gap counts as between launches)."""
     from torch.profiler import ProfilerActivity, profile
 
+    activities = [ProfilerActivity.CPU, ProfilerActivity.CUDA] if cpu else [ProfilerActivity.CUDA]
     torch.cuda.synchronize()
-    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+    with profile(activities=activities) as prof:
         for _ in range(iters):
             fn()
         torch.cuda.synchronize()

@@ -108,10 +108,6 @@ def resolve_backend(backend: str, device) -> str:
     return backend
 
 
-def _resolve(backend: str, q: torch.Tensor) -> str:
-    return resolve_backend(backend, q.device)
-
-
 def _check_window(window_size, metadata) -> tuple:
     try:
         left, right = window_size
@@ -378,7 +374,7 @@ def cascade_attention(
     calls = _calls(metadata)
     _check(q, k_cache, v_cache)
     _check_query_rows(q, calls)
-    backend = _resolve(backend, q)
+    backend = resolve_backend(backend, q.device)
     if num_splits is not None and (isinstance(num_splits, bool) or not isinstance(num_splits, int)
                                    or num_splits < 1):
         raise ValueError(

@@ -50,7 +50,7 @@ import torch.nn.functional as F
 
 from ..attention import cascade_attention
 from ..attention.kv_store import store_kv
-from .vocab import vocab_topk
+from .vocab import log_prob_topk
 
 
 @dataclasses.dataclass(frozen=True)
@@ -472,7 +472,7 @@ class EagleDraft:
 
     def topk(self, hidden: torch.Tensor, k: int) -> Tuple[torch.Tensor, torch.Tensor]:
         """``[T, H]`` -> the ``k`` best tokens: float32 log-probabilities and int64 ids."""
-        return vocab_topk(torch.log_softmax(self.logits(hidden).float(), dim=-1), k)
+        return log_prob_topk(self.logits(hidden), k)
 
 
 @dataclasses.dataclass
@@ -538,7 +538,7 @@ class Eagle3Draft:
     def topk(self, hidden: torch.Tensor, k: int) -> Tuple[torch.Tensor, torch.Tensor]:
         """The ``k`` best draft tokens: float32 log-probabilities (over ``V_d``)
         and their *target* token ids (through ``d2t``)."""
-        logp, idx = vocab_topk(torch.log_softmax(self.logits(hidden).float(), dim=-1), k)
+        logp, idx = log_prob_topk(self.logits(hidden), k)
         return logp, self.d2t[idx]
 
 

@@ -113,6 +113,13 @@ def vocab_topk(x: torch.Tensor, k: int, block: int = TOPK_BLOCK
     return best_vals, cand_idx.gather(-1, pick)
 
 
+def log_prob_topk(logits: torch.Tensor, k: int) -> Tuple[torch.Tensor, torch.Tensor]:
+    """The ``k`` most probable entries of ``logits [..., V]``: their float32
+    log-probabilities (``log_softmax`` over ``V``) and int64 indices, by
+    `vocab_topk`. What a draft head proposes from its logits."""
+    return vocab_topk(torch.log_softmax(logits.float(), dim=-1), k)
+
+
 def vocab_cumsum(x: torch.Tensor, block: int = VOCAB_BLOCK) -> torch.Tensor:
     """``torch.cumsum(x, -1)`` over a vocabulary-sized last dimension, as two short scans.
 
