@@ -2,6 +2,7 @@
 
 import dataclasses
 import os
+from typing import Optional
 
 import torch
 from hypothesis import strategies as st
@@ -108,13 +109,16 @@ def symbol_recorder(record: list, delegate="eager"):
     return backend
 
 
-def one_prompt_prefill(models, t: int, page_size: int = 1):
+def one_prompt_prefill(models, t: int, page_size: int = 1, bound: Optional[int] = None):
     """One request of ``t`` prompt tokens in a fresh pool of ``models``' shapes:
-    ``(pool, slots [t] int64, prefill metadata)``, for a forward over the prompt."""
+    ``(pool, slots [t] int64, prefill metadata)``, for a forward over the prompt.
+    ``bound`` (default ``t``): the metadata's static query bound, so prompts of
+    different lengths up to it share their static metadata."""
     from fa3_spec.eagle import KVPool
 
+    bound = t if bound is None else bound
     spec = fa3_spec.SpecConfig(page_size=page_size, topk=1, num_steps=2, num_draft_tokens=2,
-                               max_bs=1, max_context_len=t + 4)
+                               max_bs=1, max_context_len=bound + 4)
     spec = dataclasses.replace(spec, num_pages=spec.pool_pages(1))
     pool = KVPool(spec, max_reqs=1, target_layers=models.num_target_layers, draft_layers=1,
                   num_kv_heads=models.num_kv_heads, head_dim=models.head_dim,
@@ -123,5 +127,5 @@ def one_prompt_prefill(models, t: int, page_size: int = 1):
     lens = torch.tensor([t])
     md = fa3_spec.build_prefill_metadata(spec, req_to_token=pool.req_to_token,
                                          req_pool_indices=torch.tensor([row]), seq_lens=lens,
-                                         extend_seq_lens=lens, max_seqlen_q=t)
+                                         extend_seq_lens=lens, max_seqlen_q=bound)
     return pool, pool.req_to_token[row, :t].to(torch.int64), md

@@ -657,15 +657,20 @@ def test_a_model_without_tokenizer_runs_the_token_workload(checkpoints, capsys):
     assert "token-id workload" in capsys.readouterr().err
 
 
-def test_the_iteration_with_an_eagle3_head_compiles_fullgraph_as_eager(eagle3):
+@pytest.mark.parametrize("regions", [None, "aot_eager"])
+def test_the_iteration_with_an_eagle3_head_compiles_fullgraph_as_eager(eagle3, regions):
     """Captures, the [embed; hidden] layer and d2t trace with no graph break and
-    no data-dependent op, and compiled equals eager."""
+    no data-dependent op, and compiled equals eager: with the layers inline
+    and as compiled regions (`fa3_spec.eagle.regions`: the draft layer's
+    ``attn_in`` and missing attention norm, the captures read through the
+    ``(x, delta)`` residual)."""
     from fa3_spec.eagle import eagle_iteration
     from fa3_spec.probes import RecordingBackend
 
     _, path, head, *_ = eagle3
-    models = from_pretrained(path, head)
-    eng = make_engine(models, k=2, s=2, n=3)  # small: compile time grows with the graph
+    loaded = from_pretrained(path, head)
+    models = loaded.with_compile_regions(regions)
+    eng = make_engine(loaded, k=2, s=2, n=3)  # small: compile time grows with the graph
     for p, m in zip(PROMPTS, [8, 8, 8]):
         eng.submit(p, m)
     eng.step()
@@ -679,7 +684,10 @@ def test_the_iteration_with_an_eagle3_head_compiles_fullgraph_as_eager(eagle3):
 
     backend = RecordingBackend("aot_eager")
     st = {k: v.clone() for k, v in eng.state.items()}
+    programs = fa3_spec.eagle.regions.compiled_programs()
     got = torch.compile(it, fullgraph=True, backend=backend)(st)
+    # regions: the target's layer 0 and layers 1.., the draft's extend and steps
+    assert (fa3_spec.eagle.regions.compiled_programs() > programs) is (regions is not None)
     after = [c.clone() for c in caches]
     for c, s in zip(caches, saved):
         c.copy_(s)

@@ -1,13 +1,15 @@
-"""The layers as nested compile regions or inline, and the engine's choices.
+"""The layers as compiled regions (`fa3_spec.eagle.regions`) or inline, and the engine's choices.
 
-The regions are opt-in (`EagleModels.with_compile_regions`): inductor gave
-wrong tokens with them on the H200 and cannot compile them with a symbolic
-batch, so an engine compiling with inductor always traces its layers inline.
-These tests check, without running inductor, that the switch does what it
-says: the regions appear in the traced graph only when on, both give the same
-numbers, the engine's inductor iteration runs the layers inline whatever the
-models asked for, and it picks the dynamic frame exactly when several buckets
-can share it.
+A region is the ``fa3_spec_eagle::decoder_layer`` custom op running a
+``torch.compile`` of one layer (while an enclosing function is compiled;
+eagerly, the layer itself). These tests check, with ``aot_eager``/
+``eager`` regions (inductor's own output is checked on the GPU,
+``test_gpu_eagle.py``), that the switch does what it says: one op per layer
+appears in the traced graph only when asked, the numbers and the cache
+writes are those of the inline layers bit for bit, one compile of a program
+serves every layer and every batch, and the engine picks
+regions only when asked (with its own backend) and the dynamic frame exactly
+when several buckets can share it.
 """
 
 from __future__ import annotations
@@ -18,99 +20,261 @@ import pytest
 import torch
 
 import fa3_spec
-from fa3_spec.eagle import EagleEngine, LoopConfig, make_models
+from fa3_spec.eagle import EagleEngine, LoopConfig, greedy_generate, make_models, regions
 from helpers import one_prompt_prefill
 
 
 @pytest.fixture(scope="module")
 def models():
     torch.manual_seed(0)
-    return make_models("tiny", draft="derived", num_layers=2, dtype=torch.float64)
+    return make_models("tiny", draft="derived", num_layers=3, dtype=torch.float64)
 
 
-def _prefill_inputs(models, t=9):
-    pool, slots, md = one_prompt_prefill(models, t, page_size=2)
+def _prefill_inputs(models, t=9, bound=None):
+    pool, slots, md = one_prompt_prefill(models, t, page_size=2, bound=bound)
     return torch.arange(3, 3 + t), torch.arange(t), slots, md, pool
 
 
-def _traced(models, regions: bool):
+def _traced(models, region_backend, t=9):
     """The target's forward compiled (fullgraph) through a backend that keeps
-    the graph dynamo hands it: (output, graph code)."""
+    the graph dynamo hands it: (output, graph code, the pool it wrote)."""
     graphs = []
 
     def backend(gm, example_inputs):
         graphs.append(gm)
         return gm.forward
 
-    m = models.with_compile_regions(regions)
-    tokens, pos, slots, md, pool = _prefill_inputs(m)
+    m = models.with_compile_regions(region_backend)
+    tokens, pos, slots, md, pool = _prefill_inputs(m, t)
     torch._dynamo.reset()
     fn = torch.compile(lambda: m.target_forward(tokens, pos, slots, md, pool.target_kv,
                                                 backend="torch"), backend=backend, fullgraph=True)
     out = fn()
     assert len(graphs) == 1
-    return out, graphs[0].code
+    return out, graphs[0].code, pool
 
 
-def test_the_layers_are_nested_regions_only_when_asked_and_compute_the_same(models):
-    with_regions, code_on = _traced(models, True)
-    inline, code_off = _traced(models, False)
-    assert "invoke_subgraph" in code_on
-    assert "invoke_subgraph" not in code_off
+@pytest.mark.parametrize("region_backend", ["aot_eager", "eager"])
+def test_the_layers_are_region_ops_only_when_asked_and_compute_the_same(models, region_backend):
+    with_regions, code_on, pool_on = _traced(models, region_backend)
+    inline, code_off, pool_off = _traced(models, None)
+    assert code_on.count("fa3_spec_eagle.decoder_layer") == models.num_target_layers
+    assert "fa3_spec_eagle.decoder_layer" not in code_off
     torch.testing.assert_close(with_regions, inline, rtol=0, atol=0)
+    torch.testing.assert_close(pool_on.target_kv.k, pool_off.target_kv.k, rtol=0, atol=0)
+    torch.testing.assert_close(pool_on.target_kv.v, pool_off.target_kv.v, rtol=0, atol=0)
+    assert pool_on.target_kv.k.abs().sum() > 0  # the forward did write its K/V
     tokens, pos, slots, md, pool = _prefill_inputs(models)
     eager = models.target_forward(tokens, pos, slots, md, pool.target_kv, backend="torch")
     torch.testing.assert_close(inline, eager, rtol=1e-12, atol=1e-12)
 
 
+def _decode_inputs(models, batch, context=6):
+    """A decode step of ``batch`` requests of ``context`` keys each: its metadata's
+    statics do not depend on the batch. ``(tokens, positions, slots, md, pool)``."""
+    from fa3_spec.eagle import KVPool
+
+    spec = fa3_spec.SpecConfig(page_size=2, topk=1, num_steps=2, num_draft_tokens=2, max_bs=4,
+                               max_context_len=16)
+    spec = dataclasses.replace(spec, num_pages=spec.pool_pages(4))
+    pool = KVPool(spec, max_reqs=4, target_layers=models.num_target_layers, draft_layers=1,
+                  num_kv_heads=models.num_kv_heads, head_dim=models.head_dim,
+                  dtype=models.dtype, device="cpu")
+    rows = torch.tensor([pool.allocate(context, 4) for _ in range(batch)])
+    md = fa3_spec.build_decode_metadata(spec, req_to_token=pool.req_to_token,
+                                        req_pool_indices=rows,
+                                        seq_lens=torch.full((batch,), context))
+    slots = pool.req_to_token[rows, context - 1].to(torch.int64)
+    return (torch.arange(3, 3 + batch), torch.full((batch,), context - 1), slots, md, pool)
+
+
+def test_one_program_serves_the_later_layers_and_every_batch(models):
+    """Layer 0 (no delta to add) and layers 1.. are two programs; the same step
+    at other batch sizes reuses them (the token and row dimensions are marked
+    dynamic): 2 graphs for 3 layers and 3 batch sizes. Each batch is its own
+    enclosing compile (static), so only the programs are shared."""
+    m = models.with_compile_regions("aot_eager")
+    before = regions.compiled_programs()
+    stats = torch._dynamo.utils.counters["stats"]
+    graphs = stats["unique_graphs"]
+    outer = 0
+    for batch in (2, 3, 4):
+        tokens, pos, slots, md, pool = _decode_inputs(m, batch)
+        fn = torch.compile(lambda kv: m.target_forward(tokens, pos, slots, md, kv,
+                                                       backend="torch"),
+                           backend="eager", fullgraph=True, dynamic=False)
+        out = fn(pool.target_kv)
+        outer += 1
+        tokens, pos, slots, md, ref_pool = _decode_inputs(models, batch)
+        inline = models.target_forward(tokens, pos, slots, md, ref_pool.target_kv,
+                                       backend="torch")
+        torch.testing.assert_close(out, inline, rtol=0, atol=0)
+        torch.testing.assert_close(pool.target_kv.k, ref_pool.target_kv.k, rtol=0, atol=0)
+    assert regions.compiled_programs() - before == 2
+    assert stats["unique_graphs"] - graphs == outer + 2
+
+
+def test_called_eagerly_a_region_is_a_plain_call_and_compiles_nothing(models):
+    """An eager forward of region models (a prefill of any prompt length) runs
+    the layer inline: no program, the inline numbers."""
+    m = models.with_compile_regions("inductor")
+    before = regions.compiled_programs()
+    for t in (5, 9):
+        tokens, pos, slots, md, pool = _prefill_inputs(m, t)
+        out = m.target_forward(tokens, pos, slots, md, pool.target_kv, backend="torch")
+        tokens, pos, slots, md, pool = _prefill_inputs(models, t)
+        inline = models.target_forward(tokens, pos, slots, md, pool.target_kv, backend="torch")
+        torch.testing.assert_close(out, inline, rtol=0, atol=0)
+    assert regions.compiled_programs() == before
+
+
+def test_the_metadata_crosses_the_op_whole(models):
+    """Every `FA3Metadata` field attention reads crosses the op (the only one
+    dropped is a draft prefix's ``draft_attention`` label), and a cascade comes
+    back as the same calls; what is not metadata is refused by name."""
+    fields = [f.name for f in dataclasses.fields(fa3_spec.FA3Metadata)]
+    assert sorted(regions._MD_TENSORS + regions._MD_STATICS) == sorted(fields)
+    extra = {f.name for f in dataclasses.fields(fa3_spec.DraftPrefixMetadata)} - set(fields)
+    assert extra == {"draft_attention"}
+    *_, md, _ = _prefill_inputs(models)
+    casc = fa3_spec.CascadeMetadata(md, dataclasses.replace(md, causal=False, window_left=3))
+    for original in (md, casc, fa3_spec.CascadeMetadata(md, None)):
+        back = regions._decode_metadata(*regions._encode_metadata(original))
+        assert type(back) is type(original)
+        for a, b in zip(original.calls, back.calls):
+            for f in fields:
+                x, y = getattr(a, f), getattr(b, f)
+                assert (x is y) if isinstance(x, torch.Tensor) else (x == y), f
+    with pytest.raises(TypeError, match="metadata must be an FA3Metadata or a CascadeMetadata"):
+        regions._encode_metadata({"page_table": md.page_table})
+
+
+@pytest.mark.parametrize("backend", ["aot_eager", "inductor"])
+def test_a_compiled_caller_runs_its_regions_again_without_any_recompile(models, backend):
+    """The second call of a compiled forward with regions compiles nothing: the
+    op marks no dynamic dimension on its caller's tensors (that would fail the
+    caller's own guards), and its programs see one dispatch state whether the
+    op runs from a compiled graph or eagerly (under inductor, without the
+    op's fixed dispatch state, the programs compiled again on the second call)."""
+    m = models.with_compile_regions(backend)
+    tokens, pos, slots, md, pool_a = _prefill_inputs(m, 11)
+    *_, pool_b = _prefill_inputs(m, 11)
+    fn = torch.compile(lambda kv: m.target_forward(tokens, pos, slots, md, kv, backend="torch"),
+                       backend=backend, fullgraph=True)
+    stats = torch._dynamo.utils.counters["stats"]
+    torch._dynamo.reset()
+    first = fn(pool_a.target_kv)
+    settled = stats["unique_graphs"]
+    second = fn(pool_b.target_kv)
+    eager = m.target_forward(tokens, pos, slots, md, pool_b.target_kv, backend="torch")
+    assert stats["unique_graphs"] == settled
+    for t in (tokens, pos, slots, md.page_table, md.cache_seqlens, md.cu_seqlens_q):
+        assert not hasattr(t, "_dynamo_weak_dynamic_indices")
+    torch.testing.assert_close(first, second, rtol=0, atol=0)
+    if backend == "aot_eager":
+        torch.testing.assert_close(second, eager, rtol=0, atol=0)
+    else:  # inductor's fused reductions round differently from eager
+        torch.testing.assert_close(second, eager, rtol=1e-9, atol=1e-9)
+    assert stats["unique_graphs"] == settled  # the eager call ran the layers inline
+
+
 def test_with_compile_regions_shares_the_weights_and_leaves_the_models_as_they_were(models):
-    assert models.target.compile_regions is False and models.draft.compile_regions is False
-    regions = models.with_compile_regions(True)
-    assert regions.target.compile_regions is True and regions.draft.compile_regions is True
-    assert models.target.compile_regions is False and models.draft.compile_regions is False
-    assert regions.target.layers is models.target.layers
-    assert regions.draft.layer is models.draft.layer
+    assert models.target.compile_regions is None and models.draft.compile_regions is None
+    on = models.with_compile_regions("inductor")
+    assert on.target.compile_regions == "inductor" and on.draft.compile_regions == "inductor"
+    assert models.target.compile_regions is None and models.draft.compile_regions is None
+    assert on.target.layers is models.target.layers
+    assert on.draft.layer is models.draft.layer
+    with pytest.raises(ValueError, match="backend must be None or one of"):
+        models.with_compile_regions("cudagraphs")
+    with pytest.raises(ValueError, match="backend must be None or one of"):
+        models.with_compile_regions(True)
 
 
-def _engine(models, buckets, backend, dynamic_batch=None):
+def test_a_region_refuses_an_unknown_compiler(models):
+    tokens, pos, slots, md, pool = _prefill_inputs(models)
+    w, shape = models.target.layers[0], models.target.shape
+    x = models.target.embed[tokens]
+    cos, sin = models.target.rope.at(pos)
+    with pytest.raises(ValueError, match="compiler must be one of"):
+        regions.decoder_layer_region(shape, w, x, None, None, cos, sin, slots.to(torch.int64),
+                                     md, pool.target_kv.k[0], pool.target_kv.v[0], "torch",
+                                     None, "cudagraphs")
+
+
+def _engine(models, buckets, backend, dynamic_batch=None, compile_regions=None, max_new=8):
     spec = fa3_spec.SpecConfig(page_size=2, topk=4, num_steps=3, num_draft_tokens=6, max_bs=4,
                                max_context_len=64)
     spec = dataclasses.replace(spec, num_pages=spec.pool_pages(4))
-    return EagleEngine(LoopConfig(spec, max_new_tokens=8, backend="torch"), models,
-                       buckets=buckets, compile_backend=backend, dynamic_batch=dynamic_batch)
+    return EagleEngine(LoopConfig(spec, max_new_tokens=max_new, backend="torch"), models,
+                       buckets=buckets, compile_backend=backend, dynamic_batch=dynamic_batch,
+                       compile_regions=compile_regions)
 
 
 @pytest.mark.parametrize("buckets, backend, dynamic", [
     ([1, 2, 4], "inductor", True),    # two buckets above 1 share the dynamic frame
     ([1, 4], "inductor", False),      # one bucket above 1: static
     ([4], "inductor", False),
-    ([4], "aot_eager", True),         # other backends handle the regions dynamically
+    ([4], "aot_eager", True),         # other backends handle a dynamic batch anyway
     ([1, 2, 4], "none", True),
 ])
 def test_the_engine_shares_a_dynamic_frame_when_several_buckets_can(models, buckets, backend,
                                                                    dynamic):
-    eng = _engine(models.with_compile_regions(True), buckets, backend)
+    eng = _engine(models, buckets, backend)
     assert eng.dynamic_batch is dynamic and eng.runner.dynamic_batch is dynamic
-    # Inductor always runs the layers inline; other backends as the models say.
-    inline = backend == "inductor"
-    assert eng.iteration_models.target.compile_regions is not inline
-    assert eng.iteration_models.draft.compile_regions is not inline
+    # The layers inline by default (regions are opt-in).
+    assert eng.compile_regions is False
+    assert eng.iteration_models.target.compile_regions is None
+    assert eng.iteration_models.draft.compile_regions is None
     options = eng.runner.compile_counter.options
     # Index propagation is off exactly for inductor with a symbolic batch.
     assert options.get("constant_and_index_propagation", True) is not (
         dynamic and backend == "inductor")
 
 
-def test_dynamic_batch_can_be_forced_either_way(models):
+@pytest.mark.parametrize("backend", ["inductor", "aot_eager", "eager"])
+def test_an_engine_asked_for_regions_compiles_them_with_its_own_backend(models, backend):
+    eng = _engine(models, [4], backend, compile_regions=True)
+    assert eng.compile_regions is True
+    assert eng.iteration_models.target.compile_regions == backend
+    assert eng.iteration_models.draft.compile_regions == backend
+    assert models.target.compile_regions is None  # the caller's models are left as they were
+
+
+def test_the_engine_choices_can_be_forced_and_bad_ones_are_refused(models):
     assert _engine(models, [1, 2, 4], "inductor", dynamic_batch=False).dynamic_batch is False
     assert _engine(models, [4], "inductor", dynamic_batch=True).dynamic_batch is True
+    with pytest.raises(ValueError, match="compile_regions=True needs a compile backend"):
+        _engine(models, [4], "none", compile_regions=True)
+    with pytest.raises(TypeError, match="compile_regions must be a bool or None"):
+        _engine(models, [4], "aot_eager", compile_regions="inductor")
+
+    class Plain:  # a SpecModel without with_compile_regions
+        def __getattr__(self, name):
+            if name == "with_compile_regions":
+                raise AttributeError(name)
+            return getattr(models, name)
+
+    with pytest.raises(ValueError, match="needs models with with_compile_regions"):
+        _engine(Plain(), [4], "aot_eager", compile_regions=True)
+
+
+def test_an_engine_with_regions_under_a_dynamic_frame_is_exact_to_greedy(models):
+    """An eager-backend iteration with eager regions (dynamo traces both),
+    buckets 1, 2 and 4 (the batch dimension symbolic in the outer frame): the
+    same tokens as greedy."""
+    eng = _engine(models, [1, 2, 4], "eager", compile_regions=True, max_new=10)
+    prompts = [[5, 9, 2, 7], [3, 1, 4, 1, 5, 9, 2, 6], [8], [2, 7, 1, 8, 2, 8]]
+    rids = [eng.submit(p, 10) for p in prompts]
+    got = eng.run()
+    want = greedy_generate(models, prompts, [10] * len(prompts), page_size=2, backend="torch")
+    assert [got[r] for r in rids] == want
 
 
 def test_a_static_runner_stays_static_after_the_same_step_ran_at_another_batch():
     """Two one-bucket runners of the same step code (as two engines in one process):
     without ``dynamic=False`` dynamo would compile the second one with a symbolic
-    batch (automatic dynamic shapes), which is what inductor cannot do with the
-    nested regions."""
+    batch (automatic dynamic shapes)."""
     from fa3_spec.graphs import CUDAGraphRunner
     from helpers import symbol_recorder
 

@@ -404,7 +404,7 @@ _SMALL = ["--device", "cpu", "--batch", "2", "--requests", "3", "--page-size", "
     ["--num-layers", "0"], ["--num-layers", "-1"],  # were IndexError, exit 1
     ["--num-draft-tokens", "1"], ["--topk", "1", "--num-steps", "2", "--num-draft-tokens", "8"],
     ["--topk", "600"], ["--check-greedy", "--scripted"], ["--scripted", "3,x"], ["--graphs"],
-    ["--draft-attention", "tree"],
+    ["--draft-attention", "tree"], ["--compile-regions"],  # regions need a compile backend
 ], ids=lambda a: " ".join(a))
 def test_cli_invalid_invocations_exit_2_with_one_line_and_no_traceback(argv, capsys):
     with pytest.raises(SystemExit) as exit_info:

@@ -21,7 +21,7 @@ import torch
 
 import fa3_spec
 from fa3_spec.attention import fa3_available
-from fa3_spec.eagle import EagleEngine, LoopConfig, greedy_generate, make_models
+from fa3_spec.eagle import EagleEngine, LoopConfig, greedy_generate, make_models, regions
 from fa3_spec.eagle.cli import workload
 
 pytestmark = [
@@ -33,25 +33,28 @@ NEAR_TIE = 0.02
 
 
 def _engine(models, p, k, s, n, *, batch, max_new, prompt_len, buckets, compile_backend,
-            graphs=True, count_syncs=True, draft_attention=LoopConfig.draft_attention):
+            graphs=True, count_syncs=True, draft_attention=LoopConfig.draft_attention,
+            compile_regions=None):
     spec = fa3_spec.SpecConfig(page_size=p, topk=k, num_steps=s, num_draft_tokens=n,
                                max_bs=batch, max_context_len=prompt_len + max_new + n)
     spec = dataclasses.replace(spec, num_pages=spec.pool_pages(2 * batch, draft_attention))
     lc = LoopConfig(spec, max_new_tokens=max_new, backend="fa3", draft_attention=draft_attention)
     return EagleEngine(lc, models, max_reqs=2 * batch, buckets=buckets, graphs=graphs,
-                       compile_backend=compile_backend, device="cuda", count_syncs=count_syncs)
+                       compile_backend=compile_backend, device="cuda", count_syncs=count_syncs,
+                       compile_regions=compile_regions)
 
 
 def check(preset, p, k, s, n, *, batch=4, requests=8, max_new=32, prompt_len=48,
           buckets=None, compile_backend=None, num_layers=None, label="",
-          draft_attention=LoopConfig.draft_attention):
+          draft_attention=LoopConfig.draft_attention, compile_regions=None):
     torch.manual_seed(0)
     models = make_models(preset, draft="derived", device="cuda", num_layers=num_layers)
     prompts, news = workload(requests, page_size=p, max_prompt=prompt_len, max_new=max_new,
                              vocab=models.vocab_size, seed=0)
     eng = _engine(models, p, k, s, n, batch=batch, max_new=max_new, prompt_len=prompt_len,
                   buckets=buckets or [batch], compile_backend=compile_backend,
-                  draft_attention=draft_attention)
+                  draft_attention=draft_attention, compile_regions=compile_regions)
+    programs = regions.compiled_programs()
     eng.capture()
     for prompt, m in zip(prompts, news):
         eng.submit(prompt, m)
@@ -81,11 +84,25 @@ def check(preset, p, k, s, n, *, batch=4, requests=8, max_new=32, prompt_len=48,
                   mean_accept_len=round(sum(acc) / len(acc), 3), iterations=eng.stats["iterations"],
                   host_syncs_per_iteration=max(eng.stats["host_syncs"]),
                   compile=compile_backend, buckets=eng.buckets, dynamic_batch=eng.dynamic_batch,
-                  frames=eng.runner.compile_counter.frame_count)
+                  frames=eng.runner.compile_counter.frame_count,
+                  compile_regions=eng.compile_regions,
+                  region_programs=regions.compiled_programs() - programs)
     print("EAGLE-GPU " + json.dumps(report))
     assert not unexplained, unexplained
     assert report["host_syncs_per_iteration"] == 0
     return report
+
+
+def _check_programs(report, compile_regions):
+    """The regions ran exactly when asked, and compiled a bounded number of
+    programs: the target's layer 0 and the rest, the draft's extend and one per
+    draft step's metadata at most (bucket 1's size-1 rows recompile a program,
+    they do not add one)."""
+    assert report["compile_regions"] is compile_regions
+    if compile_regions:
+        assert 2 <= report["region_programs"] <= 2 + 1 + report["num_steps"]
+    else:
+        assert report["region_programs"] == 0
 
 
 @pytest.mark.parametrize("draft_attention", ["ancestors", "branch"])
@@ -104,31 +121,44 @@ def test_llama3_8b_shapes_match_greedy_up_to_near_ties(p, k, s, n):
           buckets=[4], compile_backend=None, label="llama3-8b")
 
 
-def test_llama3_8b_shapes_compiled_by_default_match_greedy_up_to_near_ties():
-    """The default on CUDA: inductor (a single bucket: one static frame)."""
-    check("llama3-8b", 2, 8, 5, 16, batch=4, requests=6, max_new=24, prompt_len=200,
-          buckets=[4], compile_backend="auto", label="llama3-8b-inductor")
+@pytest.mark.parametrize("compile_regions", [False, True])
+def test_llama3_8b_shapes_compiled_by_default_match_greedy_up_to_near_ties(compile_regions):
+    """The default on CUDA: inductor (a single bucket: one static frame), the
+    layers inline (default) or as compiled regions."""
+    report = check("llama3-8b", 2, 8, 5, 16, batch=4, requests=6, max_new=24, prompt_len=200,
+                   buckets=[4], compile_backend="auto", compile_regions=compile_regions,
+                   label=f"llama3-8b-inductor-regions-{compile_regions}")
+    _check_programs(report, compile_regions)
 
 
+@pytest.mark.parametrize("compile_regions", [True, False])
 @pytest.mark.parametrize("draft_attention", ["ancestors", "branch"])
-def test_inductor_with_a_dynamic_batch_and_inline_layers_matches_greedy_up_to_near_ties(
-        draft_attention):
+def test_inductor_with_a_dynamic_batch_matches_greedy_up_to_near_ties(draft_attention,
+                                                                      compile_regions):
     """The default for several buckets: inductor, one dynamic frame for buckets 2 and 4
-    (index propagation off), one static frame for bucket 1."""
+    (index propagation off), one static frame for bucket 1; the layers inline
+    (the default) or as compiled regions."""
     report = check("tiny", 2, 8, 5, 16, batch=4, requests=10, buckets=[1, 2, 4],
-                   compile_backend="auto", label=f"tiny-inductor-dynamic-{draft_attention}",
+                   compile_backend="auto", compile_regions=compile_regions,
+                   label=f"tiny-inductor-dynamic-{draft_attention}-regions-{compile_regions}",
                    draft_attention=draft_attention)
     assert report["dynamic_batch"] and report["frames"] == 2
+    _check_programs(report, compile_regions)
 
 
+@pytest.mark.parametrize("compile_regions", [False, True])
 @pytest.mark.parametrize("draft_attention", ["branch", "ancestors"])
 def test_tiny_compiled_by_default_in_one_static_frame_matches_greedy_up_to_near_ties(
-        draft_attention):
-    """The CUDA default for one bucket: inductor, one static frame, the layers
-    inline. With the layers as nested compile regions (the default before) this
+        draft_attention, compile_regions):
+    """The CUDA default for one bucket: inductor, one static frame; the layers
+    inline (the default) or as compiled regions (`fa3_spec.eagle.regions`).
+    With the layers as *nested* compile regions (an earlier default) this
     emitted wrong tokens in both semantics (benchmarks/RESULTS.md)."""
-    check("tiny", 2, 8, 5, 16, batch=4, requests=10, buckets=[4], compile_backend="auto",
-          label=f"tiny-inductor-static-{draft_attention}", draft_attention=draft_attention)
+    report = check("tiny", 2, 8, 5, 16, batch=4, requests=10, buckets=[4],
+                   compile_backend="auto", compile_regions=compile_regions,
+                   label=f"tiny-inductor-static-{draft_attention}-regions-{compile_regions}",
+                   draft_attention=draft_attention)
+    _check_programs(report, compile_regions)
 
 
 def test_eager_iteration_has_zero_host_syncs():

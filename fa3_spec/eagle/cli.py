@@ -169,6 +169,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--compile", default="auto", choices=list(COMPILE_BACKENDS),
                    help="torch.compile backend of the iteration; 'none': no compile (with graphs: "
                         "eager capture, for debugging); default 'auto': inductor on CUDA, none on CPU")
+    p.add_argument("--compile-regions", action="store_true",
+                   help="compile each decoder layer once as a region that every layer reuses "
+                        "(fa3_spec.eagle.regions) instead of tracing the layers inline; needs "
+                        "--compile other than none")
     p.add_argument("--compile-cache", metavar="PATH", default=None,
                    help="file of PyTorch's compile caches: loaded before compiling, written after "
                         "capture (a restart skips most of inductor's work)")
@@ -398,7 +402,7 @@ def run_eagle(args: argparse.Namespace, *, log=print) -> dict:
                         draft_attention=args.draft_attention)
         engine = EagleEngine(lc, models, max_reqs=max_reqs, graphs=graphs,
                              compile_backend=args.compile, cache_path=args.compile_cache,
-                             device=device, seed=args.seed,
+                             compile_regions=args.compile_regions, device=device, seed=args.seed,
                              count_syncs=args.count_syncs and device == "cuda")
         for i, (prompt, m) in enumerate(zip(prompts, news)):
             seed = None if args.sampling_seed is None else args.sampling_seed + i
@@ -416,6 +420,7 @@ def run_eagle(args: argparse.Namespace, *, log=print) -> dict:
                   alpha=None if loaded else DEFAULT_ALPHA if args.alpha is None else args.alpha,
                   noise=args.noise, num_layers=models.num_target_layers, eos=list(eos),
                   backend=args.backend, graphs=graphs, compile=engine.compile_backend,
+                  compile_regions=engine.compile_regions,
                   scripted=list(scripted) if scripted else None,
                   temperature=args.temperature, top_p=args.top_p,
                   sampling_top_k=args.sampling_top_k, sampling_seed=args.sampling_seed)

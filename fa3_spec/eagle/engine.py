@@ -162,10 +162,18 @@ class EagleEngine:
             every bucket above 1 (bucket 1 is always its own frame). None
             (default): dynamic unless the backend is inductor with at most one
             bucket above 1 (nothing to share, so each frame keeps its batch a
-            constant): fewer compiles for many buckets. Under inductor the
-            layers always trace inline (``iteration_models``; nested compile
-            regions gave wrong tokens on CUDA, see `decoder_layer`). The
-            attribute ``dynamic_batch`` says what was chosen.
+            constant): fewer compiles for many buckets. The attribute
+            ``dynamic_batch`` says what was chosen.
+        compile_regions: run each decoder layer of the compiled iteration as
+            a compiled region (`fa3_spec.eagle.regions`: one compile of a
+            layer, with the compile backend, serves every layer and bucket)
+            instead of tracing the layers inline, so the compile does not
+            grow with depth. Needs a compile backend and models with
+            ``with_compile_regions``. Default (None or False): the models as
+            given (the presets trace their layers inline); the regions are
+            opt-in until their inductor code is checked on the GPU
+            (``benchmarks/RESULTS.md``). ``iteration_models`` are the models
+            the iteration runs.
         device: where everything lives.
         seed: pool page shuffle.
         count_syncs: on CUDA, count synchronizing calls during each iteration
@@ -175,8 +183,8 @@ class EagleEngine:
     def __init__(self, lc: LoopConfig, models: SpecModel, *, max_reqs: Optional[int] = None,
                  buckets: Optional[Sequence[int]] = None, graphs: Optional[bool] = None,
                  compile_backend: Optional[str] = "auto", cache_path: Optional[str] = None,
-                 dynamic_batch: Optional[bool] = None, device="cpu", seed: int = 0,
-                 count_syncs: bool = False):
+                 dynamic_batch: Optional[bool] = None, compile_regions: Optional[bool] = None,
+                 device="cpu", seed: int = 0, count_syncs: bool = False):
         if lc.spec.topk > _draft_vocab_size(models):
             raise ValueError(
                 f"topk={lc.spec.topk} exceeds the draft's vocabulary of "
@@ -221,20 +229,27 @@ class EagleEngine:
         shared = [b for b in self.buckets if b > 1]
         self.dynamic_batch = (len(shared) > 1 or backend != "inductor") if dynamic_batch is None \
             else bool(dynamic_batch)
+        if compile_regions is not None and not isinstance(compile_regions, bool):
+            raise TypeError(f"compile_regions must be a bool or None, got {compile_regions!r} "
+                            "(the regions compile with the engine's compile_backend)")
+        if compile_regions and backend == "none":
+            raise ValueError("compile_regions=True needs a compile backend, and this engine "
+                             f"compiles nothing (compile_backend={compile_backend!r} on "
+                             f"{self.device.type})")
+        if compile_regions and not hasattr(models, "with_compile_regions"):
+            raise ValueError(f"compile_regions=True needs models with with_compile_regions; "
+                             f"{type(models).__name__} has none")
+        self.compile_regions = bool(compile_regions)
         step_models, options = models, None
-        if backend == "inductor":
-            # Inductor traces the layers inline: with the layers as nested
-            # compile regions it emitted wrong tokens on the H200 (torch 2.11;
-            # `decoder_layer`), and it cannot compile them with a symbolic
-            # batch. With a symbolic batch index propagation is off too: torch
-            # 2.13 (CPU) fails in it on this graph's symbolic loop ranges ("vr
-            # must not be None"). Measured on the H200 (benchmarks/RESULTS.md):
-            # the same ms per iteration either way.
-            if hasattr(models, "with_compile_regions"):
-                step_models = models.with_compile_regions(False)
-            if self.dynamic_batch:
-                options = {**INDUCTOR_OPTIONS, "constant_and_index_propagation": False}
-        #: The models the iteration runs (under inductor: the layers inline).
+        if compile_regions:
+            step_models = models.with_compile_regions(backend)
+        if backend == "inductor" and self.dynamic_batch:
+            # With a symbolic batch index propagation is off: torch 2.13 (CPU)
+            # fails in it on this graph's symbolic loop ranges ("vr must not
+            # be None"). Measured on the H200 (benchmarks/RESULTS.md): the
+            # same ms per iteration either way.
+            options = {**INDUCTOR_OPTIONS, "constant_and_index_propagation": False}
+        #: The models the iteration runs (their layers inline or as compiled regions).
         self.iteration_models = step_models
 
         def iteration(**st: torch.Tensor) -> dict:

@@ -46,10 +46,10 @@ import math
 from typing import List, Optional, Protocol, Tuple, Union
 
 import torch
-import torch.nn.functional as F
 
-from ..attention import cascade_attention
 from ..attention.kv_store import store_kv
+from .layer import LayerWeights, layer_body, rms_norm
+from .regions import REGION_BACKENDS, decoder_layer_region
 from .vocab import log_prob_topk
 
 
@@ -146,66 +146,6 @@ class KVCache:
 
 
 @dataclasses.dataclass
-class LayerWeights:
-    """One Llama decoder layer, matrices ``[in, out]`` (``x @ w``), with the
-    projections that read the same input fused into one matrix each.
-
-    ``wqkv`` columns: the ``H_q`` query heads, then the ``H_kv`` key heads,
-    then the ``H_kv`` value heads (``D`` columns each). ``w_gate_up``
-    columns: the ``I`` gate columns, then the ``I`` up columns. Why ``[in,
-    out]``: on the H200 the 8B shapes' GEMMs stream 1.5% (M = 1) to 4%
-    (M = 64) faster as ``x @ w`` than as ``F.linear`` on ``[out, in]``
-    (``benchmarks/model_roofline.py``). Build one with `from_projections`,
-    the one conversion from Hugging Face's separate ``[out, in]``
-    projections (random presets and checkpoint loaders both go through it).
-
-    ``attn_norm`` is None for a layer whose attention reads its input as
-    given: layer 0 of a published EAGLE-1/2 head (no ``input_layernorm``)
-    and the EAGLE-3 draft layer, which normalises its two halves itself
-    (`Eagle3Draft`).
-    """
-
-    attn_norm: Optional[torch.Tensor]  # [H], or None: no norm before attention
-    wqkv: torch.Tensor  # [H, (H_q + 2 H_kv) * D]
-    wo: torch.Tensor  # [H_q * D, H]
-    mlp_norm: torch.Tensor  # [H]
-    w_gate_up: torch.Tensor  # [H, 2 I]
-    w_down: torch.Tensor  # [I, H]
-
-    @classmethod
-    def from_projections(cls, *, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                         o: torch.Tensor, gate: torch.Tensor, up: torch.Tensor,
-                         down: torch.Tensor, attn_norm: Optional[torch.Tensor],
-                         mlp_norm: torch.Tensor) -> "LayerWeights":
-        """Fuse and transpose separate ``[out, in]`` projections (``q_proj`` ...
-        ``down_proj`` of a Hugging Face Llama layer) into this layout (new,
-        contiguous tensors; the inputs are not modified). ``attn_norm``
-        (``input_layernorm``) may be None (see the class docstring)."""
-        return cls(None if attn_norm is None else attn_norm.clone(),
-                   torch.cat([q, k, v], 0).t().contiguous(),
-                   o.t().contiguous(), mlp_norm.clone(), torch.cat([gate, up], 0).t().contiguous(),
-                   down.t().contiguous())
-
-    @classmethod
-    def random(cls, shape: ModelShape, g: torch.Generator, *, dtype, device) -> "LayerWeights":
-        h, d, i = shape.hidden_size, shape.head_dim, shape.intermediate_size
-
-        def w(n_out, n_in):
-            x = torch.randn(n_out, n_in, generator=g, device=device, dtype=torch.float32)
-            return (x * n_in ** -0.5).to(dtype)
-
-        ones = torch.ones(h, device=device, dtype=dtype)
-        return cls.from_projections(
-            q=w(shape.num_heads * d, h), k=w(shape.num_kv_heads * d, h),
-            v=w(shape.num_kv_heads * d, h), o=w(h, shape.num_heads * d),
-            gate=w(i, h), up=w(i, h), down=w(h, i), attn_norm=ones, mlp_norm=ones)
-
-    def clone(self) -> "LayerWeights":
-        return LayerWeights(*(None if t is None else t.clone()
-                              for t in (getattr(self, f.name) for f in dataclasses.fields(self))))
-
-
-@dataclasses.dataclass
 class RopeTable:
     """RoPE's ``cos`` and ``sin`` per position, ``[max_positions, D / 2]`` each
     (float64 for float64 models, else float32), computed once per model.
@@ -240,53 +180,11 @@ class RopeTable:
         return self.cos[idx], self.sin[idx]
 
 
-def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    xf = x.to(torch.promote_types(x.dtype, torch.float32))
-    xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
-    return xf.to(x.dtype) * weight
-
-
-def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """Rotate-half RoPE (Llama) of ``x [T, H, D]`` with the ``[T, D/2]`` rows of
-    `RopeTable.at`: ``(x1, x2) -> (x1 cos - x2 sin, x2 cos + x1 sin)``."""
-    half = x.shape[-1] // 2
-    xf = x.to(cos.dtype)
-    x1, x2 = xf[..., :half], xf[..., half:]
-    c, s = cos.unsqueeze(1), sin.unsqueeze(1)
-    return torch.cat([x1 * c - x2 * s, x2 * c + x1 * s], -1).to(x.dtype)
-
-
-def attention_inputs(shape: ModelShape, w: LayerWeights, x: torch.Tensor, cos: torch.Tensor,
-                     sin: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """``x [T, H_in]`` -> ``q [T, H_q, D]``, ``k, v [T, H_kv, D]`` (RMSNorm unless
-    ``w.attn_norm`` is None, fused QKV, RoPE with the tokens' ``cos, sin [T, D/2]``)."""
-    t = x.shape[0]
-    hq, hkv, d = shape.num_heads, shape.num_kv_heads, shape.head_dim
-    h = x if w.attn_norm is None else rms_norm(x, w.attn_norm, shape.rms_eps)
-    q, k, v = (h @ w.wqkv).split([hq * d, hkv * d, hkv * d], dim=-1)
-    return (apply_rope(q.reshape(t, hq, d), cos, sin), apply_rope(k.reshape(t, hkv, d), cos, sin),
-            v.reshape(t, hkv, d))
-
-
-def attention_output_and_mlp(shape: ModelShape, w: LayerWeights, x: torch.Tensor,
-                             attn: torch.Tensor) -> torch.Tensor:
-    """The rest of the layer: ``x + attn @ wo``, then RMSNorm and the SwiGLU MLP
-    with its residual. ``attn [T, H_q, D]`` -> ``[T, H]``."""
-    x = x + attn.reshape(x.shape[0], -1) @ w.wo
-    h = rms_norm(x, w.mlp_norm, shape.rms_eps)
-    gate, up = (h @ w.w_gate_up).chunk(2, dim=-1)
-    return x + (F.silu(gate) * up) @ w.w_down
-
-
-#: `attention_inputs` and `attention_output_and_mlp` as nested compile regions.
-_REGIONS = (torch.compiler.nested_compile_region(attention_inputs),
-            torch.compiler.nested_compile_region(attention_output_and_mlp))
-
-
 def decoder_layer(shape: ModelShape, w: LayerWeights, x: torch.Tensor, cos: torch.Tensor,
                   sin: torch.Tensor, slots: torch.Tensor, metadata, k_cache: torch.Tensor,
                   v_cache: torch.Tensor, backend: str, num_splits: Optional[int],
-                  attn_in: Optional[torch.Tensor] = None, regions: bool = False) -> torch.Tensor:
+                  attn_in: Optional[torch.Tensor] = None,
+                  regions: Optional[str] = None) -> torch.Tensor:
     """One layer on ``x [T, H]``: write K/V of the T tokens at ``slots``, then attend.
 
     ``attn_in``: what the attention reads when it is not ``x`` (the EAGLE-3
@@ -298,30 +196,31 @@ def decoder_layer(shape: ModelShape, w: LayerWeights, x: torch.Tensor, cos: torc
     ``metadata`` (an `fa3_spec.FA3Metadata` or `fa3_spec.CascadeMetadata`)
     says which keys each query reads; the K/V just written are among them.
 
-    With ``regions`` (opt-in: the models' ``compile_regions`` field) the two
-    dense parts are nested compile regions (`attention_inputs`,
-    `attention_output_and_mlp`): under ``torch.compile`` every layer of the
-    model, and the draft's layer of the same shapes, reuses one compiled body
-    of each, so compile time does not grow with depth. They are off by
-    default because inductor got them wrong on CUDA: on the H200 (torch 2.11,
-    bf16, FA3) the tiny preset's loop compiled with them emitted tokens that
-    greedy decoding does not (logit gaps of 1.6 and 5.1, not near-ties), in
-    both draft semantics, with or without CUDA graphs, while the same loop
-    with the layers inline, or with the regions under ``aot_eager``, was
-    exact (``benchmarks/RESULTS.md``). Inductor also cannot compile them with
-    a symbolic batch ("expected [s10] to have been codegen-ed"). The cache
-    write and the attention sit between them, traced inline: a region must
-    not mutate its inputs (torch 2.11's functionalization refuses a mutating
-    custom op inside one), and the metadata differs per forward.
-    Eagerly all of it is plain calls.
+    ``regions``: None traces the layer inline; a ``torch.compile`` backend
+    name (`fa3_spec.eagle.regions.REGION_BACKENDS`) runs it, inside an
+    enclosing compile, as the ``fa3_spec_eagle::decoder_layer`` op, whose
+    layer is compiled once with that backend and reused by every layer of the
+    same program (the models' ``compile_regions`` field). The same numbers
+    under ``eager`` and ``aot_eager``; under inductor the program's fused
+    kernels round as inductor's inline code does, not bit for bit alike.
     """
-    inputs, output_and_mlp = _REGIONS if regions else (attention_inputs,
-                                                       attention_output_and_mlp)
-    q, k, v = inputs(shape, w, x if attn_in is None else attn_in, cos, sin)
-    store_kv(k_cache, v_cache, slots, k, v)
-    attn = cascade_attention(q, k_cache, v_cache, metadata, backend=backend,
-                             num_splits=num_splits)
-    return output_and_mlp(shape, w, x, attn)
+    x, delta = layer_call(shape, w, x, None, attn_in, cos, sin, slots, metadata, k_cache,
+                          v_cache, backend, num_splits, regions)
+    return x + delta
+
+
+def layer_call(shape: ModelShape, w: LayerWeights, x: torch.Tensor,
+               delta: Optional[torch.Tensor], attn_in: Optional[torch.Tensor],
+               cos: torch.Tensor, sin: torch.Tensor, slots: torch.Tensor, metadata,
+               k_cache: torch.Tensor, v_cache: torch.Tensor, backend: str,
+               num_splits: Optional[int],
+               regions: Optional[str]) -> Tuple[torch.Tensor, torch.Tensor]:
+    """`layer_body` inline (``regions`` None) or as a compiled region."""
+    if not regions:  # None (or a False from before the field named a backend): inline
+        return layer_body(shape, w, x, delta, attn_in, cos, sin, slots, metadata, k_cache,
+                          v_cache, backend, num_splits)
+    return decoder_layer_region(shape, w, x, delta, attn_in, cos, sin, slots, metadata,
+                                k_cache, v_cache, backend, num_splits, regions)
 
 
 def _layer_slots(kv: "KVCache", slots: torch.Tensor) -> torch.Tensor:
@@ -343,7 +242,7 @@ class LlamaTarget:
     norm: torch.Tensor  # [H]
     lm_head: torch.Tensor  # [H, V]
     rope: RopeTable
-    compile_regions: bool = False  # `decoder_layer`'s ``regions`` (opt-in)
+    compile_regions: Optional[str] = None  # `decoder_layer`'s ``regions``: None = inline
 
     @classmethod
     def random(cls, shape: ModelShape, *, seed: int = 0, dtype=torch.float32,
@@ -374,11 +273,14 @@ class LlamaTarget:
         x = self.embed[tokens.to(torch.int64).clamp(0, self.shape.vocab_size - 1)]
         cos, sin = self.rope.at(positions)
         slots = _layer_slots(kv, slots)
-        captured = {}
+        captured, delta = {}, None
         for i, w in enumerate(self.layers):
-            captured[i] = x
-            x = decoder_layer(self.shape, w, x, cos, sin, slots, metadata, kv.k[i], kv.v[i],
-                              backend, num_splits, regions=self.compile_regions)
+            if i in capture:
+                captured[i] = x if delta is None else x + delta
+            x, delta = layer_call(self.shape, w, x, delta, None, cos, sin, slots, metadata,
+                                  kv.k[i], kv.v[i], backend, num_splits, self.compile_regions)
+        if delta is not None:
+            x = x + delta
         if not capture:
             return x
         captured[len(self.layers)] = x
@@ -416,7 +318,7 @@ class EagleDraft:
     rope: RopeTable  # shared with the target
     fc_bias: Optional[torch.Tensor] = None  # [H]
     normed_target: bool = False  # reads the target's post-norm hidden state
-    compile_regions: bool = False  # `decoder_layer`'s ``regions`` (opt-in)
+    compile_regions: Optional[str] = None  # `decoder_layer`'s ``regions``: None = inline
 
     @classmethod
     def random(cls, target: LlamaTarget, *, seed: int = 1) -> "EagleDraft":
@@ -508,7 +410,7 @@ class Eagle3Draft:
     aux_layers: Tuple[int, ...]  # target layers whose input fc reads (low, middle, high)
     fc_bias: Optional[torch.Tensor] = None  # [H]
     norm_before_residual: bool = False
-    compile_regions: bool = False  # `decoder_layer`'s ``regions`` (opt-in)
+    compile_regions: Optional[str] = None  # `decoder_layer`'s ``regions``: None = inline
 
     def input_from_target(self, target: "LlamaTarget", features: torch.Tensor) -> torch.Tensor:
         """`LlamaTarget.forward`'s ``[T, 4H]`` (captures of ``aux_layers``) -> ``[T, H]``."""
@@ -559,11 +461,11 @@ class SpecModel(Protocol):
     Optional: ``draft_vocab_size``, the tokens the draft head proposes from
     (a reduced-vocabulary head such as EAGLE-3's ``V_d``, the width of
     ``draft_logits``); ``vocab_size`` when absent. `EagleEngine` refuses a
-    ``topk`` above it. ``with_compile_regions(enabled) -> SpecModel``: the
-    same model tracing its layers inline (False) instead of as nested compile
-    regions; `EagleEngine` calls it with False before compiling with inductor
-    (`EagleModels.with_compile_regions`); a model without it is compiled as
-    it is.
+    ``topk`` above it. ``with_compile_regions(backend) -> SpecModel``: the
+    same model running its layers as compiled regions of ``backend`` (None:
+    inline); `EagleEngine(compile_regions=True)` calls it with the engine's
+    compile backend (`EagleModels.with_compile_regions`); a model without it
+    is compiled as it is.
     """
 
     hidden_size: int
@@ -642,12 +544,15 @@ class EagleModels:
         """Target layers whose input the draft reads besides the last output."""
         return getattr(self.draft, "aux_layers", ())
 
-    def with_compile_regions(self, enabled: bool) -> "EagleModels":
-        """The same models (weights shared, not copied) whose layers trace as
-        nested compile regions (``True``) or inline (``False``); see
-        `decoder_layer`. Eagerly the two are the same calls."""
-        return EagleModels(dataclasses.replace(self.target, compile_regions=enabled),
-                           dataclasses.replace(self.draft, compile_regions=enabled))
+    def with_compile_regions(self, backend: Optional[str]) -> "EagleModels":
+        """The same models (weights shared, not copied) whose layers run as
+        compiled regions of ``backend`` (one of
+        `fa3_spec.eagle.regions.REGION_BACKENDS`) or inline (None); see
+        `decoder_layer`. Eagerly both are the same calls."""
+        if backend is not None and backend not in REGION_BACKENDS:
+            raise ValueError(f"backend must be None or one of {REGION_BACKENDS}, got {backend!r}")
+        return EagleModels(dataclasses.replace(self.target, compile_regions=backend),
+                           dataclasses.replace(self.draft, compile_regions=backend))
 
     @property
     def max_positions(self) -> int:

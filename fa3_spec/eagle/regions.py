@@ -1,0 +1,216 @@
+"""Decoder layers as compiled regions: one compile of a layer serves every layer.
+
+Traced inline, the 32 layers of an 8B target make one large graph, and
+inductor's work grows with it: a cold compile of one EAGLE iteration took
+124 s on the H200, 46 s of it in the scheduler's construction and fusion
+and 29 s in its code generation (``benchmarks/RESULTS.md``). Here, while an
+enclosing function is being compiled, each layer call is one
+``fa3_spec_eagle::decoder_layer`` custom op instead:
+
+* the enclosing graph sees the op as opaque (its fake gives the output
+  shapes), so it compiles only what lies between the layers: embeddings,
+  metadata builders, lm_heads, tree selection;
+* the op runs a ``torch.compile(fullgraph=True)`` of the layer (`layer_body`
+  in `fa3_spec.eagle.layer`), compiled once per *layer program*: the static
+  facts of a call (the call structure of its attention metadata, the head
+  shapes, the backend, which optional inputs it has, dtypes and device).
+  The 31 target layers after the first share one program per forward. The
+  token and row dimensions are marked dynamic, so a program serves every
+  batch bucket above 1; bucket 1 (one row, a dimension of size 1, which
+  dynamo specialises) compiles each program once more;
+* under CUDA-graph capture the op's kernels are captured with the rest (the
+  engine's warm-up call compiles every program before its capture), so a
+  replay runs the layer's own compiled kernels with no Python.
+
+Called eagerly (no enclosing compile), a region is a plain call of
+`layer_body`: regions exist to make the enclosing compile cheaper, and an
+eager prefill must not compile a program per prompt length.
+
+Why a custom op and not ``torch.compiler.nested_compile_region``: with those
+regions inductor (torch 2.11) emitted wrong tokens on the H200 and could not
+compile them with a symbolic batch (``benchmarks/RESULTS.md``); this op is
+an ordinary inductor compile of an ordinary function.
+
+The residual stream is carried as ``(x, delta)``: a layer returns its
+post-attention residual ``x`` and its MLP output ``delta`` unsummed, and the
+next layer adds them first, so inductor fuses that add into the next
+layer's RMSNorm as it does inline (one kernel, not two, per layer
+boundary). The caller adds the last pair.
+
+The op mutates the layer's K/V cache (``mutates_args``), like
+``fa3_spec::store_kv``, so inductor writes it in place. The programs compile
+with `fa3_spec.graphs.INDUCTOR_OPTIONS` under inductor, whatever options the
+enclosing compile was given.
+
+Example (what `fa3_spec.eagle.models.LlamaTarget.forward` does with
+``compile_regions="inductor"``)::
+
+    x, delta = embeddings, None
+    for w, k, v in zip(layers, kv.k, kv.v):
+        x, delta = decoder_layer_region(shape, w, x, delta, None, cos, sin, slots,
+                                        metadata, k, v, "fa3", None, "inductor")
+    out = x + delta
+"""
+
+from __future__ import annotations
+
+import threading
+import types
+from typing import Dict, List, Optional, Tuple
+
+import torch
+
+from ..graphs import compile_fullgraph
+from ..metadata import CascadeMetadata, FA3Metadata
+from .layer import LayerShape, LayerWeights, layer_body
+
+#: ``torch.compile`` backends a region may be compiled with.
+REGION_BACKENDS = ("inductor", "aot_eager", "eager")
+
+#: The `FA3Metadata` fields a region passes on: every field attention reads
+#: (a `DraftPrefixMetadata`'s ``draft_attention`` labels the builder's
+#: semantics and is not read by attention; it is dropped).
+_MD_TENSORS = ("page_table", "cache_seqlens", "cu_seqlens_q", "cu_seqlens_k")
+_MD_STATICS = ("max_seqlen_q", "max_seqlen_k", "page_size", "causal", "window_left")
+
+#: Compiled layer programs by their static key (filled on first call of each).
+_COMPILED: Dict[tuple, object] = {}
+_LOCK = threading.Lock()
+
+
+def compiled_programs() -> int:
+    """How many layer programs this process has compiled (each is one
+    ``torch.compile`` of the layer, with its own dynamo cache entries)."""
+    return len(_COMPILED)
+
+
+def _encode_metadata(metadata) -> Tuple[List[torch.Tensor], List[int]]:
+    """``metadata`` -> (its calls' tensors, ``[kind, *statics per call]``):
+    kind 0 for an `FA3Metadata`, 1 for a `CascadeMetadata`."""
+    if isinstance(metadata, CascadeMetadata):
+        kind = 1
+    elif isinstance(metadata, FA3Metadata):
+        kind = 0
+    else:
+        raise TypeError(f"metadata must be an FA3Metadata or a CascadeMetadata, "
+                        f"got {type(metadata).__name__}")
+    tensors, statics = [], [kind]
+    for call in metadata.calls:
+        tensors += [getattr(call, f) for f in _MD_TENSORS]
+        statics += [int(getattr(call, f)) for f in _MD_STATICS]
+    return tensors, statics
+
+
+def _decode_metadata(tensors: List[torch.Tensor], statics: List[int]):
+    """Inverse of `_encode_metadata` (the attention reads only these fields)."""
+    n = len(_MD_TENSORS)
+    calls = []
+    for i in range(len(tensors) // n):
+        s = statics[1 + i * len(_MD_STATICS): 1 + (i + 1) * len(_MD_STATICS)]
+        calls.append(FA3Metadata(*tensors[i * n:(i + 1) * n], s[0], s[1], s[2], bool(s[3]),
+                                 s[4]))
+    if statics[0] == 0:
+        return calls[0]
+    return CascadeMetadata(calls[0], calls[1] if len(calls) > 1 else None)
+
+
+def decoder_layer_region(shape, w, x: torch.Tensor, delta: Optional[torch.Tensor],
+                         attn_in: Optional[torch.Tensor], cos: torch.Tensor, sin: torch.Tensor,
+                         slots: torch.Tensor, metadata, k_cache: torch.Tensor,
+                         v_cache: torch.Tensor, backend: str, num_splits: Optional[int],
+                         compiler: str) -> Tuple[torch.Tensor, torch.Tensor]:
+    """One decoder layer through the ``fa3_spec_eagle::decoder_layer`` op (while
+    an enclosing function is compiled; eagerly, `layer_body` itself).
+
+    Args: as `fa3_spec.eagle.layer.layer_body` (``shape`` a `ModelShape`,
+    ``w`` a `LayerWeights`, ``x [T, H]`` with ``delta [T, H]`` or None,
+    ``attn_in [T, H_a]`` or None, ``cos, sin [T, D/2]``, int64 ``slots
+    [T]``, ``metadata`` an `FA3Metadata` or `CascadeMetadata`, this layer's
+    ``k_cache, v_cache [num_pages, P, H_kv, D]``, the attention ``backend``
+    and ``num_splits``), and ``compiler``, the region's ``torch.compile``
+    backend (one of `REGION_BACKENDS`).
+
+    Returns ``(x_mid, mlp_out)``, both ``[T, H]``: the layer's output is
+    their sum. Writes the ``T`` tokens' K/V at ``slots``.
+    """
+    if compiler not in REGION_BACKENDS:
+        raise ValueError(f"compiler must be one of {REGION_BACKENDS}, got {compiler!r}")
+    if not torch.compiler.is_compiling():
+        return layer_body(shape, w, x, delta, attn_in, cos, sin, slots, metadata, k_cache,
+                          v_cache, backend, num_splits)
+    md_tensors, md_statics = _encode_metadata(metadata)
+    dims = [shape.hidden_size, shape.num_heads, shape.num_kv_heads, shape.head_dim,
+            shape.intermediate_size]
+    return torch.ops.fa3_spec_eagle.decoder_layer(
+        x, delta, attn_in, w.as_list(), cos, sin, slots, md_tensors, k_cache, v_cache,
+        md_statics, dims, float(shape.rms_eps), backend, num_splits, compiler)
+
+
+@torch.library.custom_op("fa3_spec_eagle::decoder_layer", mutates_args=("k_cache", "v_cache"))
+def _decoder_layer_op(x: torch.Tensor, delta: Optional[torch.Tensor],
+                      attn_in: Optional[torch.Tensor], weights: List[torch.Tensor],
+                      cos: torch.Tensor, sin: torch.Tensor, slots: torch.Tensor,
+                      md_tensors: List[torch.Tensor], k_cache: torch.Tensor,
+                      v_cache: torch.Tensor, md_statics: List[int], dims: List[int],
+                      eps: float, backend: str, num_splits: Optional[int],
+                      compiler: str) -> Tuple[torch.Tensor, torch.Tensor]:
+    key = (tuple(md_statics), tuple(dims), eps, backend, num_splits, compiler,
+           delta is not None, attn_in is not None, len(weights), str(x.device),
+           tuple(t.dtype for t in (x, cos, slots, k_cache, *weights, *md_tensors)))
+    with _LOCK:
+        fn = _COMPILED.get(key)
+        if fn is None:
+            fn = _COMPILED[key] = _compile_program(key, compiler, len(_COMPILED))
+    # One dispatch state for every call, so the program's guards agree from
+    # call to call: grad off, and below the view/in-place tracking key
+    # (torch's private RAII guard; under inductor the kernel ran above it on
+    # one call and below it on the next, and every program compiled twice:
+    # test_compile_regions.py fails without it).
+    with torch.no_grad(), torch._C._AutoDispatchBelowADInplaceOrView():
+        x, delta, attn_in, cos, sin, slots = (_dynamic_rows(t) for t in
+                                              (x, delta, attn_in, cos, sin, slots))
+        x_mid, mlp_out = fn(x, delta, attn_in, weights, cos, sin, slots,
+                            [_dynamic_rows(t) for t in md_tensors], k_cache, v_cache)
+    return x_mid, mlp_out
+
+
+def _dynamic_rows(t: Optional[torch.Tensor]) -> Optional[torch.Tensor]:
+    """A view of ``t`` whose first dimension dynamo treats as dynamic. A view,
+    so that the marking stays off the caller's tensor (a marked input would
+    fail the guards of the frame that compiled the caller)."""
+    if t is None:
+        return None
+    alias = t.view(t.shape)
+    torch._dynamo.maybe_mark_dynamic(alias, 0)
+    return alias
+
+
+@_decoder_layer_op.register_fake
+def _decoder_layer_fake(x, delta, attn_in, weights, cos, sin, slots, md_tensors, k_cache,
+                        v_cache, md_statics, dims, eps, backend, num_splits, compiler):
+    return x.new_empty(x.shape), x.new_empty(x.shape)
+
+
+def _compile_program(key: tuple, compiler: str, index: int):
+    """``torch.compile(fullgraph=True)`` of one layer program
+    (`fa3_spec.graphs.compile_fullgraph`: inductor gets the library's options).
+
+    Each program gets a copy of the body's code object: dynamo keeps its
+    compiled entries (and its recompile limit) per code object, so the
+    programs of one iteration (the first target layer, the others, each
+    draft step's metadata) never evict one another.
+    """
+    md_statics, dims, eps, backend, num_splits = key[0], key[1], key[2], key[3], key[4]
+
+    shape = LayerShape(*dims, rms_eps=eps)
+    statics = list(md_statics)
+
+    def program(x, delta, attn_in, weights, cos, sin, slots, md_tensors, k_cache, v_cache):
+        return layer_body(shape, LayerWeights.from_list(weights), x, delta, attn_in, cos, sin,
+                          slots, _decode_metadata(md_tensors, statics), k_cache, v_cache,
+                          backend, num_splits)
+
+    name = f"decoder_layer_program_{index}"
+    code = program.__code__.replace(co_name=name)
+    fresh = types.FunctionType(code, program.__globals__, name, None, program.__closure__)
+    return compile_fullgraph(fresh, backend=compiler, dynamic=None)
