@@ -7,10 +7,10 @@
            frame.
   static   one frame per bucket.
 
-Both trace the layers inline (under inductor the engine always does: with
-the layers as nested compile regions it emitted wrong tokens on the H200).
-The committed figures' static rows were measured with the regions (before
-that was found).
+``--layers``: the decoder layers as compiled regions (`fa3_spec.eagle.regions`,
+``EagleEngine(compile_regions=True)``: one compile of a layer serves every
+layer and bucket) or traced inline into the frame (the engine's default and
+this script's; the committed `compile_modes_h200.json` rows are inline).
 
 Per mode, in a fresh process each: compile + capture of ``--buckets`` (seconds
 per bucket), then ms per iteration (20 replays back to back after 3, synced
@@ -20,6 +20,7 @@ at both ends: launch throughput, not `timing`'s drained per-call wall) at each o
 that loads the first one's compile cache file (`cache_path=`).
 
     python3 benchmarks/compile_modes.py --json benchmarks/results/compile_modes_h200.json
+    python3 benchmarks/compile_modes.py --modes dynamic --layers regions --json ...
 """
 
 from __future__ import annotations
@@ -36,12 +37,12 @@ import time
 import torch
 
 import fa3_spec
-from fa3_spec.eagle import DEFAULT_SCRIPT, EagleEngine, LoopConfig, make_models
+from fa3_spec.eagle import DEFAULT_SCRIPT, EagleEngine, LoopConfig, make_models, regions
 
 import timing
 
 
-def child(mode: str, cache: str, buckets, timed, num_layers) -> dict:
+def child(mode: str, cache: str, buckets, timed, num_layers, compile_regions: bool) -> dict:
     torch.manual_seed(0)
     models = make_models("llama3-8b", draft="random", device="cuda", num_layers=num_layers)
     spec = fa3_spec.SpecConfig(page_size=2, topk=8, num_steps=5, num_draft_tokens=16,
@@ -51,11 +52,13 @@ def child(mode: str, cache: str, buckets, timed, num_layers) -> dict:
     lc = LoopConfig(spec, max_new_tokens=300, backend="fa3", scripted=DEFAULT_SCRIPT,
                     draft_attention=draft_attention)
     eng = EagleEngine(lc, models, buckets=buckets, device="cuda", cache_path=cache or None,
-                      dynamic_batch=mode == "dynamic")
+                      dynamic_batch=mode == "dynamic", compile_regions=compile_regions)
     t0 = time.perf_counter()
     per = eng.capture()
-    out = dict(mode=mode, draft_attention=draft_attention, seconds=round(time.perf_counter() - t0, 2),
+    out = dict(mode=mode, compile_regions=eng.compile_regions, draft_attention=draft_attention,
+               seconds=round(time.perf_counter() - t0, 2),
                frames=eng.runner.compile_counter.frame_count,
+               region_programs=regions.compiled_programs(),
                per_bucket={str(b): round(x, 2) for b, x in per.items()}, ms_per_iteration={})
     g = torch.Generator().manual_seed(0)
     n = 0
@@ -86,6 +89,9 @@ def main(argv=None) -> int:
     ap.add_argument("--no-restart", dest="restart", action="store_false",
                     help="skip the dynamic restart from the cold run's cache file")
     ap.add_argument("--num-layers", type=int, default=None)
+    ap.add_argument("--layers", choices=["regions", "inline"], default="inline",
+                    help="the decoder layers traced inline (the engine's default) or as "
+                         "compiled regions (EagleEngine(compile_regions=True))")
     ap.add_argument("--json", metavar="PATH")
     ap.add_argument("--_child", nargs=2, default=None, help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
@@ -93,7 +99,8 @@ def main(argv=None) -> int:
     if args._child:
         mode, cache = args._child
         buckets = sorted(args.buckets) if mode == "dynamic" else timed
-        print(json.dumps(child(mode, cache, buckets, timed, args.num_layers)))
+        print(json.dumps(child(mode, cache, buckets, timed, args.num_layers,
+                               args.layers == "regions")))
         return 0
     if not torch.cuda.is_available():
         raise SystemExit("compile_modes.py times CUDA graphs: it needs a CUDA device")
@@ -108,7 +115,7 @@ def main(argv=None) -> int:
             env = dict(os.environ, TORCHINDUCTOR_CACHE_DIR=os.path.join(tmp, f"inductor-{i}"))
             cmd = [sys.executable, os.path.abspath(__file__), "--_child", mode,
                    cache_file, "--buckets", *map(str, args.buckets),
-                   "--time-batches", *map(str, timed)]
+                   "--time-batches", *map(str, timed), "--layers", args.layers]
             if args.num_layers:
                 cmd += ["--num-layers", str(args.num_layers)]
             done = subprocess.run(cmd, env=env, capture_output=True, text=True)

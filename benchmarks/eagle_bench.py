@@ -461,7 +461,8 @@ def bench_point(cfg_tuple, batch, args, models, bandwidth=None, tflops=None) -> 
                      draft_attention="branch", backend=args.backend, scripted=scripted)
     spec = lc.spec
     eng = EagleEngine(lc, models, max_reqs=batch, buckets=[batch], graphs=cuda,
-                      compile_backend=args.compile, device=args.device)
+                      compile_backend=args.compile, compile_regions=args.compile_regions,
+                      device=args.device)
     t0 = time.perf_counter()
     for prompt in random_prompts(batch, args.context, models.vocab_size, seed=batch):
         eng.submit(prompt, max_new)
@@ -486,6 +487,7 @@ def bench_point(cfg_tuple, batch, args, models, bandwidth=None, tflops=None) -> 
     row = dict(page_size=p, topk=k, num_steps=s, num_draft_tokens=n, batch=batch,
                draft_attention=lc.draft_attention,
                context=args.context, compile=eng.compile_backend,
+               compile_regions=eng.compile_regions,
                acceptance=("scripted:" + ",".join(map(str, DEFAULT_SCRIPT)) if scripted else "real"),
                preset=args.preset, layers=models.num_target_layers,
                draft_layers=models.num_draft_layers, dtype=str(models.dtype).replace("torch.", ""),
@@ -574,6 +576,8 @@ def capture_timing(args) -> dict:
                    "--capture-buckets", *map(str, args.capture_buckets)]
             if args.num_layers:
                 cmd += ["--num-layers", str(args.num_layers)]
+            if args.compile_regions:
+                cmd += ["--compile-regions"]
             done = subprocess.run(cmd, env=env, capture_output=True, text=True)
             if done.returncode:
                 raise SystemExit(f"capture {phase} failed:\n{done.stderr[-3000:]}")
@@ -592,7 +596,7 @@ def capture_child(args) -> int:
     spec = dataclasses.replace(spec, num_pages=spec.pool_pages(buckets[-1]))
     lc = LoopConfig(spec, max_new_tokens=32, backend="fa3", draft_attention="branch")
     eng = EagleEngine(lc, models, buckets=buckets, compile_backend=args.compile, device="cuda",
-                      cache_path=args.capture_child)
+                      cache_path=args.capture_child, compile_regions=args.compile_regions)
     t0 = time.perf_counter()
     per_bucket = eng.capture()
     total = time.perf_counter() - t0
@@ -633,6 +637,9 @@ def main(argv=None) -> int:
     ap.add_argument("--compile", default="auto", choices=list(COMPILE_BACKENDS),
                     help="torch.compile backend of (a), (b) and (c) alike (default: inductor on "
                          "CUDA, none on CPU)")
+    ap.add_argument("--compile-regions", action="store_true",
+                    help="the layers of (a), (b) and (c) as compiled regions "
+                         "(EagleEngine(compile_regions=True)) instead of inline")
     ap.add_argument("--capture-buckets", type=int, nargs="+", default=None,
                     help="also time cold compile + capture of an engine with these buckets, and a "
                          "restart from its compile cache (fresh processes)")

@@ -50,6 +50,14 @@ def test_perf_smoke_writes_the_issue_schema(child):
     assert len(rows) == 4 and all(r["replay_rel_err"] < 1e-4 for r in rows)
 
 
+@pytest.mark.children(job=smoke("region_compile.py"))
+def test_region_compile_smoke(child):
+    rows = child.result()["rows"]
+    assert [(r["layers"], r["mode"]) for r in rows] == [(2, "inline"), (2, "regions")]
+    assert [r["region_programs"] for r in rows] == [0, 2]  # layer 0, and the rest
+    assert all(r["max_abs_diff_vs_eager"] == 0 for r in rows)  # eager backend: the same ops
+
+
 @pytest.mark.children(job=smoke("runner_staging.py"))
 def test_runner_staging_smoke(child):
     rows = child.result()["rows"]

@@ -1,0 +1,132 @@
+"""What compiling the layers as regions saves: compile time against depth, inline vs regions.
+
+One target forward (a prefill of ``--tokens`` tokens, `fa3_spec.eagle`'s
+models at the ``tiny`` preset's widths, ``--layers`` deep) compiled with
+``torch.compile(fullgraph=True)`` and ``--backend`` two ways, each in a fresh
+process with an empty inductor cache:
+
+  inline   the layers traced into the forward's graph (the engine's default);
+  regions  each layer the ``fa3_spec_eagle::decoder_layer`` op, whose layer is
+           compiled once per program (`fa3_spec.eagle.regions`).
+
+Per row: seconds of the first call (trace + compile + run), of the second
+call (run), the region programs compiled, and the largest difference from
+the eager forward (float32 on CPU; the model dtype and FA3 on CUDA). The ratio that matters is ``inline / regions`` at the same depth,
+and how each grows with depth.
+
+    python3 benchmarks/region_compile.py --layers 2 8 32 --json benchmarks/results/region_compile_cpu.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+
+import torch
+
+import fa3_spec
+from fa3_spec.eagle import KVPool, make_models, regions
+
+import timing
+
+
+def child(layers: int, mode: str, tokens: int, backend: str, device: str) -> dict:
+    torch.manual_seed(0)
+    dtype = torch.float32 if device == "cpu" else None
+    models = make_models("tiny", draft="random", num_layers=layers, dtype=dtype, device=device)
+    if mode == "regions":
+        models = models.with_compile_regions(backend)
+    spec = fa3_spec.SpecConfig(page_size=2, topk=1, num_steps=2, num_draft_tokens=2, max_bs=1,
+                               max_context_len=tokens + 4)
+    spec = dataclasses.replace(spec, num_pages=spec.pool_pages(1))
+    pools = [KVPool(spec, max_reqs=1, target_layers=layers, draft_layers=1,
+                    num_kv_heads=models.num_kv_heads, head_dim=models.head_dim,
+                    dtype=models.dtype, device=device) for _ in range(2)]
+    row = pools[0].allocate(tokens, 1)
+    pools[1].allocate(tokens, 1)
+    lens = torch.tensor([tokens], device=device)
+    md = fa3_spec.build_prefill_metadata(
+        spec, req_to_token=pools[0].req_to_token,
+        req_pool_indices=torch.tensor([row], device=device), seq_lens=lens,
+        extend_seq_lens=lens, max_seqlen_q=tokens)
+    ids = torch.randint(0, models.vocab_size, (tokens,), device=device)
+    pos = torch.arange(tokens, device=device)
+    slots = pools[0].req_to_token[row, :tokens].to(torch.int64)
+    attn = "fa3" if device == "cuda" else "torch"
+    fn = torch.compile(lambda kv: models.target_forward(ids, pos, slots, md, kv, backend=attn),
+                       fullgraph=True, backend=backend)
+
+    def timed(kv):
+        start = time.perf_counter()
+        out = fn(kv)
+        if device == "cuda":
+            torch.cuda.synchronize()
+        return out, time.perf_counter() - start
+
+    with torch.no_grad():
+        out, first = timed(pools[0].target_kv)
+        _, second = timed(pools[1].target_kv)
+        eager = models.with_compile_regions(None).target_forward(
+            ids, pos, slots, md, pools[1].target_kv, backend=attn)
+    return dict(layers=layers, mode=mode, backend=backend, device=device, tokens=tokens,
+                first_call_s=round(first, 2), second_call_s=round(second, 4),
+                region_programs=regions.compiled_programs(),
+                max_abs_diff_vs_eager=float((out.float() - eager.float()).abs().max()))
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--layers", type=int, nargs="+", default=[2, 8, 32])
+    ap.add_argument("--modes", nargs="+", choices=["inline", "regions"],
+                    default=["inline", "regions"])
+    ap.add_argument("--tokens", type=int, default=16)
+    ap.add_argument("--backend", choices=regions.REGION_BACKENDS, default="inductor")
+    ap.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
+    ap.add_argument("--smoke", action="store_true",
+                    help="CPU smoke run: 2 layers, the eager backend, 8 tokens")
+    ap.add_argument("--json", metavar="PATH")
+    ap.add_argument("--_child", nargs=2, default=None, help=argparse.SUPPRESS)
+    args = ap.parse_args(argv)
+    if args.smoke:
+        args.layers, args.backend, args.tokens = [2], "eager", 8
+    if min(args.layers + [args.tokens]) < 1:
+        print("--layers and --tokens must be >= 1", file=sys.stderr)
+        return 2
+    if args.device == "cuda" and not torch.cuda.is_available():
+        print("--device cuda needs CUDA", file=sys.stderr)
+        return 2
+    if args._child:
+        layers, mode = int(args._child[0]), args._child[1]
+        print(json.dumps(child(layers, mode, args.tokens, args.backend, args.device)))
+        return 0
+    doc = dict(command="python3 benchmarks/region_compile.py " + " ".join(
+                   sys.argv[1:] if argv is None else argv),
+               torch=torch.__version__, cpu_count=os.cpu_count(), rows=[])
+    with tempfile.TemporaryDirectory() as tmp:
+        for i, (layers, mode) in enumerate((n, m) for n in args.layers for m in args.modes):
+            env = dict(os.environ, TORCHINDUCTOR_CACHE_DIR=os.path.join(tmp, f"inductor-{i}"))
+            cmd = [sys.executable, os.path.abspath(__file__), "--_child", str(layers), mode,
+                   "--tokens", str(args.tokens), "--backend", args.backend,
+                   "--device", args.device]
+            done = subprocess.run(cmd, env=env, capture_output=True, text=True)
+            if done.returncode:
+                print(f"{mode} at {layers} layers failed:\n{done.stderr[-3000:]}",
+                      file=sys.stderr)
+                return 1
+            row = json.loads(done.stdout.strip().splitlines()[-1])
+            print(json.dumps(row), flush=True)
+            doc["rows"].append(row)
+            if args.json:
+                timing.write_json(args.json, doc)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
