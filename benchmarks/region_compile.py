@@ -1,5 +1,9 @@
 """What compiling the layers as regions saves: compile time against depth, inline vs regions.
 
+``--what iteration`` times the engine's whole EAGLE iteration instead of one
+forward (`EagleEngine(compile_regions=...)`, one bucket, no CUDA graph): the
+first launch traces, compiles and runs it.
+
 One target forward (a prefill of ``--tokens`` tokens, `fa3_spec.eagle`'s
 models at the ``tiny`` preset's widths, ``--layers`` deep) compiled with
 ``torch.compile(fullgraph=True)`` and ``--backend`` two ways, each in a fresh
@@ -15,6 +19,7 @@ the eager forward (float32 on CPU; the model dtype and FA3 on CUDA). The ratio t
 and how each grows with depth.
 
     python3 benchmarks/region_compile.py --layers 2 8 32 --json benchmarks/results/region_compile_cpu.json
+    python3 benchmarks/region_compile.py --what iteration --layers 2 8 32 --json ...
 """
 
 from __future__ import annotations
@@ -31,7 +36,7 @@ import time
 import torch
 
 import fa3_spec
-from fa3_spec.eagle import KVPool, make_models, regions
+from fa3_spec.eagle import DEFAULT_SCRIPT, EagleEngine, KVPool, LoopConfig, make_models, regions
 
 import timing
 
@@ -80,12 +85,44 @@ def child(layers: int, mode: str, tokens: int, backend: str, device: str) -> dic
                 max_abs_diff_vs_eager=float((out.float() - eager.float()).abs().max()))
 
 
+def child_iteration(layers: int, mode: str, backend: str, device: str) -> dict:
+    """The engine's whole EAGLE iteration (P 2, topk 4, 3 steps, N 6, one bucket
+    of 1), compiled by `EagleEngine` with the layers inline or as regions."""
+    torch.manual_seed(0)
+    dtype = torch.float32 if device == "cpu" else None
+    models = make_models("tiny", draft="derived", num_layers=layers, dtype=dtype, device=device)
+    spec = fa3_spec.SpecConfig(page_size=2, topk=4, num_steps=3, num_draft_tokens=6, max_bs=1,
+                               max_context_len=64)
+    spec = dataclasses.replace(spec, num_pages=spec.pool_pages(2))
+    lc = LoopConfig(spec, max_new_tokens=24, backend="fa3" if device == "cuda" else "torch",
+                    scripted=DEFAULT_SCRIPT)
+    eng = EagleEngine(lc, models, buckets=[1], graphs=False, compile_backend=backend,
+                      compile_regions=mode == "regions", device=device)
+    eng.submit(list(range(1, 17)), 24)
+    eng.admit()
+
+    def timed():
+        start = time.perf_counter()
+        eng.launch(1)
+        if device == "cuda":
+            torch.cuda.synchronize()
+        return time.perf_counter() - start
+
+    first, second = timed(), timed()
+    return dict(what="iteration", layers=layers, mode=mode, backend=backend, device=device,
+                first_call_s=round(first, 2), second_call_s=round(second, 4),
+                frames=eng.runner.compile_counter.frame_count,
+                region_programs=regions.compiled_programs())
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--layers", type=int, nargs="+", default=[2, 8, 32])
     ap.add_argument("--modes", nargs="+", choices=["inline", "regions"],
                     default=["inline", "regions"])
+    ap.add_argument("--what", choices=["forward", "iteration"], default="forward",
+                    help="one target forward, or the engine's whole EAGLE iteration")
     ap.add_argument("--tokens", type=int, default=16)
     ap.add_argument("--backend", choices=regions.REGION_BACKENDS, default="inductor")
     ap.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
@@ -104,7 +141,11 @@ def main(argv=None) -> int:
         return 2
     if args._child:
         layers, mode = int(args._child[0]), args._child[1]
-        print(json.dumps(child(layers, mode, args.tokens, args.backend, args.device)))
+        if args.what == "iteration":
+            row = child_iteration(layers, mode, args.backend, args.device)
+        else:
+            row = child(layers, mode, args.tokens, args.backend, args.device)
+        print(json.dumps(row))
         return 0
     doc = dict(command="python3 benchmarks/region_compile.py " + " ".join(
                    sys.argv[1:] if argv is None else argv),
@@ -114,7 +155,7 @@ def main(argv=None) -> int:
             env = dict(os.environ, TORCHINDUCTOR_CACHE_DIR=os.path.join(tmp, f"inductor-{i}"))
             cmd = [sys.executable, os.path.abspath(__file__), "--_child", str(layers), mode,
                    "--tokens", str(args.tokens), "--backend", args.backend,
-                   "--device", args.device]
+                   "--device", args.device, "--what", args.what]
             done = subprocess.run(cmd, env=env, capture_output=True, text=True)
             if done.returncode:
                 print(f"{mode} at {layers} layers failed:\n{done.stderr[-3000:]}",
