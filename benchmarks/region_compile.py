@@ -127,12 +127,12 @@ def main(argv=None) -> int:
     ap.add_argument("--backend", choices=regions.REGION_BACKENDS, default="inductor")
     ap.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
     ap.add_argument("--smoke", action="store_true",
-                    help="CPU smoke run: 2 layers, the eager backend, 8 tokens")
+                    help="CPU smoke run: 2 layers as regions, the eager backend, 8 tokens")
     ap.add_argument("--json", metavar="PATH")
     ap.add_argument("--_child", nargs=2, default=None, help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
     if args.smoke:
-        args.layers, args.backend, args.tokens = [2], "eager", 8
+        args.layers, args.modes, args.backend, args.tokens = [2], ["regions"], "eager", 8
     if min(args.layers + [args.tokens]) < 1:
         print("--layers and --tokens must be >= 1", file=sys.stderr)
         return 2

@@ -54,9 +54,10 @@ def _traced(models, region_backend, t=9):
     return out, graphs[0].code, pool
 
 
-@pytest.mark.parametrize("region_backend", ["aot_eager", "eager"])
-def test_the_layers_are_region_ops_only_when_asked_and_compute_the_same(models, region_backend):
-    with_regions, code_on, pool_on = _traced(models, region_backend)
+def test_the_layers_are_region_ops_only_when_asked_and_compute_the_same(models):
+    """Eager regions (aot_eager's are checked against eager in the no-recompile
+    test below)."""
+    with_regions, code_on, pool_on = _traced(models, "eager")
     inline, code_off, pool_off = _traced(models, None)
     assert code_on.count("fa3_spec_eagle.decoder_layer") == models.num_target_layers
     assert "fa3_spec_eagle.decoder_layer" not in code_off
@@ -91,14 +92,14 @@ def _decode_inputs(models, batch, context=6):
 def test_one_program_serves_the_later_layers_and_every_batch(models):
     """Layer 0 (no delta to add) and layers 1.. are two programs; the same step
     at other batch sizes reuses them (the token and row dimensions are marked
-    dynamic): 2 graphs for 3 layers and 3 batch sizes. Each batch is its own
+    dynamic): 2 graphs for 3 layers and 2 batch sizes. Each batch is its own
     enclosing compile (static), so only the programs are shared."""
     m = models.with_compile_regions("aot_eager")
     before = regions.compiled_programs()
     stats = torch._dynamo.utils.counters["stats"]
     graphs = stats["unique_graphs"]
     outer = 0
-    for batch in (2, 3, 4):
+    for batch in (2, 4):
         tokens, pos, slots, md, pool = _decode_inputs(m, batch)
         fn = torch.compile(lambda kv: m.target_forward(tokens, pos, slots, md, kv,
                                                        backend="torch"),
@@ -263,9 +264,9 @@ def test_the_engine_choices_can_be_forced_and_bad_ones_are_refused(models):
 
 def test_an_engine_with_regions_under_a_dynamic_frame_is_exact_to_greedy(models):
     """An eager-backend iteration with eager regions (dynamo traces both),
-    buckets 1, 2 and 4 (the batch dimension symbolic in the outer frame): the
-    same tokens as greedy."""
-    eng = _engine(models, [1, 2, 4], "eager", compile_regions=True, max_new=6)
+    buckets 2 and 4 sharing one frame (the batch dimension symbolic in the
+    enclosing frame): the same tokens as greedy."""
+    eng = _engine(models, [2, 4], "eager", compile_regions=True, max_new=6)
     prompts = [[5, 9, 2, 7], [3, 1, 4, 1, 5, 9, 2, 6], [8]]
     rids = [eng.submit(p, 6) for p in prompts]
     got = eng.run()
