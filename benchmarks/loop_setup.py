@@ -1,10 +1,11 @@
 """The loop the benchmarks time: one config, a pool sized for it, random prompts.
 
 Shared by ``eagle_bench``, ``idle_breakdown``, ``sampling_bench``,
-``ancestors_bench`` and ``load_checkpoint`` (imported as ``loop_setup``, the
-way they import ``timing``), so that they size the pool and the context the
-same way. ``compile_modes`` and ``eagle_bench``'s capture-timing child keep
-their own (a context of 1024 + 400, which their committed rows used).
+``ancestors_bench``, ``load_checkpoint`` and ``region_compile`` (imported as
+``loop_setup``, the way they import ``timing``), so that they size the pool
+and the context the same way. ``compile_modes`` and ``eagle_bench``'s
+capture-timing child keep their own (a context of 1024 + 400, which their
+committed rows used).
 """
 
 from __future__ import annotations

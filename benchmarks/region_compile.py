@@ -36,9 +36,10 @@ import time
 import torch
 
 import fa3_spec
-from fa3_spec.eagle import DEFAULT_SCRIPT, EagleEngine, KVPool, LoopConfig, make_models, regions
+from fa3_spec.eagle import DEFAULT_SCRIPT, EagleEngine, KVPool, make_models, regions
 
 import timing
+from loop_setup import loop_config
 
 
 def child(layers: int, mode: str, tokens: int, backend: str, device: str) -> dict:
@@ -91,11 +92,8 @@ def child_iteration(layers: int, mode: str, backend: str, device: str) -> dict:
     torch.manual_seed(0)
     dtype = torch.float32 if device == "cpu" else None
     models = make_models("tiny", draft="derived", num_layers=layers, dtype=dtype, device=device)
-    spec = fa3_spec.SpecConfig(page_size=2, topk=4, num_steps=3, num_draft_tokens=6, max_bs=1,
-                               max_context_len=64)
-    spec = dataclasses.replace(spec, num_pages=spec.pool_pages(2))
-    lc = LoopConfig(spec, max_new_tokens=24, backend="fa3" if device == "cuda" else "torch",
-                    scripted=DEFAULT_SCRIPT)
+    lc = loop_config((2, 4, 3, 6), batch=1, context=16, max_new=24, pool_rows=2,
+                     backend="fa3" if device == "cuda" else "torch", scripted=DEFAULT_SCRIPT)
     eng = EagleEngine(lc, models, buckets=[1], graphs=False, compile_backend=backend,
                       compile_regions=mode == "regions", device=device)
     eng.submit(list(range(1, 17)), 24)

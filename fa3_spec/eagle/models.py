@@ -48,7 +48,7 @@ from typing import List, Optional, Protocol, Tuple, Union
 import torch
 
 from ..attention.kv_store import store_kv
-from .layer import LayerWeights, layer_body, rms_norm
+from .layer import LayerWeights, rms_norm
 from .regions import REGION_BACKENDS, decoder_layer_region
 from .vocab import log_prob_topk
 
@@ -204,23 +204,9 @@ def decoder_layer(shape: ModelShape, w: LayerWeights, x: torch.Tensor, cos: torc
     under ``eager`` and ``aot_eager``; under inductor the program's fused
     kernels round as inductor's inline code does, not bit for bit alike.
     """
-    x, delta = layer_call(shape, w, x, None, attn_in, cos, sin, slots, metadata, k_cache,
-                          v_cache, backend, num_splits, regions)
+    x, delta = decoder_layer_region(shape, w, x, None, attn_in, cos, sin, slots, metadata,
+                                    k_cache, v_cache, backend, num_splits, regions)
     return x + delta
-
-
-def layer_call(shape: ModelShape, w: LayerWeights, x: torch.Tensor,
-               delta: Optional[torch.Tensor], attn_in: Optional[torch.Tensor],
-               cos: torch.Tensor, sin: torch.Tensor, slots: torch.Tensor, metadata,
-               k_cache: torch.Tensor, v_cache: torch.Tensor, backend: str,
-               num_splits: Optional[int],
-               regions: Optional[str]) -> Tuple[torch.Tensor, torch.Tensor]:
-    """`layer_body` inline (``regions`` None) or as a compiled region."""
-    if not regions:  # None (or a False from before the field named a backend): inline
-        return layer_body(shape, w, x, delta, attn_in, cos, sin, slots, metadata, k_cache,
-                          v_cache, backend, num_splits)
-    return decoder_layer_region(shape, w, x, delta, attn_in, cos, sin, slots, metadata,
-                                k_cache, v_cache, backend, num_splits, regions)
 
 
 def _layer_slots(kv: "KVCache", slots: torch.Tensor) -> torch.Tensor:
@@ -277,8 +263,9 @@ class LlamaTarget:
         for i, w in enumerate(self.layers):
             if i in capture:
                 captured[i] = x if delta is None else x + delta
-            x, delta = layer_call(self.shape, w, x, delta, None, cos, sin, slots, metadata,
-                                  kv.k[i], kv.v[i], backend, num_splits, self.compile_regions)
+            x, delta = decoder_layer_region(self.shape, w, x, delta, None, cos, sin, slots,
+                                            metadata, kv.k[i], kv.v[i], backend, num_splits,
+                                            self.compile_regions)
         if delta is not None:
             x = x + delta
         if not capture:

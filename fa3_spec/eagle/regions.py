@@ -118,9 +118,10 @@ def decoder_layer_region(shape, w, x: torch.Tensor, delta: Optional[torch.Tensor
                          attn_in: Optional[torch.Tensor], cos: torch.Tensor, sin: torch.Tensor,
                          slots: torch.Tensor, metadata, k_cache: torch.Tensor,
                          v_cache: torch.Tensor, backend: str, num_splits: Optional[int],
-                         compiler: str) -> Tuple[torch.Tensor, torch.Tensor]:
-    """One decoder layer through the ``fa3_spec_eagle::decoder_layer`` op (while
-    an enclosing function is compiled; eagerly, `layer_body` itself).
+                         compiler: Optional[str]) -> Tuple[torch.Tensor, torch.Tensor]:
+    """One decoder layer through the ``fa3_spec_eagle::decoder_layer`` op while
+    an enclosing function is compiled; `layer_body` itself eagerly, or when
+    ``compiler`` is None (the layers inline).
 
     Args: as `fa3_spec.eagle.layer.layer_body` (``shape`` a `ModelShape`,
     ``w`` a `LayerWeights`, ``x [T, H]`` with ``delta [T, H]`` or None,
@@ -128,14 +129,14 @@ def decoder_layer_region(shape, w, x: torch.Tensor, delta: Optional[torch.Tensor
     [T]``, ``metadata`` an `FA3Metadata` or `CascadeMetadata`, this layer's
     ``k_cache, v_cache [num_pages, P, H_kv, D]``, the attention ``backend``
     and ``num_splits``), and ``compiler``, the region's ``torch.compile``
-    backend (one of `REGION_BACKENDS`).
+    backend (one of `REGION_BACKENDS`, or None: inline).
 
     Returns ``(x_mid, mlp_out)``, both ``[T, H]``: the layer's output is
     their sum. Writes the ``T`` tokens' K/V at ``slots``.
     """
-    if compiler not in REGION_BACKENDS:
+    if compiler and compiler not in REGION_BACKENDS:
         raise ValueError(f"compiler must be one of {REGION_BACKENDS}, got {compiler!r}")
-    if not torch.compiler.is_compiling():
+    if not compiler or not torch.compiler.is_compiling():  # (a False from before: inline)
         return layer_body(shape, w, x, delta, attn_in, cos, sin, slots, metadata, k_cache,
                           v_cache, backend, num_splits)
     md_tensors, md_statics = _encode_metadata(metadata)
@@ -160,7 +161,8 @@ def _decoder_layer_op(x: torch.Tensor, delta: Optional[torch.Tensor],
     with _LOCK:
         fn = _COMPILED.get(key)
         if fn is None:
-            fn = _COMPILED[key] = _compile_program(key, compiler, len(_COMPILED))
+            fn = _COMPILED[key] = _compile_program(len(_COMPILED), md_statics, dims, eps,
+                                                   backend, num_splits, compiler)
     # One dispatch state for every call, so the program's guards agree from
     # call to call: grad off, and below the view/in-place tracking key
     # (torch's private RAII guard; under inductor the kernel ran above it on
@@ -191,7 +193,8 @@ def _decoder_layer_fake(x, delta, attn_in, weights, cos, sin, slots, md_tensors,
     return x.new_empty(x.shape), x.new_empty(x.shape)
 
 
-def _compile_program(key: tuple, compiler: str, index: int):
+def _compile_program(index: int, md_statics: List[int], dims: List[int], eps: float,
+                     backend: str, num_splits: Optional[int], compiler: str):
     """``torch.compile(fullgraph=True)`` of one layer program
     (`fa3_spec.graphs.compile_fullgraph`: inductor gets the library's options).
 
@@ -200,8 +203,6 @@ def _compile_program(key: tuple, compiler: str, index: int):
     programs of one iteration (the first target layer, the others, each
     draft step's metadata) never evict one another.
     """
-    md_statics, dims, eps, backend, num_splits = key[0], key[1], key[2], key[3], key[4]
-
     shape = LayerShape(*dims, rms_eps=eps)
     statics = list(md_statics)
 
