@@ -8,9 +8,11 @@
   static   one frame per bucket.
 
 ``--layers``: the decoder layers as compiled regions (`fa3_spec.eagle.regions`,
-``EagleEngine(compile_regions=True)``: one compile of a layer serves every
-layer and bucket) or traced inline into the frame (the engine's default and
-this script's; the committed `compile_modes_h200.json` rows are inline).
+``EagleEngine(compile_regions=True)``, the engine's default under inductor:
+one compile of a layer serves every layer and bucket) or traced inline into
+the frame (this script's default, so that its committed command still makes
+the inline rows of `compile_modes_h200.json`; the regions' rows are in
+`compile_modes_regions_h200.json`).
 
 Per mode, in a fresh process each: compile + capture of ``--buckets`` (seconds
 per bucket), then ms per iteration (20 replays back to back after 3, synced
@@ -90,8 +92,9 @@ def main(argv=None) -> int:
                     help="skip the dynamic restart from the cold run's cache file")
     ap.add_argument("--num-layers", type=int, default=None)
     ap.add_argument("--layers", choices=["regions", "inline"], default="inline",
-                    help="the decoder layers traced inline (the engine's default) or as "
-                         "compiled regions (EagleEngine(compile_regions=True))")
+                    help="the decoder layers traced inline (this script's default) or as "
+                         "compiled regions (EagleEngine(compile_regions=True), the engine's "
+                         "default under inductor)")
     ap.add_argument("--json", metavar="PATH")
     ap.add_argument("--_child", nargs=2, default=None, help=argparse.SUPPRESS)
     args = ap.parse_args(argv)

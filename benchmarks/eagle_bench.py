@@ -576,8 +576,8 @@ def capture_timing(args) -> dict:
                    "--capture-buckets", *map(str, args.capture_buckets)]
             if args.num_layers:
                 cmd += ["--num-layers", str(args.num_layers)]
-            if args.compile_regions:
-                cmd += ["--compile-regions"]
+            if args.compile_regions is not None:
+                cmd += ["--compile-regions" if args.compile_regions else "--no-compile-regions"]
             done = subprocess.run(cmd, env=env, capture_output=True, text=True)
             if done.returncode:
                 raise SystemExit(f"capture {phase} failed:\n{done.stderr[-3000:]}")
@@ -637,9 +637,10 @@ def main(argv=None) -> int:
     ap.add_argument("--compile", default="auto", choices=list(COMPILE_BACKENDS),
                     help="torch.compile backend of (a), (b) and (c) alike (default: inductor on "
                          "CUDA, none on CPU)")
-    ap.add_argument("--compile-regions", action="store_true",
+    ap.add_argument("--compile-regions", action=argparse.BooleanOptionalAction, default=None,
                     help="the layers of (a), (b) and (c) as compiled regions "
-                         "(EagleEngine(compile_regions=True)) instead of inline")
+                         "(EagleEngine(compile_regions=True)) or inline; default: the "
+                         "engine's (regions under inductor)")
     ap.add_argument("--capture-buckets", type=int, nargs="+", default=None,
                     help="also time cold compile + capture of an engine with these buckets, and a "
                          "restart from its compile cache (fresh processes)")

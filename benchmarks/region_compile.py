@@ -20,6 +20,12 @@ and how each grows with depth.
 
     python3 benchmarks/region_compile.py --layers 2 8 32 --json benchmarks/results/region_compile_cpu.json
     python3 benchmarks/region_compile.py --what iteration --layers 2 8 32 --json ...
+
+``--restart`` (with ``--what iteration``): each cold row is followed by a
+restart, a fresh process with an empty inductor cache that loads the file of
+PyTorch's compile caches the cold run wrote (`EagleEngine(cache_path=)`);
+the rows count inductor's FX-graph cache hits and misses, so they show
+whether the region programs' compiles come back from the file too.
 """
 
 from __future__ import annotations
@@ -37,6 +43,7 @@ import torch
 
 import fa3_spec
 from fa3_spec.eagle import DEFAULT_SCRIPT, EagleEngine, KVPool, make_models, regions
+from fa3_spec.graphs import load_compile_cache, save_compile_cache
 
 import timing
 from loop_setup import loop_config
@@ -86,9 +93,16 @@ def child(layers: int, mode: str, tokens: int, backend: str, device: str) -> dic
                 max_abs_diff_vs_eager=float((out.float() - eager.float()).abs().max()))
 
 
-def child_iteration(layers: int, mode: str, backend: str, device: str) -> dict:
+def child_iteration(layers: int, mode: str, backend: str, device: str,
+                    cache: str = "") -> dict:
     """The engine's whole EAGLE iteration (P 2, topk 4, 3 steps, N 6, one bucket
-    of 1), compiled by `EagleEngine` with the layers inline or as regions."""
+    of 1), compiled by `EagleEngine` with the layers inline or as regions.
+    ``cache``: a file of PyTorch's compile caches, loaded before the first
+    launch and written after it (`fa3_spec.graphs.load_compile_cache` and
+    `save_compile_cache`: what `EagleEngine(cache_path=)` does around
+    `EagleEngine.capture`, which this uncaptured launch does not call)."""
+    from torch._dynamo.utils import counters
+
     torch.manual_seed(0)
     dtype = torch.float32 if device == "cpu" else None
     models = make_models("tiny", draft="derived", num_layers=layers, dtype=dtype, device=device)
@@ -106,11 +120,18 @@ def child_iteration(layers: int, mode: str, backend: str, device: str) -> dict:
             torch.cuda.synchronize()
         return time.perf_counter() - start
 
-    first, second = timed(), timed()
+    loaded = bool(cache) and load_compile_cache(cache)
+    first = timed()
+    if cache:
+        save_compile_cache(cache)
+    second = timed()
     return dict(what="iteration", layers=layers, mode=mode, backend=backend, device=device,
                 first_call_s=round(first, 2), second_call_s=round(second, 4),
                 frames=eng.runner.compile_counter.frame_count,
-                region_programs=regions.compiled_programs())
+                region_programs=regions.compiled_programs(),
+                dynamo_graphs=counters["stats"]["unique_graphs"], cache_loaded=loaded,
+                fxgraph_cache_hits=counters["inductor"]["fxgraph_cache_hit"],
+                fxgraph_cache_misses=counters["inductor"]["fxgraph_cache_miss"])
 
 
 def main(argv=None) -> int:
@@ -124,10 +145,13 @@ def main(argv=None) -> int:
     ap.add_argument("--tokens", type=int, default=16)
     ap.add_argument("--backend", choices=regions.REGION_BACKENDS, default="inductor")
     ap.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
+    ap.add_argument("--restart", action="store_true",
+                    help="with --what iteration: after each cold row, a fresh process (empty "
+                         "inductor cache) that loads the cold run's cache_path file")
     ap.add_argument("--smoke", action="store_true",
                     help="CPU smoke run: 2 layers as regions, the eager backend, 8 tokens")
     ap.add_argument("--json", metavar="PATH")
-    ap.add_argument("--_child", nargs=2, default=None, help=argparse.SUPPRESS)
+    ap.add_argument("--_child", nargs=3, default=None, help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
     if args.smoke:
         args.layers, args.modes, args.backend, args.tokens = [2], ["regions"], "eager", 8
@@ -137,10 +161,13 @@ def main(argv=None) -> int:
     if args.device == "cuda" and not torch.cuda.is_available():
         print("--device cuda needs CUDA", file=sys.stderr)
         return 2
+    if args.restart and args.what != "iteration":
+        print("--restart needs --what iteration", file=sys.stderr)
+        return 2
     if args._child:
-        layers, mode = int(args._child[0]), args._child[1]
+        layers, mode, cache = int(args._child[0]), args._child[1], args._child[2]
         if args.what == "iteration":
-            row = child_iteration(layers, mode, args.backend, args.device)
+            row = child_iteration(layers, mode, args.backend, args.device, cache)
         else:
             row = child(layers, mode, args.tokens, args.backend, args.device)
         print(json.dumps(row))
@@ -149,10 +176,14 @@ def main(argv=None) -> int:
                    sys.argv[1:] if argv is None else argv),
                torch=torch.__version__, cpu_count=os.cpu_count(), rows=[])
     with tempfile.TemporaryDirectory() as tmp:
-        for i, (layers, mode) in enumerate((n, m) for n in args.layers for m in args.modes):
+        phases = ["cold", "restart"] if args.restart else ["cold"]
+        plan = [(n, m, p) for n in args.layers for m in args.modes for p in phases]
+        for i, (layers, mode, phase) in enumerate(plan):
             env = dict(os.environ, TORCHINDUCTOR_CACHE_DIR=os.path.join(tmp, f"inductor-{i}"))
+            # The restart loads the file its cold run wrote (an empty string: no file).
+            cache = os.path.join(tmp, f"{layers}-{mode}.cache") if args.restart else ""
             cmd = [sys.executable, os.path.abspath(__file__), "--_child", str(layers), mode,
-                   "--tokens", str(args.tokens), "--backend", args.backend,
+                   cache, "--tokens", str(args.tokens), "--backend", args.backend,
                    "--device", args.device, "--what", args.what]
             done = subprocess.run(cmd, env=env, capture_output=True, text=True)
             if done.returncode:
@@ -160,6 +191,8 @@ def main(argv=None) -> int:
                       file=sys.stderr)
                 return 1
             row = json.loads(done.stdout.strip().splitlines()[-1])
+            if args.restart:
+                row["phase"] = phase
             print(json.dumps(row), flush=True)
             doc["rows"].append(row)
             if args.json:

@@ -225,14 +225,23 @@ def test_the_engine_shares_a_dynamic_frame_when_several_buckets_can(models, buck
                                                                    dynamic):
     eng = _engine(models, buckets, backend)
     assert eng.dynamic_batch is dynamic and eng.runner.dynamic_batch is dynamic
-    # The layers inline by default (regions are opt-in).
-    assert eng.compile_regions is False
-    assert eng.iteration_models.target.compile_regions is None
-    assert eng.iteration_models.draft.compile_regions is None
+    # Bucket 1 joins the frame (no 0/1 specialisation) where the batch is symbolic,
+    # except under inductor (its own frame there).
+    assert eng.runner.size_oblivious is (dynamic and backend in ("aot_eager", "eager"))
+    # The layers are regions under inductor by default, inline otherwise.
+    regions_on = backend == "inductor"
+    assert eng.compile_regions is regions_on
+    assert eng.iteration_models.target.compile_regions == ("inductor" if regions_on else None)
+    assert eng.iteration_models.draft.compile_regions == ("inductor" if regions_on else None)
     options = eng.runner.compile_counter.options
-    # Index propagation is off exactly for inductor with a symbolic batch.
+    # Index propagation is off exactly for inductor with a symbolic batch, and
+    # combo kernels too when the layers are regions there.
     assert options.get("constant_and_index_propagation", True) is not (
         dynamic and backend == "inductor")
+    assert options.get("combo_kernels", False) is not (dynamic and regions_on)
+    inline = _engine(models, buckets, backend, compile_regions=False)
+    assert inline.compile_regions is False
+    assert inline.iteration_models.target.compile_regions is None
 
 
 @pytest.mark.parametrize("backend", ["inductor", "aot_eager", "eager"])
@@ -264,14 +273,24 @@ def test_the_engine_choices_can_be_forced_and_bad_ones_are_refused(models):
 
 def test_an_engine_with_regions_under_a_dynamic_frame_is_exact_to_greedy(models):
     """An eager-backend iteration with eager regions (dynamo traces both),
-    buckets 2 and 4 sharing one frame (the batch dimension symbolic in the
-    enclosing frame): the same tokens as greedy."""
-    eng = _engine(models, [2, 4], "eager", compile_regions=True, max_new=6)
+    buckets 1, 2 and 4 sharing one frame (the batch dimension symbolic in the
+    enclosing frame, bucket 1 included): the same tokens as greedy, and
+    dynamo compiled the frame and each program once."""
+    regions.clear_programs()
+    assert regions.compiled_programs() == 0
+    stats = torch._dynamo.utils.counters["stats"]
+    graphs = stats["unique_graphs"]
+    eng = _engine(models, [1, 2, 4], "eager", compile_regions=True, max_new=4)
     prompts = [[5, 9, 2, 7], [3, 1, 4, 1, 5, 9, 2, 6], [8]]
-    rids = [eng.submit(p, 6) for p in prompts]
-    got = eng.run()
-    want = greedy_generate(models, prompts, [6] * len(prompts), page_size=2, backend="torch")
+    first = eng.submit(prompts[0], 4)
+    got = eng.run()  # alone: bucket 1
+    rids = [first] + [eng.submit(p, 4) for p in prompts]
+    got.update(eng.run())  # three at once: bucket 4
+    want = greedy_generate(models, prompts[:1] + prompts, [4] * 4, page_size=2, backend="torch")
     assert [got[r] for r in rids] == want
+    assert eng.runner.compile_counter.frame_count == 1
+    assert regions.compiled_programs() >= 2
+    assert stats["unique_graphs"] - graphs == 1 + regions.compiled_programs()
 
 
 def test_a_static_runner_stays_static_after_the_same_step_ran_at_another_batch():
@@ -301,3 +320,45 @@ def test_a_static_runner_stays_static_after_the_same_step_ran_at_another_batch()
     for bucket in (2, 5):  # the control: a dynamic runner does get the symbol
         runner(bucket, True)(x=torch.ones(bucket, 3))
     assert any(record), record
+
+
+def test_a_size_oblivious_runner_compiles_bucket_one_into_the_shared_frame():
+    """With ``size_oblivious`` a batch of 1 keeps the batch symbol: one frame
+    serves buckets 1, 2 and 4, and its results are those of the step. The
+    control, without it: bucket 1 is a frame of its own (dynamo's 0/1
+    specialisation)."""
+    from fa3_spec.graphs import CUDAGraphRunner
+    from helpers import symbol_recorder
+
+    def step(x, n):
+        return {"y": x.sum(-1, keepdim=True) * n + torch.arange(x.shape[0]).unsqueeze(-1)}
+
+    def example(bs):
+        return {"x": torch.zeros(bs, 3), "n": torch.zeros(bs, 1, dtype=torch.int64)}
+
+    for oblivious, frames in ((True, 1), (False, 2)):
+        torch._dynamo.reset()
+        record = []
+        runner = CUDAGraphRunner(step, example=example, buckets=[1, 2, 4], strategy="compile",
+                                 backend=symbol_recorder(record), size_oblivious=oblivious)
+        for bs in (4, 1, 2, 1):
+            x = torch.arange(bs * 3, dtype=torch.float32).view(bs, 3)
+            n = torch.arange(1, bs + 1).view(bs, 1)
+            torch.testing.assert_close(runner(x=x, n=n)["y"], step(x, n)["y"])
+        assert len(record) == frames and record[0], record  # the first frame: symbolic
+        if not oblivious:
+            assert record[1] == set(), record  # bucket 1's own frame: a constant batch
+
+
+def test_size_oblivious_needs_a_dynamic_compiled_step():
+    from fa3_spec.graphs import CUDAGraphRunner
+
+    def example(bs):
+        return {"x": torch.zeros(bs, 3)}
+
+    for kwargs in (dict(dynamic_batch=False, strategy="compile", backend="eager"),
+                   dict(strategy="eager", backend="eager"),
+                   dict(strategy="manual", backend=None)):
+        with pytest.raises(ValueError, match="size_oblivious=True needs dynamic_batch=True"):
+            CUDAGraphRunner(lambda x: {"y": x}, example=example, buckets=[1, 2],
+                            size_oblivious=True, **kwargs)

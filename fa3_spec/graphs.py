@@ -44,7 +44,7 @@ Two capture strategies:
 
 * ``"manual"`` (recommended): ``torch.compile(step, fullgraph=True)`` once,
   with the batch dimension marked dynamic so all buckets above 1 share one
-  compiled graph, then ``torch.cuda.graph`` capture per bucket into one
+  compiled graph (bucket 1 too with ``size_oblivious=True``), then ``torch.cuda.graph`` capture per bucket into one
   shared memory pool. Buffers and outputs have fixed addresses; metadata,
   FA3 and the merge replay with zero host work. Capture is explicit and
   happens once, at start-up.
@@ -81,6 +81,7 @@ building block, for any step an engine captures itself.
 
 from __future__ import annotations
 
+import functools
 import os
 import time
 from typing import Callable, Dict, List, NamedTuple, Optional, Sequence, Tuple
@@ -167,6 +168,21 @@ def compile_fullgraph(fn: Callable, *, backend="inductor", options: Optional[dic
     return torch.compile(fn, fullgraph=True, backend=backend, **kwargs)
 
 
+def _size_oblivious(compiled: Callable) -> Callable:
+    """``compiled`` called under ``backed_size_oblivious``: what dynamo traces
+    (and what the compiles nested in it trace) gets no 0/1 specialisation of
+    the sizes it marks dynamic. A config, so it acts while a call compiles;
+    a call that finds its frame compiled only runs the guards."""
+    from torch.fx.experimental import _config as shape_config
+
+    @functools.wraps(compiled)
+    def call(*args, **kwargs):
+        with shape_config.patch(backed_size_oblivious=True):
+            return compiled(*args, **kwargs)
+
+    return call
+
+
 class CUDAGraphRunner:
     """Capture ``step(**batch)`` per bucket; replay it with fresh batches.
 
@@ -184,6 +200,16 @@ class CUDAGraphRunner:
             compiled graph (``"manual"``, ``"compile"``); False compiles with
             ``dynamic=False``: one static frame per bucket, whatever was
             compiled before in the process.
+        size_oblivious: with ``dynamic_batch``, compile under PyTorch's
+            size-oblivious reasoning for backed sizes
+            (``torch.fx.experimental._config.backed_size_oblivious``, an
+            experimental PyTorch config): a batch of 1 gets the batch symbol
+            instead of dynamo's 0/1 specialisation, so bucket 1 shares the
+            frame with the others and the step is compiled once for every
+            bucket. The step is then traced as if no batch were 1: a step
+            that broadcasts its batch dimension against another would be
+            wrong at batch 1 (none of the library's steps does). Only the
+            calls of ``compiled_step`` run under the config.
         warmup: eager-compiled runs before each capture.
         cache_path: a file for PyTorch's compile caches: loaded (if it
             exists) before the first compile, written after `capture`, so a
@@ -205,8 +231,8 @@ class CUDAGraphRunner:
     def __init__(self, step: Callable, *,
                  example: Optional[Callable[[int], Dict[str, torch.Tensor]]] = None,
                  buckets: Sequence[int], strategy: str = "manual",
-                 backend: Optional[str] = "inductor", dynamic_batch: bool = True, warmup: int = 2,
-                 cache_path: Optional[str] = None, inductor_options: Optional[dict] = None,
+                 backend: Optional[str] = "inductor", dynamic_batch: bool = True,
+                 size_oblivious: bool = False, warmup: int = 2, cache_path: Optional[str] = None, inductor_options: Optional[dict] = None,
                  buffers: Optional[Callable[[int], Dict[str, torch.Tensor]]] = None):
         if strategy not in STRATEGIES:
             raise ValueError(f"strategy must be one of {STRATEGIES}, got {strategy!r}")
@@ -216,12 +242,19 @@ class CUDAGraphRunner:
             raise ValueError("give example= (runner-owned buffers) or buffers= (caller-owned)")
         if backend is None and strategy in ("reduce-overhead", "compile"):
             raise ValueError(f"strategy={strategy!r} compiles the step: backend must be given")
+        if size_oblivious and not (dynamic_batch and strategy in ("manual", "compile")
+                                   and backend is not None):
+            raise ValueError("size_oblivious=True needs dynamic_batch=True and a compiled "
+                             f"step (strategy 'manual' or 'compile' with a backend), got "
+                             f"dynamic_batch={dynamic_batch!r}, strategy={strategy!r}, "
+                             f"backend={backend!r}")
         self.step = step
         self.example = example if example is not None else buffers
         self.buffers = buffers
         self.buckets = sorted(set(buckets))
         self.strategy = strategy
         self.dynamic_batch = dynamic_batch
+        self.size_oblivious = size_oblivious
         self.warmup = warmup
         options = dict(INDUCTOR_OPTIONS if inductor_options is None else inductor_options)
         self.compile_counter = RecordingBackend(backend, options=options)
@@ -246,8 +279,9 @@ class CUDAGraphRunner:
             # A static runner says so (dynamic=False): dynamo would otherwise make
             # the batch symbolic by itself when the same step code was compiled
             # before at another batch, e.g. by an earlier runner of one bucket.
-            self.compiled_step = torch.compile(step, fullgraph=True, backend=self.compile_counter,
-                                               dynamic=None if dynamic_batch else False)
+            compiled = torch.compile(step, fullgraph=True, backend=self.compile_counter,
+                                     dynamic=None if dynamic_batch else False)
+            self.compiled_step = _size_oblivious(compiled) if size_oblivious else compiled
 
     @property
     def captured(self) -> bool:

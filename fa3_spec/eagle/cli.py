@@ -169,10 +169,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--compile", default="auto", choices=list(COMPILE_BACKENDS),
                    help="torch.compile backend of the iteration; 'none': no compile (with graphs: "
                         "eager capture, for debugging); default 'auto': inductor on CUDA, none on CPU")
-    p.add_argument("--compile-regions", action="store_true",
+    p.add_argument("--compile-regions", action=argparse.BooleanOptionalAction, default=None,
                    help="compile each decoder layer once as a region that every layer reuses "
                         "(fa3_spec.eagle.regions) instead of tracing the layers inline; needs "
-                        "--compile other than none")
+                        "--compile other than none; default: on under inductor")
     p.add_argument("--compile-cache", metavar="PATH", default=None,
                    help="file of PyTorch's compile caches: loaded before compiling, written after "
                         "capture (a restart skips most of inductor's work)")

@@ -159,21 +159,24 @@ class EagleEngine:
             first compile, written after `capture`), so a restarted process
             skips most of inductor's work.
         dynamic_batch: compile one frame, the batch dimension dynamic, for
-            every bucket above 1 (bucket 1 is always its own frame). None
-            (default): dynamic unless the backend is inductor with at most one
-            bucket above 1 (nothing to share, so each frame keeps its batch a
-            constant): fewer compiles for many buckets. The attribute
+            the buckets. Under ``aot_eager`` and ``eager`` bucket 1 shares it
+            (the runner's ``size_oblivious``: no 0/1 specialisation of the
+            batch); under inductor bucket 1 is a frame of its own, because
+            inductor 2.11 fails on size-oblivious sizes at ``llama3-8b``
+            shapes on the H200 ("CantSplit: 4096 not divisible by 4096*s10",
+            ``benchmarks/RESULTS.md``). None (default): dynamic unless the
+            backend is inductor with at most one bucket above 1 (nothing to
+            share, so each frame keeps its batch a constant). The attribute
             ``dynamic_batch`` says what was chosen.
         compile_regions: run each decoder layer of the compiled iteration as
             a compiled region (`fa3_spec.eagle.regions`: one compile of a
             layer, with the compile backend, serves every layer and bucket)
             instead of tracing the layers inline, so the compile does not
             grow with depth. Needs a compile backend and models with
-            ``with_compile_regions``. Default (None or False): the models as
-            given (the presets trace their layers inline); the regions are
-            opt-in until their inductor code is checked on the GPU
-            (``benchmarks/RESULTS.md``). ``iteration_models`` are the models
-            the iteration runs.
+            ``with_compile_regions``. None (default): regions under inductor
+            (measured on the H200 in ``benchmarks/RESULTS.md``: the same
+            tokens, a shorter compile, no slower an iteration), inline
+            otherwise. ``iteration_models`` are the models the iteration runs.
         device: where everything lives.
         seed: pool page shuffle.
         count_syncs: on CUDA, count synchronizing calls during each iteration
@@ -239,7 +242,9 @@ class EagleEngine:
         if compile_regions and not hasattr(models, "with_compile_regions"):
             raise ValueError(f"compile_regions=True needs models with with_compile_regions; "
                              f"{type(models).__name__} has none")
-        self.compile_regions = bool(compile_regions)
+        if compile_regions is None:
+            compile_regions = backend == "inductor" and hasattr(models, "with_compile_regions")
+        self.compile_regions = compile_regions
         step_models, options = models, None
         if compile_regions:
             step_models = models.with_compile_regions(backend)
@@ -249,6 +254,14 @@ class EagleEngine:
             # be None"). Measured on the H200 (benchmarks/RESULTS.md): the
             # same ms per iteration either way.
             options = {**INDUCTOR_OPTIONS, "constant_and_index_propagation": False}
+            if compile_regions:
+                # Around the region ops, inductor 2.11 (H200) groups a
+                # reduction over the symbolic batch into a combo kernel and
+                # fails ("Dynamic shape on reduction dimension is not
+                # supported"). Without combo kernels in this frame the
+                # iteration measured no slower (benchmarks/RESULTS.md); the
+                # regions' own programs keep them.
+                options["combo_kernels"] = False
         #: The models the iteration runs (their layers inline or as compiled regions).
         self.iteration_models = step_models
 
@@ -262,7 +275,9 @@ class EagleEngine:
         self.runner = CUDAGraphRunner(
             iteration, buckets=self.buckets, strategy=strategy,
             backend=None if backend == "none" else backend, buffers=self.bucket_state,
-            dynamic_batch=self.dynamic_batch, warmup=1, cache_path=cache_path,
+            dynamic_batch=self.dynamic_batch,
+            size_oblivious=self.dynamic_batch and backend not in ("none", "inductor"), warmup=1,
+            cache_path=cache_path,
             inductor_options=options)
         self._waiting: List[Request] = []
         self._slots: List[Optional[Request]] = [None] * self.max_bs

@@ -84,6 +84,13 @@ def compiled_programs() -> int:
     return len(_COMPILED)
 
 
+def clear_programs() -> None:
+    """Forget every compiled layer program: the next region call of each key
+    compiles it afresh (a graph captured before keeps the kernels it baked in)."""
+    with _LOCK:
+        _COMPILED.clear()
+
+
 def _encode_metadata(metadata) -> Tuple[List[torch.Tensor], List[int]]:
     """``metadata`` -> (its calls' tensors, ``[kind, *statics per call]``):
     kind 0 for an `FA3Metadata`, 1 for a `CascadeMetadata`."""
