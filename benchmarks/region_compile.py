@@ -9,9 +9,10 @@ models at the ``tiny`` preset's widths, ``--layers`` deep) compiled with
 ``torch.compile(fullgraph=True)`` and ``--backend`` two ways, each in a fresh
 process with an empty inductor cache:
 
-  inline   the layers traced into the forward's graph (the engine's default);
+  inline   the layers traced into the forward's graph;
   regions  each layer the ``fa3_spec_eagle::decoder_layer`` op, whose layer is
-           compiled once per program (`fa3_spec.eagle.regions`).
+           compiled once per program (`fa3_spec.eagle.regions`; the engine's
+           default under inductor).
 
 Per row: seconds of the first call (trace + compile + run), of the second
 call (run), the region programs compiled, and the largest difference from

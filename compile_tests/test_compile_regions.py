@@ -362,3 +362,6 @@ def test_size_oblivious_needs_a_dynamic_compiled_step():
         with pytest.raises(ValueError, match="size_oblivious=True needs dynamic_batch=True"):
             CUDAGraphRunner(lambda x: {"y": x}, example=example, buckets=[1, 2],
                             size_oblivious=True, **kwargs)
+    with pytest.raises(TypeError, match="size_oblivious must be a bool, got 'no'"):
+        CUDAGraphRunner(lambda x: {"y": x}, example=example, buckets=[1, 2], strategy="compile",
+                        backend="eager", size_oblivious="no")

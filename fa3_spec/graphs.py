@@ -44,8 +44,8 @@ Two capture strategies:
 
 * ``"manual"`` (recommended): ``torch.compile(step, fullgraph=True)`` once,
   with the batch dimension marked dynamic so all buckets above 1 share one
-  compiled graph (bucket 1 too with ``size_oblivious=True``), then ``torch.cuda.graph`` capture per bucket into one
-  shared memory pool. Buffers and outputs have fixed addresses; metadata,
+  compiled graph (bucket 1 too with ``size_oblivious=True``), then
+  ``torch.cuda.graph`` capture per bucket into one shared memory pool. Buffers and outputs have fixed addresses; metadata,
   FA3 and the merge replay with zero host work. Capture is explicit and
   happens once, at start-up.
 * ``"reduce-overhead"``: ``torch.compile(mode="reduce-overhead")`` and let
@@ -207,9 +207,13 @@ class CUDAGraphRunner:
             instead of dynamo's 0/1 specialisation, so bucket 1 shares the
             frame with the others and the step is compiled once for every
             bucket. The step is then traced as if no batch were 1: a step
-            that broadcasts its batch dimension against another would be
-            wrong at batch 1 (none of the library's steps does). Only the
-            calls of ``compiled_step`` run under the config.
+            that broadcasts its batch dimension against another, or branches
+            on the batch being 1, would run its batch >= 2 code at batch 1,
+            and nothing checks that at run time (none of the library's steps
+            does either). Only the calls of ``compiled_step`` run under the
+            config; in PyTorch versions whose config overrides are
+            process-wide, another thread compiling at the same time would
+            see it too.
         warmup: eager-compiled runs before each capture.
         cache_path: a file for PyTorch's compile caches: loaded (if it
             exists) before the first compile, written after `capture`, so a
@@ -232,7 +236,8 @@ class CUDAGraphRunner:
                  example: Optional[Callable[[int], Dict[str, torch.Tensor]]] = None,
                  buckets: Sequence[int], strategy: str = "manual",
                  backend: Optional[str] = "inductor", dynamic_batch: bool = True,
-                 size_oblivious: bool = False, warmup: int = 2, cache_path: Optional[str] = None, inductor_options: Optional[dict] = None,
+                 size_oblivious: bool = False, warmup: int = 2,
+                 cache_path: Optional[str] = None, inductor_options: Optional[dict] = None,
                  buffers: Optional[Callable[[int], Dict[str, torch.Tensor]]] = None):
         if strategy not in STRATEGIES:
             raise ValueError(f"strategy must be one of {STRATEGIES}, got {strategy!r}")
@@ -242,6 +247,8 @@ class CUDAGraphRunner:
             raise ValueError("give example= (runner-owned buffers) or buffers= (caller-owned)")
         if backend is None and strategy in ("reduce-overhead", "compile"):
             raise ValueError(f"strategy={strategy!r} compiles the step: backend must be given")
+        if not isinstance(size_oblivious, bool):
+            raise TypeError(f"size_oblivious must be a bool, got {size_oblivious!r}")
         if size_oblivious and not (dynamic_batch and strategy in ("manual", "compile")
                                    and backend is not None):
             raise ValueError("size_oblivious=True needs dynamic_batch=True and a compiled "

@@ -174,9 +174,9 @@ class EagleEngine:
             instead of tracing the layers inline, so the compile does not
             grow with depth. Needs a compile backend and models with
             ``with_compile_regions``. None (default): regions under inductor
-            (measured on the H200 in ``benchmarks/RESULTS.md``: the same
-            tokens, a shorter compile, no slower an iteration), inline
-            otherwise. ``iteration_models`` are the models the iteration runs.
+            (measured on the H200 in ``benchmarks/RESULTS.md``: greedy's
+            tokens in the frames checked, a shorter cold compile, no slower
+            an iteration), inline otherwise. ``iteration_models`` are the models the iteration runs.
         device: where everything lives.
         seed: pool page shuffle.
         count_syncs: on CUDA, count synchronizing calls during each iteration
@@ -258,9 +258,10 @@ class EagleEngine:
                 # Around the region ops, inductor 2.11 (H200) groups a
                 # reduction over the symbolic batch into a combo kernel and
                 # fails ("Dynamic shape on reduction dimension is not
-                # supported"). Without combo kernels in this frame the
-                # iteration measured no slower (benchmarks/RESULTS.md); the
-                # regions' own programs keep them.
+                # supported"). The options are the runner's, so bucket 1's
+                # static frame goes without combo kernels too; the
+                # iteration measured no slower at batch 1 or 8
+                # (benchmarks/RESULTS.md). The regions' own programs keep them.
                 options["combo_kernels"] = False
         #: The models the iteration runs (their layers inline or as compiled regions).
         self.iteration_models = step_models
@@ -276,7 +277,7 @@ class EagleEngine:
             iteration, buckets=self.buckets, strategy=strategy,
             backend=None if backend == "none" else backend, buffers=self.bucket_state,
             dynamic_batch=self.dynamic_batch,
-            size_oblivious=self.dynamic_batch and backend not in ("none", "inductor"), warmup=1,
+            size_oblivious=self.dynamic_batch and backend in ("aot_eager", "eager"), warmup=1,
             cache_path=cache_path,
             inductor_options=options)
         self._waiting: List[Request] = []

@@ -450,9 +450,10 @@ class SpecModel(Protocol):
     ``draft_logits``); ``vocab_size`` when absent. `EagleEngine` refuses a
     ``topk`` above it. ``with_compile_regions(backend) -> SpecModel``: the
     same model running its layers as compiled regions of ``backend`` (None:
-    inline); `EagleEngine(compile_regions=True)` calls it with the engine's
-    compile backend (`EagleModels.with_compile_regions`); a model without it
-    is compiled as it is.
+    inline); `EagleEngine` calls it with the engine's compile backend when
+    the regions are on (``compile_regions=True``, or the default under
+    inductor; `EagleModels.with_compile_regions`); a model without it is
+    compiled as it is.
     """
 
     hidden_size: int

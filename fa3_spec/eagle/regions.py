@@ -17,7 +17,10 @@ enclosing function is being compiled, each layer call is one
   The 31 target layers after the first share one program per forward. The
   token and row dimensions are marked dynamic, so a program serves every
   batch bucket above 1; bucket 1 (one row, a dimension of size 1, which
-  dynamo specialises) compiles each program once more;
+  dynamo specialises) compiles each program once more, unless it is called
+  under size-oblivious sizes (`fa3_spec.graphs.CUDAGraphRunner`'s
+  ``size_oblivious``, which the engine uses under ``aot_eager`` and
+  ``eager``);
 * under CUDA-graph capture the op's kernels are captured with the rest (the
   engine's warm-up call compiles every program before its capture), so a
   replay runs the layer's own compiled kernels with no Python.
@@ -54,6 +57,7 @@ Example (what `fa3_spec.eagle.models.LlamaTarget.forward` does with
 
 from __future__ import annotations
 
+import itertools
 import threading
 import types
 from typing import Dict, List, Optional, Tuple
@@ -76,10 +80,14 @@ _MD_STATICS = ("max_seqlen_q", "max_seqlen_k", "page_size", "causal", "window_le
 #: Compiled layer programs by their static key (filled on first call of each).
 _COMPILED: Dict[tuple, object] = {}
 _LOCK = threading.Lock()
+#: Program numbers, never reused (not even after `clear_programs`): each
+#: program's code object has its own name in dynamo's logs and caches.
+_PROGRAM_NUMBERS = itertools.count()
 
 
 def compiled_programs() -> int:
-    """How many layer programs this process has compiled (each is one
+    """How many layer programs this process holds: compiled since it
+    started or since the last `clear_programs` (each is one
     ``torch.compile`` of the layer, with its own dynamo cache entries)."""
     return len(_COMPILED)
 
@@ -168,8 +176,8 @@ def _decoder_layer_op(x: torch.Tensor, delta: Optional[torch.Tensor],
     with _LOCK:
         fn = _COMPILED.get(key)
         if fn is None:
-            fn = _COMPILED[key] = _compile_program(len(_COMPILED), md_statics, dims, eps,
-                                                   backend, num_splits, compiler)
+            fn = _COMPILED[key] = _compile_program(next(_PROGRAM_NUMBERS), md_statics, dims,
+                                                   eps, backend, num_splits, compiler)
     # One dispatch state for every call, so the program's guards agree from
     # call to call: grad off, and below the view/in-place tracking key
     # (torch's private RAII guard; under inductor the kernel ran above it on
