@@ -95,9 +95,10 @@ def child(layers: int, mode: str, tokens: int, backend: str, device: str) -> dic
 
 
 def child_iteration(layers: int, mode: str, backend: str, device: str,
-                    cache: str = "") -> dict:
-    """The engine's whole EAGLE iteration (P 2, topk 4, 3 steps, N 6, one bucket
-    of 1), compiled by `EagleEngine` with the layers inline or as regions.
+                    cache: str = "", config=(2, 4, 3, 6)) -> dict:
+    """The engine's whole EAGLE iteration (``config`` = P, topk, steps, N;
+    default 2, 4, 3, 6; one bucket of 1), compiled by `EagleEngine` with the
+    layers inline or as regions.
     ``cache``: a file of PyTorch's compile caches, loaded before the first
     launch and written after it (`fa3_spec.graphs.load_compile_cache` and
     `save_compile_cache`: what `EagleEngine(cache_path=)` does around
@@ -107,7 +108,7 @@ def child_iteration(layers: int, mode: str, backend: str, device: str,
     torch.manual_seed(0)
     dtype = torch.float32 if device == "cpu" else None
     models = make_models("tiny", draft="derived", num_layers=layers, dtype=dtype, device=device)
-    lc = loop_config((2, 4, 3, 6), batch=1, context=16, max_new=24, pool_rows=2,
+    lc = loop_config(config, batch=1, context=16, max_new=24, pool_rows=2,
                      backend="fa3" if device == "cuda" else "torch", scripted=DEFAULT_SCRIPT)
     eng = EagleEngine(lc, models, buckets=[1], graphs=False, compile_backend=backend,
                       compile_regions=mode == "regions", device=device)
@@ -127,7 +128,7 @@ def child_iteration(layers: int, mode: str, backend: str, device: str,
         save_compile_cache(cache)
     second = timed()
     return dict(what="iteration", layers=layers, mode=mode, backend=backend, device=device,
-                first_call_s=round(first, 2), second_call_s=round(second, 4),
+                config=list(config), first_call_s=round(first, 2), second_call_s=round(second, 4),
                 frames=eng.runner.compile_counter.frame_count,
                 region_programs=regions.compiled_programs(),
                 dynamo_graphs=counters["stats"]["unique_graphs"], cache_loaded=loaded,
@@ -146,6 +147,8 @@ def main(argv=None) -> int:
     ap.add_argument("--tokens", type=int, default=16)
     ap.add_argument("--backend", choices=regions.REGION_BACKENDS, default="inductor")
     ap.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
+    ap.add_argument("--config", default="2,4,3,6", metavar="P,K,S,N",
+                    help="with --what iteration: page size, topk, draft steps, draft tokens")
     ap.add_argument("--restart", action="store_true",
                     help="with --what iteration: after each cold row, a fresh process (empty "
                          "inductor cache) that loads the cold run's cache_path file")
@@ -165,10 +168,17 @@ def main(argv=None) -> int:
     if args.restart and args.what != "iteration":
         print("--restart needs --what iteration", file=sys.stderr)
         return 2
+    try:
+        config = tuple(int(x) for x in args.config.split(","))
+        loop_config(config, batch=1, context=16, max_new=24)  # validates the shape
+    except ValueError as exc:
+        print(f"--config must be P,K,S,N (four integers SpecConfig accepts): {exc}",
+              file=sys.stderr)
+        return 2
     if args._child:
         layers, mode, cache = int(args._child[0]), args._child[1], args._child[2]
         if args.what == "iteration":
-            row = child_iteration(layers, mode, args.backend, args.device, cache)
+            row = child_iteration(layers, mode, args.backend, args.device, cache, config)
         else:
             row = child(layers, mode, args.tokens, args.backend, args.device)
         print(json.dumps(row))
@@ -185,7 +195,7 @@ def main(argv=None) -> int:
             cache = os.path.join(tmp, f"{layers}-{mode}.cache") if args.restart else ""
             cmd = [sys.executable, os.path.abspath(__file__), "--_child", str(layers), mode,
                    cache, "--tokens", str(args.tokens), "--backend", args.backend,
-                   "--device", args.device, "--what", args.what]
+                   "--device", args.device, "--what", args.what, "--config", args.config]
             done = subprocess.run(cmd, env=env, capture_output=True, text=True)
             if done.returncode:
                 print(f"{mode} at {layers} layers failed:\n{done.stderr[-3000:]}",

@@ -40,3 +40,16 @@ def test_loop_config_refuses_a_config_without_four_values_and_zero_pool_rows():
         loop_setup.loop_config((2, 8, 5), batch=1, context=8, max_new=4)
     with pytest.raises(ValueError, match="max_reqs"):
         loop_setup.loop_config((2, 8, 5, 16), batch=1, context=8, max_new=4, pool_rows=0)
+
+
+@pytest.mark.parametrize("argv, says", [
+    (["--what", "iteration", "--config", "2,4,3"], "config must be (P, topk, steps, N)"),
+    (["--what", "iteration", "--config", "2,x,3,6"], "invalid literal"),
+    (["--what", "iteration", "--config", "0,4,3,6"], "page_size must be >= 1"),
+    (["--restart"], "--restart needs --what iteration"),
+])
+def test_region_compile_refuses_a_bad_invocation_with_exit_2(argv, says, capsys):
+    import region_compile
+
+    assert region_compile.main(argv) == 2
+    assert says in capsys.readouterr().err
