@@ -31,7 +31,6 @@ import argparse
 import dataclasses
 import json
 import os
-import subprocess
 import sys
 import tempfile
 import time
@@ -115,16 +114,12 @@ def main(argv=None) -> int:
         if args.restart and "dynamic" in args.modes:
             plan.append(("dynamic", cache, "restart"))
         for i, (mode, cache_file, phase) in enumerate(plan):
-            env = dict(os.environ, TORCHINDUCTOR_CACHE_DIR=os.path.join(tmp, f"inductor-{i}"))
             cmd = [sys.executable, os.path.abspath(__file__), "--_child", mode,
                    cache_file, "--buckets", *map(str, args.buckets),
                    "--time-batches", *map(str, timed), "--layers", args.layers]
             if args.num_layers:
                 cmd += ["--num-layers", str(args.num_layers)]
-            done = subprocess.run(cmd, env=env, capture_output=True, text=True)
-            if done.returncode:
-                raise SystemExit(f"{mode} failed:\n{done.stderr[-3000:]}")
-            row = json.loads(done.stdout.strip().splitlines()[-1])
+            row = timing.fresh_process_row(cmd, os.path.join(tmp, f"inductor-{i}"), mode)
             row["phase"] = phase
             runs.append(row)
             print(json.dumps(row), flush=True)

@@ -563,14 +563,12 @@ def capture_timing(args) -> dict:
     """Cold compile + capture of an engine with ``args.capture_buckets`` in a
     fresh process (its own empty inductor cache), then a restart: another
     fresh process that loads the first one's ``cache_path`` file."""
-    import subprocess
     import tempfile
 
     out = {}
     with tempfile.TemporaryDirectory() as tmp:
         cache = os.path.join(tmp, "eagle.cache")
         for phase in ("cold", "restart"):
-            env = dict(os.environ, TORCHINDUCTOR_CACHE_DIR=os.path.join(tmp, f"inductor-{phase}"))
             cmd = [sys.executable, os.path.abspath(__file__), "--capture-child", cache,
                    "--preset", args.preset, "--compile", args.compile, "--context", str(args.context),
                    "--capture-buckets", *map(str, args.capture_buckets)]
@@ -578,10 +576,8 @@ def capture_timing(args) -> dict:
                 cmd += ["--num-layers", str(args.num_layers)]
             if args.compile_regions is not None:
                 cmd += ["--compile-regions" if args.compile_regions else "--no-compile-regions"]
-            done = subprocess.run(cmd, env=env, capture_output=True, text=True)
-            if done.returncode:
-                raise SystemExit(f"capture {phase} failed:\n{done.stderr[-3000:]}")
-            out[phase] = json.loads(done.stdout.strip().splitlines()[-1])
+            out[phase] = timing.fresh_process_row(cmd, os.path.join(tmp, f"inductor-{phase}"),
+                                                  f"capture {phase}")
             print(f"capture {phase}: {out[phase]}", flush=True)
     return out
 

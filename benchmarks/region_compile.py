@@ -35,7 +35,6 @@ import argparse
 import dataclasses
 import json
 import os
-import subprocess
 import sys
 import tempfile
 import time
@@ -190,18 +189,13 @@ def main(argv=None) -> int:
         phases = ["cold", "restart"] if args.restart else ["cold"]
         plan = [(n, m, p) for n in args.layers for m in args.modes for p in phases]
         for i, (layers, mode, phase) in enumerate(plan):
-            env = dict(os.environ, TORCHINDUCTOR_CACHE_DIR=os.path.join(tmp, f"inductor-{i}"))
             # The restart loads the file its cold run wrote (an empty string: no file).
             cache = os.path.join(tmp, f"{layers}-{mode}.cache") if args.restart else ""
             cmd = [sys.executable, os.path.abspath(__file__), "--_child", str(layers), mode,
                    cache, "--tokens", str(args.tokens), "--backend", args.backend,
                    "--device", args.device, "--what", args.what, "--config", args.config]
-            done = subprocess.run(cmd, env=env, capture_output=True, text=True)
-            if done.returncode:
-                print(f"{mode} at {layers} layers failed:\n{done.stderr[-3000:]}",
-                      file=sys.stderr)
-                return 1
-            row = json.loads(done.stdout.strip().splitlines()[-1])
+            row = timing.fresh_process_row(cmd, os.path.join(tmp, f"inductor-{i}"),
+                                           f"{mode} at {layers} layers")
             if args.restart:
                 row["phase"] = phase
             print(json.dumps(row), flush=True)

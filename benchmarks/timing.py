@@ -22,6 +22,7 @@ from __future__ import annotations
 import json
 import os
 import statistics
+import subprocess
 import time
 
 import torch
@@ -105,6 +106,18 @@ def copy_leaves(static, fresh):
     """Copy ``fresh`` into the captured buffers ``static`` (the same pytree of tensors)."""
     for dst, src in zip(pytree.tree_leaves(static), pytree.tree_leaves(fresh)):
         dst.copy_(src)
+
+
+def fresh_process_row(cmd, inductor_cache_dir: str, what: str) -> dict:
+    """Run ``cmd`` (a child benchmark process) with ``inductor_cache_dir`` as
+    its inductor cache (a new folder: a cold compile) and return its last
+    stdout line parsed as JSON. A child that fails ends this process (exit 1)
+    with ``what`` and the tail of the child's stderr."""
+    env = dict(os.environ, TORCHINDUCTOR_CACHE_DIR=inductor_cache_dir)
+    done = subprocess.run(cmd, env=env, capture_output=True, text=True)
+    if done.returncode:
+        raise SystemExit(f"{what} failed:\n{done.stderr[-3000:]}")
+    return json.loads(done.stdout.strip().splitlines()[-1])
 
 
 def write_json(path, doc):

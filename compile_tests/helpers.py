@@ -109,20 +109,25 @@ def symbol_recorder(record: list, delegate="eager"):
     return backend
 
 
+def model_pool(models, spec, max_reqs: int):
+    """A CPU `KVPool` of ``spec`` for ``models``' shapes, one draft layer."""
+    from fa3_spec.eagle import KVPool
+
+    return KVPool(spec, max_reqs=max_reqs, target_layers=models.num_target_layers,
+                  draft_layers=1, num_kv_heads=models.num_kv_heads, head_dim=models.head_dim,
+                  dtype=models.dtype, device="cpu")
+
+
 def one_prompt_prefill(models, t: int, page_size: int = 1, bound: Optional[int] = None):
     """One request of ``t`` prompt tokens in a fresh pool of ``models``' shapes:
     ``(pool, slots [t] int64, prefill metadata)``, for a forward over the prompt.
     ``bound`` (default ``t``): the metadata's static query bound, so prompts of
     different lengths up to it share their static metadata."""
-    from fa3_spec.eagle import KVPool
-
     bound = t if bound is None else bound
     spec = fa3_spec.SpecConfig(page_size=page_size, topk=1, num_steps=2, num_draft_tokens=2,
                                max_bs=1, max_context_len=bound + 4)
     spec = dataclasses.replace(spec, num_pages=spec.pool_pages(1))
-    pool = KVPool(spec, max_reqs=1, target_layers=models.num_target_layers, draft_layers=1,
-                  num_kv_heads=models.num_kv_heads, head_dim=models.head_dim,
-                  dtype=models.dtype, device="cpu")
+    pool = model_pool(models, spec, 1)
     row = pool.allocate(t, 1)
     lens = torch.tensor([t])
     md = fa3_spec.build_prefill_metadata(spec, req_to_token=pool.req_to_token,

@@ -21,7 +21,7 @@ import torch
 
 import fa3_spec
 from fa3_spec.eagle import EagleEngine, LoopConfig, greedy_generate, make_models, regions
-from helpers import one_prompt_prefill
+from helpers import model_pool, one_prompt_prefill
 
 
 @pytest.fixture(scope="module")
@@ -73,14 +73,10 @@ def test_the_layers_are_region_ops_only_when_asked_and_compute_the_same(models):
 def _decode_inputs(models, batch, context=6):
     """A decode step of ``batch`` requests of ``context`` keys each: its metadata's
     statics do not depend on the batch. ``(tokens, positions, slots, md, pool)``."""
-    from fa3_spec.eagle import KVPool
-
     spec = fa3_spec.SpecConfig(page_size=2, topk=1, num_steps=2, num_draft_tokens=2, max_bs=4,
                                max_context_len=16)
     spec = dataclasses.replace(spec, num_pages=spec.pool_pages(4))
-    pool = KVPool(spec, max_reqs=4, target_layers=models.num_target_layers, draft_layers=1,
-                  num_kv_heads=models.num_kv_heads, head_dim=models.head_dim,
-                  dtype=models.dtype, device="cpu")
+    pool = model_pool(models, spec, 4)
     rows = torch.tensor([pool.allocate(context, 4) for _ in range(batch)])
     md = fa3_spec.build_decode_metadata(spec, req_to_token=pool.req_to_token,
                                         req_pool_indices=rows,

@@ -45,8 +45,9 @@ Two capture strategies:
 * ``"manual"`` (recommended): ``torch.compile(step, fullgraph=True)`` once,
   with the batch dimension marked dynamic so all buckets above 1 share one
   compiled graph (bucket 1 too with ``size_oblivious=True``), then
-  ``torch.cuda.graph`` capture per bucket into one shared memory pool. Buffers and outputs have fixed addresses; metadata,
-  FA3 and the merge replay with zero host work. Capture is explicit and
+  ``torch.cuda.graph`` capture per bucket into one shared memory pool.
+  Buffers and outputs have fixed addresses; metadata, FA3 and the merge
+  replay with zero host work. Capture is explicit and
   happens once, at start-up.
 * ``"reduce-overhead"``: ``torch.compile(mode="reduce-overhead")`` and let
   CUDA-graph trees record each bucket on first use. Less code, but recording

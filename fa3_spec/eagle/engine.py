@@ -176,7 +176,8 @@ class EagleEngine:
             ``with_compile_regions``. None (default): regions under inductor
             (measured on the H200 in ``benchmarks/RESULTS.md``: greedy's
             tokens in the frames checked, a shorter cold compile, no slower
-            an iteration), inline otherwise. ``iteration_models`` are the models the iteration runs.
+            an iteration), inline otherwise. ``iteration_models`` are the
+            models the iteration runs.
         device: where everything lives.
         seed: pool page shuffle.
         count_syncs: on CUDA, count synchronizing calls during each iteration
@@ -239,11 +240,12 @@ class EagleEngine:
             raise ValueError("compile_regions=True needs a compile backend, and this engine "
                              f"compiles nothing (compile_backend={compile_backend!r} on "
                              f"{self.device.type})")
-        if compile_regions and not hasattr(models, "with_compile_regions"):
+        can_regions = hasattr(models, "with_compile_regions")
+        if compile_regions and not can_regions:
             raise ValueError(f"compile_regions=True needs models with with_compile_regions; "
                              f"{type(models).__name__} has none")
         if compile_regions is None:
-            compile_regions = backend == "inductor" and hasattr(models, "with_compile_regions")
+            compile_regions = backend == "inductor" and can_regions
         self.compile_regions = compile_regions
         step_models, options = models, None
         if compile_regions:
