@@ -146,6 +146,23 @@ def test_the_metadata_crosses_the_op_whole(models):
         regions._encode_metadata({"page_table": md.page_table})
 
 
+def test_on_fa3_the_draft_steps_key_one_program(models):
+    """The draft steps' cascades differ only in the expand call's key bound
+    (one more draft token a step): on FA3 that is the same kernel call
+    (`fa3_equivalent_key_bound`), so they encode to one program key; on the
+    torch reference, which reads the bound, each step keeps its own. A
+    window keeps its bound on FA3 too."""
+    *_, md, _ = _prefill_inputs(models)
+    steps = [fa3_spec.CascadeMetadata(md, dataclasses.replace(md, max_seqlen_k=j, causal=False))
+             for j in (1, 2, 3, 4)]
+    keys = {fa3: {tuple(regions._encode_metadata(c, fa3=fa3)[1]) for c in steps}
+            for fa3 in (False, True)}
+    assert len(keys[False]) == 4 and len(keys[True]) == 1
+    windowed = [dataclasses.replace(c, expand=dataclasses.replace(c.expand, window_left=8))
+                for c in steps]
+    assert len({tuple(regions._encode_metadata(c, fa3=True)[1]) for c in windowed}) == 4
+
+
 @pytest.mark.parametrize("backend", ["aot_eager", "inductor"])
 def test_a_compiled_caller_runs_its_regions_again_without_any_recompile(models, backend):
     """The second call of a compiled forward with regions compiles nothing: the

@@ -4,7 +4,8 @@ Importing this package registers both custom ops, with their fakes:
 ``fa3_spec::fa3_paged_attention`` and ``fa3_spec::store_kv``.
 """
 
-from .cascade import BACKENDS, attention_call, cascade_attention, resolve_backend
+from .cascade import (BACKENDS, attention_call, cascade_attention, fa3_equivalent_key_bound,
+                      resolve_backend)
 from .fa3_op import default_num_splits, fa3_paged_attention
 from .kv_store import store_kv
 from .merge import add_attention_sink, merge_attention_states
@@ -21,6 +22,7 @@ __all__ = [
     "cascade_attention",
     "default_num_splits",
     "fa3_available",
+    "fa3_equivalent_key_bound",
     "fa3_paged_attention",
     "find_provider",
     "merge_attention_states",

@@ -17,7 +17,8 @@ import torch
 
 from .._validate import MAX_WINDOW
 from ..metadata import CascadeMetadata, FA3Metadata
-from .fa3_op import attention_out_dtype, default_num_splits, fa3_paged_attention
+from .fa3_op import (KEYS_PER_SPLIT, attention_out_dtype, default_num_splits,
+                     fa3_paged_attention)
 from .merge import add_attention_sink, merge_float
 from .providers import fa3_available, require
 from .reference import paged_attention_reference
@@ -276,6 +277,31 @@ def attention_call(
     lse = torch.where(has_keys, lse, float("-inf"))
     out = torch.where(has_keys.transpose(0, 1).unsqueeze(-1), out, 0)
     return out, lse
+
+
+def fa3_equivalent_key_bound(md: FA3Metadata, window_size: tuple = (-1, -1)) -> int:
+    """The largest ``max_seqlen_k`` that gives ``md`` the same FA3 call.
+
+    `attention_call` passes FA3 no key bound: on the ``"fa3"`` backend
+    ``md.max_seqlen_k`` only chooses the default split count (through
+    ``max_seqlen_k // KEYS_PER_SPLIT``, `default_num_splits`) and turns
+    window sides at least that long into "unbounded" (-1). So without a
+    window (``window_size`` ``(-1, -1)`` and ``md.window_left < 0``) every
+    bound in the same block of `KEYS_PER_SPLIT` keys makes the same kernel
+    call, with the same arguments and so the same output bit for bit; this
+    returns the block's last value, still an upper bound on
+    ``cache_seqlens``. With a window it returns ``md.max_seqlen_k``.
+
+    Example: bounds 1 to 127 all give 127 (one split unless ``num_splits``
+    says otherwise), 1000 gives 1023 (7 blocks of 128 keys either way).
+    `fa3_spec.eagle.regions` keys its compiled layer programs on it, so that
+    the draft steps, whose expand calls differ only in their bound (1, 2,
+    3, ... draft tokens), share one program. Not for the ``"torch"``
+    backend, which materialises ``max_seqlen_k`` keys per row.
+    """
+    if md.window_left >= 0 or tuple(window_size) != (-1, -1):
+        return md.max_seqlen_k
+    return (md.max_seqlen_k // KEYS_PER_SPLIT + 1) * KEYS_PER_SPLIT - 1
 
 
 def cascade_attention(

@@ -14,7 +14,9 @@ enclosing function is being compiled, each layer call is one
   in `fa3_spec.eagle.layer`), compiled once per *layer program*: the static
   facts of a call (the call structure of its attention metadata, the head
   shapes, the backend, which optional inputs it has, dtypes and device).
-  The 31 target layers after the first share one program per forward. The
+  The 31 target layers after the first share one program per forward; on
+  FA3 the draft steps share one too (their calls' key bounds differ, but
+  not the FA3 call they make: `fa3_equivalent_key_bound`). The
   token and row dimensions are marked dynamic, so a program serves every
   batch bucket above 1; bucket 1 (one row, a dimension of size 1, which
   dynamo specialises) compiles each program once more, unless it is called
@@ -64,6 +66,7 @@ from typing import Dict, List, Optional, Tuple
 
 import torch
 
+from ..attention import fa3_equivalent_key_bound, resolve_backend
 from ..graphs import compile_fullgraph
 from ..metadata import CascadeMetadata, FA3Metadata
 from .layer import LayerShape, LayerWeights, layer_body
@@ -99,9 +102,12 @@ def clear_programs() -> None:
         _COMPILED.clear()
 
 
-def _encode_metadata(metadata) -> Tuple[List[torch.Tensor], List[int]]:
+def _encode_metadata(metadata, fa3: bool = False) -> Tuple[List[torch.Tensor], List[int]]:
     """``metadata`` -> (its calls' tensors, ``[kind, *statics per call]``):
-    kind 0 for an `FA3Metadata`, 1 for a `CascadeMetadata`."""
+    kind 0 for an `FA3Metadata`, 1 for a `CascadeMetadata`. With ``fa3``
+    each call's ``max_seqlen_k`` is `fa3_equivalent_key_bound`'s: the same
+    FA3 call, so the draft steps (whose expand calls differ only in that
+    bound) share one program."""
     if isinstance(metadata, CascadeMetadata):
         kind = 1
     elif isinstance(metadata, FA3Metadata):
@@ -112,7 +118,10 @@ def _encode_metadata(metadata) -> Tuple[List[torch.Tensor], List[int]]:
     tensors, statics = [], [kind]
     for call in metadata.calls:
         tensors += [getattr(call, f) for f in _MD_TENSORS]
-        statics += [int(getattr(call, f)) for f in _MD_STATICS]
+        values = {f: int(getattr(call, f)) for f in _MD_STATICS}
+        if fa3:
+            values["max_seqlen_k"] = fa3_equivalent_key_bound(call)
+        statics += [values[f] for f in _MD_STATICS]
     return tensors, statics
 
 
@@ -154,7 +163,8 @@ def decoder_layer_region(shape, w, x: torch.Tensor, delta: Optional[torch.Tensor
     if not compiler or not torch.compiler.is_compiling():  # (a False from before: inline)
         return layer_body(shape, w, x, delta, attn_in, cos, sin, slots, metadata, k_cache,
                           v_cache, backend, num_splits)
-    md_tensors, md_statics = _encode_metadata(metadata)
+    md_tensors, md_statics = _encode_metadata(metadata,
+                                              fa3=resolve_backend(backend, x.device) == "fa3")
     dims = [shape.hidden_size, shape.num_heads, shape.num_kv_heads, shape.head_dim,
             shape.intermediate_size]
     return torch.ops.fa3_spec_eagle.decoder_layer(
