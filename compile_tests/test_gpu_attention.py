@@ -144,3 +144,57 @@ def test_whole_step_compiles_captures_and_replays(mode):
         err = _rel_err(out, want.float())
         assert err <= 1e-2 and out.data_ptr() == ptr
     _record("capture_replay", mode, err)
+
+
+def test_the_plan_fake_restates_fa3s_layout():
+    """`fa3_scheduler_plan`'s fake gives the real plan's size (FA3 refuses
+    a plan of another size; inductor asserts custom-op output sizes)."""
+    from fa3_spec.attention import fa3_scheduler_plan, plan_entries
+
+    cases = [(nq, causal, splits, d, (-1, -1)) for nq, causal, splits in
+             ((1, True, 1), (1, False, 8), (16, True, 4), (16, False, 1)) for d in (64, 128, 256)]
+    cases += [(nq, causal, 1, 128, w) for nq in (1, 16) for causal in (False, True)
+              for w in ((100, -1), (100, 0), (-1, 3), (319, -1))]
+    for rows in (1, 2, 3, 5, 8, 13, 64):
+        seqlens = torch.full((rows,), 300, dtype=torch.int32, device="cuda")
+        for nq, causal, splits, d, (left, right) in cases:
+            cu = torch.arange(0, (rows + 1) * nq, nq, dtype=torch.int32, device="cuda")
+            plan = fa3_scheduler_plan(seqlens, cu, nq, 320, HEADS, KV_HEADS, d, d,
+                                      torch.bfloat16, 16, causal, splits, False, left, right)
+            want = plan_entries(rows, causal=causal, max_seqlen_q=nq, max_seqlen_k=320,
+                                head_dim=d, window_left=left, window_right=right)
+            assert plan.dtype == torch.int32 and plan.shape == (want,), \
+                (rows, nq, causal, splits, d, left, right, plan.shape)
+
+
+@pytest.mark.parametrize("p, k", [(2, 8), (16, 4), (1, 1)])
+@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("splits", [None, 1, 4])
+def test_layers_sharing_a_plan_give_each_calls_own_bits(p, k, mode, splits):
+    """Three layers' attention over one forward's metadata, sharing the plans
+    of `fa3_plans`, eagerly and replayed from one CUDA graph that makes the
+    plans too: bit for bit the output and LSE of calls that plan for themselves."""
+    from fa3_spec.attention import fa3_plans
+
+    cfg = _case(p, k)
+    world = make_world(cfg, 6, seq_lens=[1, p, 77, 300, 0, 2 * p + 1], seed=p + k, device="cuda")
+    kc, vc = fill_kv_cache(world, num_kv_heads=KV_HEADS, head_dim=128, dtype=torch.bfloat16, seed=k)
+    steps = range(cfg.num_steps - 1) if mode == "draft_decode" else [0]
+    for step in steps:
+        md = build(mode, cfg, step=step, **world.mode_kwargs(mode))
+        q = torch.randn(num_queries(world, mode), HEADS, 128, device="cuda", dtype=torch.bfloat16)
+        kw = dict(backend="fa3", num_splits=splits, return_lse=True)
+        want = fa3_spec.cascade_attention(q, kc, vc, md, **kw)
+
+        def layers():
+            plans = fa3_plans(md, num_heads=HEADS, head_dim=128, k_cache=kc, v_cache=vc,
+                              num_splits=splits)
+            return [fa3_spec.cascade_attention(q, kc, vc, md, plans=plans, **kw)
+                    for _ in range(3)]
+
+        graph, captured = capture(layers, warmup=1)
+        graph.replay()
+        torch.cuda.synchronize()
+        for got in layers() + captured:
+            assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1]), (mode, step)
+    _record("shared_plan_bitwise", f"{mode} P={p} K={k} splits={splits}", 0.0)

@@ -1,16 +1,18 @@
 """Attention over fa3_spec metadata: the FA3 custom op, a torch reference, the merge.
 
-Importing this package registers both custom ops, with their fakes:
-``fa3_spec::fa3_paged_attention`` and ``fa3_spec::store_kv``.
+Importing this package registers the custom ops, with their fakes:
+``fa3_spec::fa3_paged_attention``, ``fa3_spec::fa3_scheduler_plan`` and
+``fa3_spec::store_kv``.
 """
 
 from .cascade import (BACKENDS, attention_call, cascade_attention, fa3_equivalent_key_bound,
-                      resolve_backend)
-from .fa3_op import default_num_splits, fa3_paged_attention
+                      fa3_plans, resolve_backend)
+from .fa3_op import default_num_splits, fa3_paged_attention, fa3_scheduler_plan, plan_entries
 from .kv_store import store_kv
 from .merge import add_attention_sink, merge_attention_states
 from .providers import (
-    FEATURES, fa3_available, find_provider, provider_features, provider_supports, provider_version,
+    FEATURES, fa3_available, find_provider, provider_features, provider_plans, provider_supports,
+    provider_version,
 )
 from .reference import paged_attention_reference, visible_keys
 
@@ -24,10 +26,14 @@ __all__ = [
     "fa3_available",
     "fa3_equivalent_key_bound",
     "fa3_paged_attention",
+    "fa3_plans",
+    "fa3_scheduler_plan",
     "find_provider",
     "merge_attention_states",
     "paged_attention_reference",
+    "plan_entries",
     "provider_features",
+    "provider_plans",
     "provider_supports",
     "provider_version",
     "resolve_backend",

@@ -13,7 +13,7 @@ from typing import Optional
 
 import torch
 
-from .providers import kvcache_forward
+from .providers import kvcache_forward, scheduler_planner
 
 
 def attention_out_dtype(q_dtype: torch.dtype) -> torch.dtype:
@@ -39,6 +39,7 @@ def fa3_paged_attention(
     q_descale: Optional[torch.Tensor] = None,
     k_descale: Optional[torch.Tensor] = None,
     v_descale: Optional[torch.Tensor] = None,
+    scheduler_metadata: Optional[torch.Tensor] = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """One FA3 varlen call over a paged KV cache (``flash_attn_with_kvcache``).
 
@@ -48,7 +49,9 @@ def fa3_paged_attention(
     names: ``softcap`` (0 = off), ``window_size = (window_left,
     window_right)`` (-1 = unbounded, bottom-right aligned), and for FP8 KV
     (``q`` and caches ``float8_e4m3fn``) the float32 ``[rows, H_kv]``
-    descales. Only arguments that differ from FA3's defaults are passed on,
+    descales. ``scheduler_metadata``: a plan from `fa3_scheduler_plan` made
+    with this call's arguments (None: FA3 plans inside the call, one extra
+    kernel). Only arguments that differ from FA3's defaults are passed on,
     so a provider that predates one still serves calls that do not use it.
 
     Returns ``out [total_q, H_q, Dv]`` (``q.dtype``; bf16 for FP8) and ``lse``
@@ -74,6 +77,8 @@ def fa3_paged_attention(
                         ("v_descale", v_descale)):
         if scale is not None:
             kw[name] = scale
+    if scheduler_metadata is not None:
+        kw["scheduler_metadata"] = scheduler_metadata
     out, lse, *_ = kvcache_forward()(q, k_cache, v_cache, **kw)
     return out, lse
 
@@ -83,7 +88,7 @@ def _fa3_paged_attention_fake(
     q, k_cache, v_cache, page_table, cache_seqlens, cu_seqlens_q,
     max_seqlen_q, softmax_scale, causal, num_splits,
     softcap=0.0, window_left=-1, window_right=-1,
-    q_descale=None, k_descale=None, v_descale=None,
+    q_descale=None, k_descale=None, v_descale=None, scheduler_metadata=None,
 ):
     if isinstance(num_splits, int) and num_splits < 1:  # a symbolic count is >= 1 by construction
         raise ValueError(f"num_splits must be an int >= 1, got {num_splits}")
@@ -91,6 +96,96 @@ def _fa3_paged_attention_fake(
     out = q.new_empty((total_q, heads, v_cache.shape[-1]), dtype=attention_out_dtype(q.dtype))
     lse = q.new_empty((heads, total_q), dtype=torch.float32)
     return out, lse
+
+
+def plan_entries(num_rows, *, causal: bool, max_seqlen_q: int, max_seqlen_k: int,
+                 head_dim: int, window_left: int = -1, window_right: int = -1):
+    """int32 entries of FA3's scheduler plan for a paged call of ``num_rows``
+    rows: a tile counter, then 2 per-row vectors, one more unless the call is
+    local (windowed), and one more if it is causal or local, each padded to a
+    multiple of 4 rows: ``1 + 3 * round_up(num_rows, 4)`` for a plain call,
+    ``1 + 4 * round_up(num_rows, 4)`` for a causal one.
+
+    "Causal" and "local" are FA3's own reading of the arguments, restated
+    here from its source (``get_scheduler_metadata``): a window side at
+    least the call's extent (``max_seqlen_k - 1`` keys left,
+    ``max_seqlen_q - 1`` queries right) is dropped; a one-query call with no
+    window is not causal unless ``64 < head_dim <= 128``; a causal call's
+    right window is 0; causal means no left window and a right window of 0,
+    local any other window.
+
+    This is FA3's internal layout, not an API. Measured on tokenspeed-fa3
+    3.0.0.post20260810 on the H200 at head_dim 128 without a window, 1-64
+    rows, 1 and 16 queries per row, 0, 1 and 8 splits
+    (``benchmarks/results/fa3_decode_calls_h200.json``,
+    ``compile_tests/test_gpu_attention.py``); the head-dim and window rules
+    are read from FA3's source, not yet measured. A wrong size fails loudly
+    under inductor, which asserts a custom op's output size; eagerly FA3
+    gets its own plan whatever this says. ``num_rows`` may be symbolic
+    (integer arithmetic only); the other arguments are static.
+    """
+    left = -1 if window_left >= max_seqlen_k - 1 else window_left
+    right = -1 if window_right >= max_seqlen_q - 1 else window_right
+    if max_seqlen_q == 1 and left == -1 and right == -1 and not 64 < head_dim <= 128:
+        causal = False
+    if causal:
+        right = 0
+    is_causal = left < 0 and right == 0
+    is_local = (left >= 0 or right >= 0) and not is_causal
+    vectors = 2 + (0 if is_local else 1) + (1 if is_causal or is_local else 0)
+    return 1 + vectors * ((num_rows + 3) // 4 * 4)
+
+
+@torch.library.custom_op("fa3_spec::fa3_scheduler_plan", mutates_args=())
+def fa3_scheduler_plan(
+    cache_seqlens: torch.Tensor,
+    cu_seqlens_q: torch.Tensor,
+    max_seqlen_q: int,
+    max_seqlen_k: int,
+    num_heads: int,
+    num_kv_heads: int,
+    head_dim: int,
+    head_dim_v: int,
+    qkv_dtype: torch.dtype,
+    page_size: int,
+    causal: bool,
+    num_splits: int,
+    has_softcap: bool = False,
+    window_left: int = -1,
+    window_right: int = -1,
+) -> torch.Tensor:
+    """FA3's scheduler plan (``get_scheduler_metadata``) for calls of one
+    shape: int32 ``[plan_entries(rows, ...)]``, ``rows =
+    cache_seqlens.shape[0]``.
+
+    Every `fa3_paged_attention` call with these arguments (the same
+    ``cache_seqlens``, ``cu_seqlens_q``, ``num_splits``, causality, window
+    and head shapes: the layers of one forward) may take it as its
+    ``scheduler_metadata`` instead of planning inside the call: one small
+    kernel per forward instead of one per layer. ``max_seqlen_k`` is the
+    bound FA3 takes from a paged call itself (page-table width times
+    ``page_size``), so the plan is the one the call would make. Build it
+    with `fa3_spec.attention.fa3_plans`, which takes these from the
+    metadata and the call.
+
+    The calls sharing a plan must run one after another on one stream (the
+    layers of a forward do): each resets and counts in its tile counter.
+    """
+    return scheduler_planner()(
+        cache_seqlens.shape[0], max_seqlen_q, max_seqlen_k, num_heads, num_kv_heads, head_dim,
+        cache_seqlens, qkv_dtype, headdim_v=head_dim_v, cu_seqlens_q=cu_seqlens_q,
+        page_size=page_size, causal=causal, window_size=(window_left, window_right),
+        has_softcap=has_softcap, num_splits=num_splits)
+
+
+@fa3_scheduler_plan.register_fake
+def _fa3_scheduler_plan_fake(cache_seqlens, cu_seqlens_q, max_seqlen_q, max_seqlen_k, num_heads,
+                             num_kv_heads, head_dim, head_dim_v, qkv_dtype, page_size, causal,
+                             num_splits, has_softcap=False, window_left=-1, window_right=-1):
+    size = plan_entries(cache_seqlens.shape[0], causal=causal, max_seqlen_q=max_seqlen_q,
+                        max_seqlen_k=max_seqlen_k, head_dim=head_dim, window_left=window_left,
+                        window_right=window_right)
+    return cache_seqlens.new_empty((size,), dtype=torch.int32)
 
 
 #: Fewest keys per split in `default_num_splits`.

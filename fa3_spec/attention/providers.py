@@ -101,6 +101,27 @@ def kvcache_forward() -> Callable:
     return found[1].flash_attn_with_kvcache
 
 
+def provider_plans() -> bool:
+    """True when the FA3 provider makes scheduler plans for calls to share
+    (``get_scheduler_metadata``; tokenspeed-fa3 does, sgl-kernel's does not).
+    A constant once the provider is found, so a compiled step may read it."""
+    found = find_provider()
+    return found is not None and hasattr(found[1], "get_scheduler_metadata")
+
+
+def scheduler_planner() -> Callable:
+    """The provider's ``get_scheduler_metadata`` (FA3's scheduler plan);
+    raises, naming the provider, if it has none."""
+    found = find_provider()
+    if found is None:
+        kvcache_forward()  # raises the no-provider error
+    if not provider_plans():
+        raise NotImplementedError(
+            f"the FA3 provider {_provider_label()} has no get_scheduler_metadata: call "
+            "cascade_attention without plans (check fa3_spec.attention.provider_plans())")
+    return found[1].get_scheduler_metadata
+
+
 # --- What a provider supports --------------------------------------------------
 #
 # FA3 builds differ in the per-layer arguments they compile in: the

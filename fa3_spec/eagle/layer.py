@@ -140,20 +140,22 @@ def layer_body(shape: LayerShape, w: LayerWeights, x: torch.Tensor,
                delta: Optional[torch.Tensor], attn_in: Optional[torch.Tensor],
                cos: torch.Tensor, sin: torch.Tensor, slots: torch.Tensor, metadata,
                k_cache: torch.Tensor, v_cache: torch.Tensor, backend: str,
-               num_splits: Optional[int]) -> Tuple[torch.Tensor, torch.Tensor]:
+               num_splits: Optional[int],
+               plans: Optional[tuple] = None) -> Tuple[torch.Tensor, torch.Tensor]:
     """One layer, its residual stream carried as ``(x, delta)``.
 
     The layer's input is ``x + delta`` (``delta`` None: ``x``). Returns
     ``(x_mid, mlp_out)``, the residual after attention and the MLP branch:
     the layer's output is ``x_mid + mlp_out``, which the next layer's
-    ``delta`` adds (`fa3_spec.eagle.regions` says why). Shapes and the other
-    arguments: `decoder_layer`.
+    ``delta`` adds (`fa3_spec.eagle.regions` says why). ``plans``: FA3
+    scheduler plans the forward's layers share (`fa3_spec.attention.fa3_plans`),
+    or None. Shapes and the other arguments: `decoder_layer`.
     """
     if delta is not None:
         x = x + delta
     q, k, v = attention_inputs(shape, w, x if attn_in is None else attn_in, cos, sin)
     store_kv(k_cache, v_cache, slots, k, v)
     attn = cascade_attention(q, k_cache, v_cache, metadata, backend=backend,
-                             num_splits=num_splits)
+                             num_splits=num_splits, plans=plans)
     x = x + attn.reshape(x.shape[0], -1) @ w.wo
     return x, mlp(shape, w, x)

@@ -47,6 +47,7 @@ from typing import List, Optional, Protocol, Tuple, Union
 
 import torch
 
+from ..attention import fa3_plans, provider_plans, resolve_backend
 from ..attention.kv_store import store_kv
 from .layer import LayerWeights, rms_norm
 from .regions import REGION_BACKENDS, decoder_layer_region
@@ -259,13 +260,20 @@ class LlamaTarget:
         x = self.embed[tokens.to(torch.int64).clamp(0, self.shape.vocab_size - 1)]
         cos, sin = self.rope.at(positions)
         slots = _layer_slots(kv, slots)
+        plans = None
+        if (len(self.layers) > 1 and resolve_backend(backend, x.device) == "fa3"
+                and provider_plans()):
+            # One FA3 scheduler plan per call, for every layer (fa3_plans).
+            plans = fa3_plans(metadata, num_heads=self.shape.num_heads,
+                              head_dim=self.shape.head_dim, k_cache=kv.k[0], v_cache=kv.v[0],
+                              num_splits=num_splits)
         captured, delta = {}, None
         for i, w in enumerate(self.layers):
             if i in capture:
                 captured[i] = x if delta is None else x + delta
             x, delta = decoder_layer_region(self.shape, w, x, delta, None, cos, sin, slots,
                                             metadata, kv.k[i], kv.v[i], backend, num_splits,
-                                            self.compile_regions)
+                                            self.compile_regions, plans)
         if delta is not None:
             x = x + delta
         if not capture:

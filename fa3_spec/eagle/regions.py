@@ -142,7 +142,8 @@ def decoder_layer_region(shape, w, x: torch.Tensor, delta: Optional[torch.Tensor
                          attn_in: Optional[torch.Tensor], cos: torch.Tensor, sin: torch.Tensor,
                          slots: torch.Tensor, metadata, k_cache: torch.Tensor,
                          v_cache: torch.Tensor, backend: str, num_splits: Optional[int],
-                         compiler: Optional[str]) -> Tuple[torch.Tensor, torch.Tensor]:
+                         compiler: Optional[str],
+                         plans: Optional[tuple] = None) -> Tuple[torch.Tensor, torch.Tensor]:
     """One decoder layer through the ``fa3_spec_eagle::decoder_layer`` op while
     an enclosing function is compiled; `layer_body` itself eagerly, or when
     ``compiler`` is None (the layers inline).
@@ -152,8 +153,10 @@ def decoder_layer_region(shape, w, x: torch.Tensor, delta: Optional[torch.Tensor
     ``attn_in [T, H_a]`` or None, ``cos, sin [T, D/2]``, int64 ``slots
     [T]``, ``metadata`` an `FA3Metadata` or `CascadeMetadata`, this layer's
     ``k_cache, v_cache [num_pages, P, H_kv, D]``, the attention ``backend``
-    and ``num_splits``), and ``compiler``, the region's ``torch.compile``
-    backend (one of `REGION_BACKENDS`, or None: inline).
+    and ``num_splits``), ``compiler``, the region's ``torch.compile``
+    backend (one of `REGION_BACKENDS`, or None: inline), and ``plans``, the
+    FA3 scheduler plans the forward's layers share
+    (`fa3_spec.attention.fa3_plans`) or None.
 
     Returns ``(x_mid, mlp_out)``, both ``[T, H]``: the layer's output is
     their sum. Writes the ``T`` tokens' K/V at ``slots``.
@@ -162,26 +165,27 @@ def decoder_layer_region(shape, w, x: torch.Tensor, delta: Optional[torch.Tensor
         raise ValueError(f"compiler must be one of {REGION_BACKENDS}, got {compiler!r}")
     if not compiler or not torch.compiler.is_compiling():  # (a False from before: inline)
         return layer_body(shape, w, x, delta, attn_in, cos, sin, slots, metadata, k_cache,
-                          v_cache, backend, num_splits)
+                          v_cache, backend, num_splits, plans)
     md_tensors, md_statics = _encode_metadata(metadata,
                                               fa3=resolve_backend(backend, x.device) == "fa3")
     dims = [shape.hidden_size, shape.num_heads, shape.num_kv_heads, shape.head_dim,
             shape.intermediate_size]
     return torch.ops.fa3_spec_eagle.decoder_layer(
-        x, delta, attn_in, w.as_list(), cos, sin, slots, md_tensors, k_cache, v_cache,
-        md_statics, dims, float(shape.rms_eps), backend, num_splits, compiler)
+        x, delta, attn_in, w.as_list(), cos, sin, slots, md_tensors, list(plans or ()),
+        k_cache, v_cache, md_statics, dims, float(shape.rms_eps), backend, num_splits, compiler)
 
 
 @torch.library.custom_op("fa3_spec_eagle::decoder_layer", mutates_args=("k_cache", "v_cache"))
 def _decoder_layer_op(x: torch.Tensor, delta: Optional[torch.Tensor],
                       attn_in: Optional[torch.Tensor], weights: List[torch.Tensor],
                       cos: torch.Tensor, sin: torch.Tensor, slots: torch.Tensor,
-                      md_tensors: List[torch.Tensor], k_cache: torch.Tensor,
-                      v_cache: torch.Tensor, md_statics: List[int], dims: List[int],
+                      md_tensors: List[torch.Tensor], plans: List[torch.Tensor],
+                      k_cache: torch.Tensor, v_cache: torch.Tensor,
+                      md_statics: List[int], dims: List[int],
                       eps: float, backend: str, num_splits: Optional[int],
                       compiler: str) -> Tuple[torch.Tensor, torch.Tensor]:
     key = (tuple(md_statics), tuple(dims), eps, backend, num_splits, compiler,
-           delta is not None, attn_in is not None, len(weights), str(x.device),
+           delta is not None, attn_in is not None, len(weights), len(plans), str(x.device),
            tuple(t.dtype for t in (x, cos, slots, k_cache, *weights, *md_tensors)))
     with _LOCK:
         fn = _COMPILED.get(key)
@@ -197,24 +201,33 @@ def _decoder_layer_op(x: torch.Tensor, delta: Optional[torch.Tensor],
         x, delta, attn_in, cos, sin, slots = (_dynamic_rows(t) for t in
                                               (x, delta, attn_in, cos, sin, slots))
         x_mid, mlp_out = fn(x, delta, attn_in, weights, cos, sin, slots,
-                            [_dynamic_rows(t) for t in md_tensors], k_cache, v_cache)
+                            [_dynamic_rows(t, ndim=t.dim()) for t in md_tensors],
+                            [_dynamic_rows(t) for t in plans], k_cache, v_cache)
     return x_mid, mlp_out
 
 
-def _dynamic_rows(t: Optional[torch.Tensor]) -> Optional[torch.Tensor]:
-    """A view of ``t`` whose first dimension dynamo treats as dynamic. A view,
-    so that the marking stays off the caller's tensor (a marked input would
-    fail the guards of the frame that compiled the caller)."""
+def _dynamic_rows(t: Optional[torch.Tensor], ndim: int = 1) -> Optional[torch.Tensor]:
+    """A view of ``t`` whose first ``ndim`` dimensions dynamo treats as
+    dynamic. A view, so that the marking stays off the caller's tensor (a
+    marked input would fail the guards of the frame that compiled the caller).
+
+    The metadata's tensors are marked in every dimension: the draft steps
+    share a program on FA3, and their expand call's page table grows by one
+    column a step (one column per draft token), so a static width would
+    compile the program once per step (measured: 3 extra compiles at 5 steps).
+    A width of 1 (the first step under ``ancestors``) is still specialised by
+    dynamo: one extra."""
     if t is None:
         return None
     alias = t.view(t.shape)
-    torch._dynamo.maybe_mark_dynamic(alias, 0)
+    for d in range(ndim):
+        torch._dynamo.maybe_mark_dynamic(alias, d)
     return alias
 
 
 @_decoder_layer_op.register_fake
-def _decoder_layer_fake(x, delta, attn_in, weights, cos, sin, slots, md_tensors, k_cache,
-                        v_cache, md_statics, dims, eps, backend, num_splits, compiler):
+def _decoder_layer_fake(x, delta, attn_in, weights, cos, sin, slots, md_tensors, plans,
+                        k_cache, v_cache, md_statics, dims, eps, backend, num_splits, compiler):
     return x.new_empty(x.shape), x.new_empty(x.shape)
 
 
@@ -231,10 +244,11 @@ def _compile_program(index: int, md_statics: List[int], dims: List[int], eps: fl
     shape = LayerShape(*dims, rms_eps=eps)
     statics = list(md_statics)
 
-    def program(x, delta, attn_in, weights, cos, sin, slots, md_tensors, k_cache, v_cache):
+    def program(x, delta, attn_in, weights, cos, sin, slots, md_tensors, plans, k_cache,
+                v_cache):
         return layer_body(shape, LayerWeights.from_list(weights), x, delta, attn_in, cos, sin,
                           slots, _decode_metadata(md_tensors, statics), k_cache, v_cache,
-                          backend, num_splits)
+                          backend, num_splits, tuple(plans) or None)
 
     name = f"decoder_layer_program_{index}"
     code = program.__code__.replace(co_name=name)
