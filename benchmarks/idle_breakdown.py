@@ -20,12 +20,16 @@ acceptance (``eagle_bench``'s), one bucket per engine, inductor + CUDA graph
     python3 benchmarks/idle_breakdown.py --configs 2,8,5,16 --batches 1 8 --decode \\
         --json benchmarks/results/idle_h200.json
 
+``--no-fa3-plans``: the target's FA3 calls each plan for themselves
+(``LlamaTarget.share_fa3_plans=False``), the A/B of the shared plans.
+
 Needs CUDA (exit 2 without it).
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import re
@@ -198,6 +202,9 @@ def main(argv=None) -> int:
     ap.add_argument("--num-layers", type=int, default=None)
     ap.add_argument("--configs", nargs="+", default=["2,8,5,16"], help="P,topk,steps,N")
     ap.add_argument("--batches", type=int, nargs="+", default=[1, 8])
+    ap.add_argument("--no-fa3-plans", dest="fa3_plans", action="store_false",
+                    help="each FA3 call plans for itself (LlamaTarget.share_fa3_plans=False), "
+                         "for an A/B against the shared plans")
     ap.add_argument("--context", type=int, default=1024)
     ap.add_argument("--iters", type=int, default=5, help="launches profiled back to back")
     ap.add_argument("--decode", action="store_true", help="also the plain decode step (c)")
@@ -217,11 +224,14 @@ def main(argv=None) -> int:
     from eagle_bench import greedy_segment
 
     models = make_models(args.preset, draft="random", device="cuda", num_layers=args.num_layers)
+    if not args.fa3_plans:
+        models = dataclasses.replace(
+            models, target=dataclasses.replace(models.target, share_fa3_plans=False))
     command = "python3 benchmarks/idle_breakdown.py " + " ".join(
         sys.argv[1:] if argv is None else argv)
     doc = dict(command=command, torch=torch.__version__, device=torch.cuda.get_device_name(),
                preset=args.preset, acceptance="scripted:" + ",".join(map(str, DEFAULT_SCRIPT)),
-               rows=[])
+               share_fa3_plans=args.fa3_plans, rows=[])
     for cfg in configs:
         for batch in args.batches:
             t0 = time.perf_counter()
