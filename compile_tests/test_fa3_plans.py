@@ -10,7 +10,7 @@ import torch
 import fa3_spec
 from fa3_spec.attention import cascade_attention, fa3_plans, plan_entries
 from fa3_spec.eagle import make_models
-from helpers import one_prompt_prefill
+from helpers import one_prompt_prefill, trace_only_backend
 
 PLAN, FA3, LAYER = ("fa3_spec.fa3_scheduler_plan", "fa3_spec.fa3_paged_attention",
                     "fa3_spec_eagle.decoder_layer")
@@ -46,14 +46,8 @@ def test_plan_entries_restate_fa3s_layout():
 def _graph(fn):
     """``fn`` traced whole by dynamo, never run (the FA3 ops have fakes only here)."""
     graphs = []
-
-    def record(gm, example_inputs):
-        graphs.append(gm)
-        outputs = len(gm.graph.output_node().args[0])
-        return lambda *args: [torch.empty(0)] * outputs
-
     torch._dynamo.reset()
-    torch.compile(fn, backend=record, fullgraph=True)()
+    torch.compile(fn, backend=trace_only_backend(graphs), fullgraph=True)()
     (gm,) = graphs
     return gm.graph
 
@@ -138,11 +132,6 @@ def test_one_layer_plans_inside_its_call_and_the_torch_backend_plans_nothing(mod
 
 def test_a_dynamic_batch_keeps_one_frame_with_a_symbolic_plan():
     graphs = []
-
-    def record(gm, example_inputs):
-        graphs.append(gm)
-        return lambda *args: [torch.empty(0)]
-
     k = torch.zeros(40, 2, 2, 64, dtype=torch.bfloat16)
 
     def call(cache_seqlens, cu_seqlens_q, page_table):
@@ -152,7 +141,7 @@ def test_a_dynamic_batch_keeps_one_frame_with_a_symbolic_plan():
         return plan
 
     torch._dynamo.reset()
-    compiled = torch.compile(call, backend=record, fullgraph=True)
+    compiled = torch.compile(call, backend=trace_only_backend(graphs), fullgraph=True)
     for bs in (3, 9, 40):
         t = [torch.ones(bs, dtype=torch.int32), torch.arange(bs + 1, dtype=torch.int32),
              torch.zeros(bs, 32, dtype=torch.int32)]

@@ -112,14 +112,12 @@ def provider_plans() -> bool:
 def scheduler_planner() -> Callable:
     """The provider's ``get_scheduler_metadata`` (FA3's scheduler plan);
     raises, naming the provider, if it has none."""
-    found = find_provider()
-    if found is None:
-        kvcache_forward()  # raises the no-provider error
     if not provider_plans():
+        kvcache_forward()  # raises the no-provider error where there is no provider
         raise NotImplementedError(
             f"the FA3 provider {_provider_label()} has no get_scheduler_metadata: call "
             "cascade_attention without plans (check fa3_spec.attention.provider_plans())")
-    return found[1].get_scheduler_metadata
+    return find_provider()[1].get_scheduler_metadata
 
 
 # --- What a provider supports --------------------------------------------------
