@@ -89,8 +89,10 @@ def test_one_program_serves_the_later_layers_and_every_batch(models):
     """Layer 0 (no delta to add) and layers 1.. are two programs; the same step
     at other batch sizes reuses them (the token and row dimensions are marked
     dynamic): 2 graphs for 3 layers and 2 batch sizes. Each batch is its own
-    enclosing compile (static), so only the programs are shared."""
-    m = models.with_compile_regions("aot_eager")
+    enclosing compile (static), so only the programs are shared. (Programs
+    under eager: the aot_eager and inductor programs are
+    test_a_compiled_caller_runs_its_regions_again_without_any_recompile's.)"""
+    m = models.with_compile_regions("eager")
     before = regions.compiled_programs()
     stats = torch._dynamo.utils.counters["stats"]
     graphs = stats["unique_graphs"]
@@ -218,9 +220,10 @@ def test_a_region_refuses_an_unknown_compiler(models):
                                      None, "cudagraphs")
 
 
-def _engine(models, buckets, backend, dynamic_batch=None, compile_regions=None, max_new=8):
-    spec = fa3_spec.SpecConfig(page_size=2, topk=4, num_steps=3, num_draft_tokens=6, max_bs=4,
-                               max_context_len=64)
+def _engine(models, buckets, backend, dynamic_batch=None, compile_regions=None, max_new=8,
+            topk=4, num_steps=3, num_draft_tokens=6):
+    spec = fa3_spec.SpecConfig(page_size=2, topk=topk, num_steps=num_steps,
+                               num_draft_tokens=num_draft_tokens, max_bs=4, max_context_len=64)
     spec = dataclasses.replace(spec, num_pages=spec.pool_pages(4))
     return EagleEngine(LoopConfig(spec, max_new_tokens=max_new, backend="torch"), models,
                        buckets=buckets, compile_backend=backend, dynamic_batch=dynamic_batch,
@@ -293,7 +296,9 @@ def test_an_engine_with_regions_under_a_dynamic_frame_is_exact_to_greedy(models)
     assert regions.compiled_programs() == 0
     stats = torch._dynamo.utils.counters["stats"]
     graphs = stats["unique_graphs"]
-    eng = _engine(models, [1, 2, 4], "eager", compile_regions=True, max_new=4)
+    # A small tree (topk 2, 2 steps): the cost is dynamo tracing the symbolic frame.
+    eng = _engine(models, [1, 2, 4], "eager", compile_regions=True, max_new=4, topk=2,
+                  num_steps=2, num_draft_tokens=3)
     prompts = [[5, 9, 2, 7], [3, 1, 4, 1, 5, 9, 2, 6], [8]]
     first = eng.submit(prompts[0], 4)
     got = eng.run()  # alone: bucket 1

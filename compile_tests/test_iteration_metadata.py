@@ -93,7 +93,7 @@ def test_two_configs_in_one_process_keep_every_config_field_static():
                        fullgraph=True, backend=symbol_recorder(record))
     base = make_world(fa3_spec.SpecConfig(page_size=2, topk=4, num_steps=5, num_draft_tokens=6,
                                           max_bs=8, max_context_len=40), 3, seed=1)
-    for steps, page_size in [(5, 2), (4, 2), (3, 2), (4, 1)]:
+    for steps, page_size in [(5, 2), (4, 2), (4, 1)]:
         cfg = fa3_spec.SpecConfig(page_size=page_size, topk=4, num_steps=steps,
                                   num_draft_tokens=6, max_bs=8, max_context_len=40)
         rows = base.req_pool_indices.view(-1, 1, 1)
@@ -106,5 +106,5 @@ def test_two_configs_in_one_process_keep_every_config_field_static():
         assert torch.utils._pytree.tree_flatten(got)[1] == torch.utils._pytree.tree_flatten(want)[1]
         for a, b in zip(torch.utils._pytree.tree_leaves(got), torch.utils._pytree.tree_leaves(want)):
             assert torch.equal(a, b)
-    assert len(record) == 4  # one graph per config
+    assert len(record) == 3  # one graph per config
     assert all(found == {"L['kw']['req_pool_indices'].size()[0]"} for found in record), record
