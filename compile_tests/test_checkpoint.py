@@ -676,10 +676,12 @@ def test_a_model_without_tokenizer_runs_the_token_workload(checkpoints, capsys):
 
 def test_the_iteration_with_an_eagle3_head_compiles_fullgraph_as_eager(eagle3):
     """Captures, the [embed; hidden] layer and d2t trace with no graph break and
-    no data-dependent op, and dynamo's graph (run by the eager backend: the
-    head adds no op that functionalisation could change, and
-    test_eagle_loop's iteration test runs the whole iteration under
-    aot_eager) equals eager."""
+    no data-dependent op, and dynamo's graph equals eager. The graph runs
+    under the eager backend (half the time of aot_eager): the head's own ops
+    (the captures' concatenation, the ``[embed; hidden]`` layer input, the
+    d2t gather) are pure, so functionalisation is not expected to change
+    them, which is not checked here; test_eagle_loop's iteration test runs
+    the whole iteration, with an EAGLE-1 head, under aot_eager."""
     from fa3_spec.eagle import eagle_iteration
     from fa3_spec.probes import RecordingBackend
 

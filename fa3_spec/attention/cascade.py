@@ -331,9 +331,10 @@ def fa3_plans(metadata: Union[FA3Metadata, CascadeMetadata], *, num_heads: int, 
     planning kernel per call instead of 32. Measured on the H200: the same
     outputs bit for bit; 1.7-1.8 us less per call for 32 decode calls in one
     graph (``benchmarks/results/fa3_decode_calls_h200.json``); an EAGLE
-    iteration 1.1% shorter at batch 1 (an A/B in one session,
-    ``benchmarks/RESULTS.md``), less than the planning kernels' time because
-    FA3 runs a small fill kernel per call handed a plan.
+    iteration 1.1% shorter at batch 1 (an A/B in one session, one run each,
+    ``benchmarks/RESULTS.md``): less than the planning kernels' time, which
+    mostly overlapped other kernels, and FA3 then launches a small fill
+    kernel per layer.
 
     Args: the forward's ``metadata``; its layers' query heads ``num_heads``
     and ``head_dim``; one layer's ``k_cache, v_cache [num_pages, P, H_kv,
