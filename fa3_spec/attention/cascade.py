@@ -17,8 +17,8 @@ import torch
 
 from .._validate import MAX_WINDOW
 from ..metadata import CascadeMetadata, FA3Metadata
-from .fa3_op import (KEYS_PER_SPLIT, attention_out_dtype, default_num_splits,
-                     fa3_paged_attention, fa3_scheduler_plan)
+from .fa3_op import (attention_out_dtype, default_num_splits, fa3_paged_attention,
+                     fa3_scheduler_plan, same_split_key_bound)
 from .merge import add_attention_sink, merge_float
 from .providers import fa3_available, find_provider, require
 from .reference import paged_attention_reference
@@ -363,13 +363,13 @@ def fa3_equivalent_key_bound(md: FA3Metadata, window_size: tuple = (-1, -1)) -> 
     """The largest ``max_seqlen_k`` that gives ``md`` the same FA3 call.
 
     `attention_call` passes FA3 no key bound: on the ``"fa3"`` backend
-    ``md.max_seqlen_k`` only chooses the default split count (through
-    ``max_seqlen_k // KEYS_PER_SPLIT``, `default_num_splits`) and turns
+    ``md.max_seqlen_k`` only chooses the default split count
+    (`default_num_splits`, which reads whole blocks of 128 keys) and turns
     window sides at least that long into "unbounded" (-1). So without a
     window (``window_size`` ``(-1, -1)`` and ``md.window_left < 0``) every
-    bound in the same block of `KEYS_PER_SPLIT` keys makes the same kernel
-    call, with the same arguments and so the same output bit for bit; this
-    returns the block's last value, still an upper bound on
+    bound in one such block makes the same kernel call, with the same
+    arguments and so the same output bit for bit; this returns the block's
+    last value (`fa3_op.same_split_key_bound`), still an upper bound on
     ``cache_seqlens``. With a window it returns ``md.max_seqlen_k``.
 
     Example: bounds 1 to 127 all give 127 (one split unless ``num_splits``
@@ -381,7 +381,7 @@ def fa3_equivalent_key_bound(md: FA3Metadata, window_size: tuple = (-1, -1)) -> 
     """
     if md.window_left >= 0 or tuple(window_size) != (-1, -1):
         return md.max_seqlen_k
-    return (md.max_seqlen_k // KEYS_PER_SPLIT + 1) * KEYS_PER_SPLIT - 1
+    return same_split_key_bound(md.max_seqlen_k)
 
 
 def cascade_attention(

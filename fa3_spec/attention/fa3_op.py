@@ -217,10 +217,23 @@ def default_num_splits(num_rows, num_kv_heads: int, max_seqlen_k: int, num_sms: 
     work = num_rows * num_kv_heads
     items = work + 1 // (work + 1)  # max(1, work) for work >= 0
     per_sm = num_sms // items
-    key_blocks = max_seqlen_k // KEYS_PER_SPLIT  # static
+    key_blocks = _key_blocks(max_seqlen_k)  # static
     if key_blocks == 0:
         return 1
     return _at_least_one(_min_static(_min_static(per_sm, 16), key_blocks))
+
+
+def _key_blocks(max_seqlen_k: int) -> int:
+    """All `default_num_splits` reads of the key bound: its whole blocks of
+    `KEYS_PER_SPLIT` keys."""
+    return max_seqlen_k // KEYS_PER_SPLIT
+
+
+def same_split_key_bound(max_seqlen_k: int) -> int:
+    """The largest key bound `default_num_splits` reads as ``max_seqlen_k``
+    (the last bound of its block of `KEYS_PER_SPLIT` keys): 1-127 give 127,
+    1000 gives 1023."""
+    return (_key_blocks(max_seqlen_k) + 1) * KEYS_PER_SPLIT - 1
 
 
 def _min_static(x, bound: int):

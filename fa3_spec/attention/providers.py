@@ -89,8 +89,8 @@ def fa3_available(device: Optional[torch.device] = None) -> bool:
     return _FOUND[key]
 
 
-def kvcache_forward() -> Callable:
-    """The provider's ``flash_attn_with_kvcache``; raises if none is found."""
+def _provider_module():
+    """The provider's module; raises if none is found."""
     found = find_provider()
     if found is None:
         raise RuntimeError(
@@ -98,7 +98,12 @@ def kvcache_forward() -> Callable:
             "(pip install 'fa3-spec[fa3]') or a flash-attn Hopper build, or use "
             "backend='torch'"
         )
-    return found[1].flash_attn_with_kvcache
+    return found[1]
+
+
+def kvcache_forward() -> Callable:
+    """The provider's ``flash_attn_with_kvcache``; raises if none is found."""
+    return _provider_module().flash_attn_with_kvcache
 
 
 def provider_plans() -> bool:
@@ -112,12 +117,12 @@ def provider_plans() -> bool:
 def scheduler_planner() -> Callable:
     """The provider's ``get_scheduler_metadata`` (FA3's scheduler plan);
     raises, naming the provider, if it has none."""
-    if not provider_plans():
-        kvcache_forward()  # raises the no-provider error where there is no provider
+    module = _provider_module()
+    if not hasattr(module, "get_scheduler_metadata"):
         raise NotImplementedError(
             f"the FA3 provider {_provider_label()} has no get_scheduler_metadata: call "
             "cascade_attention without plans (check fa3_spec.attention.provider_plans())")
-    return find_provider()[1].get_scheduler_metadata
+    return module.get_scheduler_metadata
 
 
 # --- What a provider supports --------------------------------------------------
