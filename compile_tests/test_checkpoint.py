@@ -459,6 +459,10 @@ def test_an_eagle3_head_loads_and_drafts_as_its_published_definition(eagle3):
     torch.testing.assert_close(models.draft_logits(h), want, rtol=0, atol=ATOL)
     logp, ids = models.draft_topk(h, 4)
     assert torch.equal(ids, hot[want.topk(4, dim=-1).indices])  # draft ids -> target ids
+    rows = torch.tensor([h.shape[0] - 1, 0])
+    logp_rows, ids_rows = models.draft_topk(h, 4, rows=rows)  # as the draft extend calls it
+    assert torch.equal(ids_rows, ids[rows])
+    torch.testing.assert_close(logp_rows, logp[rows], rtol=0, atol=1e-12)
     torch.testing.assert_close(logp, want.float().log_softmax(-1).topk(4, dim=-1).values,
                                rtol=0, atol=1e-5)
 

@@ -283,8 +283,30 @@ def test_empty_state_is_all_padding_and_an_iteration_on_it_writes_only_page_zero
     st = empty_state(eng.lc, models, 4, "cpu")
     new = eagle_iteration(eng.lc, models, pool.target_kv, pool.draft_kv, pool.req_to_token, st)
     assert (new["seq_lens"] == 0).all() and (new["out_len"] == 0).all()
+    assert (new["cand_tokens"] == 0).all() and (new["cand_scores"] == 0).all()
+    assert (new["draft_hidden"] == 0).all()
     assert torch.equal(pool.target_kv.k[:, 1:], before[0][:, 1:])
     assert torch.equal(pool.draft_kv.k[:, 1:], before[1][:, 1:])
+
+
+@pytest.mark.parametrize("final_norm", [True, False])
+def test_the_draft_head_scores_given_rows_as_it_scores_those_rows(final_norm):
+    """``draft_topk(h, k, rows=)`` (what the draft extend calls: the norm runs
+    over every row, then the rows are gathered) gives the numbers of
+    ``draft_topk(h[rows], k)``, with and without a final norm (EAGLE-1/2
+    heads have none); repeated rows included."""
+    models = models_for()
+    if not final_norm:
+        models = dataclasses.replace(models, draft=dataclasses.replace(models.draft, norm=None))
+    torch.manual_seed(1)
+    h = torch.randn(6, models.hidden_size, dtype=models.dtype) * 3
+    rows = torch.tensor([5, 0, 5, 2])
+    got = models.draft_topk(h, 4, rows=rows)
+    want = models.draft_topk(h[rows], 4)
+    assert torch.equal(got[1], want[1])
+    torch.testing.assert_close(got[0], want[0], rtol=0, atol=1e-12)
+    full = models.draft_topk(h, 4)
+    assert torch.equal(full[1][rows], got[1])
 
 
 def test_loop_config_rejects_impossible_trees():

@@ -161,10 +161,12 @@ class EagleEngine:
         dynamic_batch: compile one frame, the batch dimension dynamic, for
             the buckets. Under ``aot_eager`` and ``eager`` bucket 1 shares it
             (the runner's ``size_oblivious``: no 0/1 specialisation of the
-            batch); under inductor bucket 1 is a frame of its own, because
-            inductor 2.11 fails on size-oblivious sizes at ``llama3-8b``
-            shapes on the H200 ("CantSplit: 4096 not divisible by 4096*s10",
-            ``benchmarks/RESULTS.md``). None (default): dynamic unless the
+            batch); under inductor bucket 1 is a frame of its own: at
+            ``llama3-8b`` shapes on the H200, inductor 2.11's lowering of a
+            reshape between ``[B, K]`` and ``[B * K]`` guards the batch
+            against 1 even under size-oblivious sizes, so bucket 1 would
+            recompile the frame anyway, and the size-oblivious programs
+            compile slower (``benchmarks/RESULTS.md``). None (default): dynamic unless the
             backend is inductor with at most one bucket above 1 (nothing to
             share, so each frame keeps its batch a constant). The attribute
             ``dynamic_batch`` says what was chosen.

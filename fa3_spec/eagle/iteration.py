@@ -392,9 +392,13 @@ def extend_phase(lc: LoopConfig, models: SpecModel, draft_kv: KVCache,
     ext_slots = torch.where(owned, in_pool(ext_slots, cfg.page_size, cfg.num_pages), 0)
     h_ext = models.draft_forward(ext_tokens, ext_hidden, pos, ext_slots, md_ext, draft_kv,
                                  backend=lc.backend, num_splits=lc.num_splits)
-    last = (md_ext.cu_seqlens_q[1:].to(torch.int64) - 1).clamp(min=0)
+    last = (md_ext.cu_seqlens_q[1:].to(torch.int64) - 1).clamp(0, h_ext.shape[0] - 1)
     draft_hidden = torch.where(live.unsqueeze(1), h_ext[last], 0)
-    cand_scores, cand_tokens = models.draft_topk(draft_hidden, cfg.topk)
+    # The head scores h_ext's rows ``last`` itself (see `normed_rows`); a
+    # padding row's candidates are zeros, as in `empty_state`.
+    cand_scores, cand_tokens = models.draft_topk(h_ext, cfg.topk, rows=last)
+    cand_scores = torch.where(live.unsqueeze(1), cand_scores, 0)
+    cand_tokens = torch.where(live.unsqueeze(1), cand_tokens, 0)
 
     # 7. Output append, EOS / length stop; finished rows become padding.
     emit = torch.where(live, accepted + 1, 0)

@@ -210,6 +210,22 @@ def decoder_layer(shape: ModelShape, w: LayerWeights, x: torch.Tensor, cos: torc
     return x + delta
 
 
+def normed_rows(hidden: torch.Tensor, norm: Optional[torch.Tensor], eps: float,
+                rows: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """RMSNorm of ``hidden [T, H]`` (none if ``norm`` is None), then its int64
+    ``rows [R]`` if given (``[R, H]``; the caller keeps them in ``[0, T)``).
+
+    The norm runs over all ``T`` rows and the gather reads its output, not the
+    other way round: the norm is row-wise, so the numbers are those of
+    ``rms_norm(hidden[rows])``, but a gather read inside the norm's reduction
+    kernel is what inductor failed to compile with a size-oblivious batch
+    (``CantSplit``, ``benchmarks/RESULTS.md``). The extra rows cost one
+    pass over ``[T, H]``.
+    """
+    out = hidden if norm is None else rms_norm(hidden, norm, eps)
+    return out if rows is None else out[rows]
+
+
 def _layer_slots(kv: "KVCache", slots: torch.Tensor) -> torch.Tensor:
     return slots.to(torch.int64).clamp(0, kv.slots_per_layer - 1)
 
@@ -366,14 +382,16 @@ class EagleDraft:
         """The target's last-layer output ``[T, H]`` as this head reads it."""
         return target.final_norm(hidden) if self.normed_target else hidden
 
-    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        if self.norm is None:
-            return hidden @ self.lm_head
-        return rms_norm(hidden, self.norm, self.shape.rms_eps) @ self.lm_head
+    def logits(self, hidden: torch.Tensor, rows: Optional[torch.Tensor] = None) -> torch.Tensor:
+        """``[T, H] -> [T, V]`` (``[R, V]`` for the int64 ``rows [R]`` of
+        ``hidden``: `normed_rows`)."""
+        return normed_rows(hidden, self.norm, self.shape.rms_eps, rows) @ self.lm_head
 
-    def topk(self, hidden: torch.Tensor, k: int) -> Tuple[torch.Tensor, torch.Tensor]:
-        """``[T, H]`` -> the ``k`` best tokens: float32 log-probabilities and int64 ids."""
-        return log_prob_topk(self.logits(hidden), k)
+    def topk(self, hidden: torch.Tensor, k: int,
+             rows: Optional[torch.Tensor] = None) -> Tuple[torch.Tensor, torch.Tensor]:
+        """``[T, H]`` -> the ``k`` best tokens of each row (of each of ``rows``):
+        float32 log-probabilities and int64 ids."""
+        return log_prob_topk(self.logits(hidden, rows), k)
 
 
 @dataclasses.dataclass
@@ -432,14 +450,17 @@ class Eagle3Draft:
                              metadata, kv.k[0], kv.v[0], backend, num_splits, attn_in=attn_in,
                              regions=self.compile_regions)
 
-    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """``[T, H] -> [T, V_d]``: logits over the draft vocabulary."""
-        return rms_norm(hidden, self.norm, self.shape.rms_eps) @ self.lm_head
+    def logits(self, hidden: torch.Tensor, rows: Optional[torch.Tensor] = None) -> torch.Tensor:
+        """``[T, H] -> [T, V_d]``: logits over the draft vocabulary (``[R, V_d]``
+        for the int64 ``rows [R]`` of ``hidden``: `normed_rows`)."""
+        return normed_rows(hidden, self.norm, self.shape.rms_eps, rows) @ self.lm_head
 
-    def topk(self, hidden: torch.Tensor, k: int) -> Tuple[torch.Tensor, torch.Tensor]:
-        """The ``k`` best draft tokens: float32 log-probabilities (over ``V_d``)
-        and their *target* token ids (through ``d2t``)."""
-        logp, idx = log_prob_topk(self.logits(hidden), k)
+    def topk(self, hidden: torch.Tensor, k: int,
+             rows: Optional[torch.Tensor] = None) -> Tuple[torch.Tensor, torch.Tensor]:
+        """The ``k`` best draft tokens of each row (of each of ``rows``):
+        float32 log-probabilities (over ``V_d``) and their *target* token ids
+        (through ``d2t``)."""
+        logp, idx = log_prob_topk(self.logits(hidden, rows), k)
         return logp, self.d2t[idx]
 
 
@@ -489,7 +510,7 @@ class SpecModel(Protocol):
 
     def draft_input(self, features) -> torch.Tensor: ...
 
-    def draft_topk(self, hidden, k: int) -> Tuple[torch.Tensor, torch.Tensor]: ...
+    def draft_topk(self, hidden, k: int, rows=None) -> Tuple[torch.Tensor, torch.Tensor]: ...
 
 
 @dataclasses.dataclass
@@ -579,9 +600,11 @@ class EagleModels:
         """Target features (of `target_forward`) -> the draft's input ``[T, H]``."""
         return self.draft.input_from_target(self.target, features)
 
-    def draft_topk(self, hidden, k: int):
-        """``[T, H]`` -> ``(logp float32 [T, k], token ids int64 [T, k])``, target ids."""
-        return self.draft.topk(hidden, k)
+    def draft_topk(self, hidden, k: int, rows=None):
+        """``[T, H]`` -> ``(logp float32 [T, k], token ids int64 [T, k])``, target
+        ids; with int64 ``rows [R]`` (in range), those rows' ``[R, k]`` only
+        (the same numbers as ``draft_topk(hidden[rows], k)``)."""
+        return self.draft.topk(hidden, k, rows)
 
 
 def make_models(preset: str = "tiny", *, draft: str = "derived", alpha: float = 0.05,
