@@ -218,7 +218,12 @@ def _draft_steps(lc: LoopConfig, models: SpecModel, draft_kv: KVCache, view: Bat
         if steps is None:
             steps = build_draft_iteration_metadata(cfg, **batch, out_cache_loc=loc)
     tokens, scores = st["cand_tokens"], st["cand_scores"]
-    hidden = st["draft_hidden"].unsqueeze(1).expand(bs, k, models.hidden_size)
+    # Per leaf (request-major, [B * K]) values are row gathers by ``owner``,
+    # not reshapes of expanded [B, K] views: inductor's lowering of such a
+    # reshape guarded the batch against 1, so bucket 1 compiled a frame of
+    # its own.
+    owner = torch.arange(bs * k, device=tokens.device) // k  # request of each leaf
+    hidden = st["draft_hidden"][owner]
     leaf = torch.arange(k, device=tokens.device).expand(bs, k)  # candidate index of each leaf
     parent_branch = leaf  # of each leaf, in the previous step (unused at step 0)
     all_tokens, all_scores, all_parents = [tokens], [scores], [torch.full_like(tokens, -1)]
@@ -229,7 +234,7 @@ def _draft_steps(lc: LoopConfig, models: SpecModel, draft_kv: KVCache, view: Bat
             md = build_draft_decode_metadata(cfg, i, **batch, ancestor_slots=path, prefix=prefix)
         else:
             md = steps[i]
-        positions = (view.seq_lens + i).unsqueeze(1).expand(bs, k).reshape(-1)
+        positions = view.seq_lens[owner] + i
         out = models.draft_forward(tokens.reshape(-1), hidden.reshape(bs * k, -1), positions,
                                    loc[:, :, i].reshape(-1), md, draft_kv, backend=lc.backend,
                                    num_splits=lc.num_splits)
