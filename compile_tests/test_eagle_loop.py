@@ -290,23 +290,31 @@ def test_empty_state_is_all_padding_and_an_iteration_on_it_writes_only_page_zero
 
 
 @pytest.mark.parametrize("final_norm", [True, False])
-def test_the_draft_head_scores_given_rows_as_it_scores_those_rows(final_norm):
-    """``draft_topk(h, k, rows=)`` (what the draft extend calls: the norm runs
-    over every row, then the rows are gathered) gives the numbers of
-    ``draft_topk(h[rows], k)``, with and without a final norm (EAGLE-1/2
-    heads have none); repeated rows included."""
+def test_the_draft_head_scores_given_rows_as_it_scores_those_rows(final_norm, monkeypatch):
+    """``draft_topk(h, k, rows=)`` (what the draft extend calls) gives the
+    numbers of ``draft_topk(h[rows], k)``, with and without a final norm
+    (EAGLE-1/2 heads have none), repeated rows included; the norm runs over
+    every row of ``h`` and the rows are gathered after it (the order that
+    inductor compiles under size-oblivious sizes); a row out of range is
+    clamped, not read."""
     models = models_for()
     if not final_norm:
         models = dataclasses.replace(models, draft=dataclasses.replace(models.draft, norm=None))
     torch.manual_seed(1)
     h = torch.randn(6, models.hidden_size, dtype=models.dtype) * 3
     rows = torch.tensor([5, 0, 5, 2])
+    normed = []
+    real_norm = fa3_spec.eagle.models.rms_norm
+    monkeypatch.setattr(fa3_spec.eagle.models, "rms_norm",
+                        lambda x, *a: normed.append(x.shape[0]) or real_norm(x, *a))
     got = models.draft_topk(h, 4, rows=rows)
+    assert normed == ([6] if final_norm else [])
     want = models.draft_topk(h[rows], 4)
-    assert torch.equal(got[1], want[1])
-    torch.testing.assert_close(got[0], want[0], rtol=0, atol=1e-12)
+    assert torch.equal(got[1], want[1]) and torch.equal(got[0], want[0])
     full = models.draft_topk(h, 4)
     assert torch.equal(full[1][rows], got[1])
+    clamped = models.draft_topk(h, 4, rows=torch.tensor([-3, 9]))
+    assert torch.equal(clamped[1], full[1][[0, 5]])
 
 
 def test_loop_config_rejects_impossible_trees():

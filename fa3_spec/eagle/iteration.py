@@ -48,7 +48,8 @@ last emitted token, not yet in any cache) at position ``seq_len``:
 6. **Draft extend** (`build_draft_extend_metadata`) over the ``1 + accepted``
    new positions with EAGLE's shift: draft position ``p`` consumes the token
    at ``p + 1`` and the target feature at ``p``. Its last position gives the
-   new root's top-``K`` children and the feature for the next draft step.
+   new root's top-``K`` children and the feature for the next draft step
+   (a padding row's: zeros).
 7. **Output.** Append the emitted tokens to the device output buffer, stop
    at EOS or ``max_new_tokens``; a finished request becomes a padding row
    (``seq_len = 0``) that reads nothing and writes only slot 0.
@@ -219,9 +220,10 @@ def _draft_steps(lc: LoopConfig, models: SpecModel, draft_kv: KVCache, view: Bat
             steps = build_draft_iteration_metadata(cfg, **batch, out_cache_loc=loc)
     tokens, scores = st["cand_tokens"], st["cand_scores"]
     # Per leaf (request-major, [B * K]) values are row gathers by ``owner``,
-    # not reshapes of expanded [B, K] views: inductor's lowering of such a
-    # reshape guarded the batch against 1, so bucket 1 compiled a frame of
-    # its own.
+    # not reshapes of expanded [B, K] views: under size-oblivious sizes
+    # inductor's lowering of such a reshape guarded the batch against 1 on
+    # the H200 (one of the guards that give bucket 1 a frame of its own;
+    # others remain, benchmarks/RESULTS.md).
     owner = torch.arange(bs * k, device=tokens.device) // k  # request of each leaf
     hidden = st["draft_hidden"][owner]
     leaf = torch.arange(k, device=tokens.device).expand(bs, k)  # candidate index of each leaf

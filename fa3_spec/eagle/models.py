@@ -213,7 +213,8 @@ def decoder_layer(shape: ModelShape, w: LayerWeights, x: torch.Tensor, cos: torc
 def normed_rows(hidden: torch.Tensor, norm: Optional[torch.Tensor], eps: float,
                 rows: Optional[torch.Tensor] = None) -> torch.Tensor:
     """RMSNorm of ``hidden [T, H]`` (none if ``norm`` is None), then its int64
-    ``rows [R]`` if given (``[R, H]``; the caller keeps them in ``[0, T)``).
+    ``rows [R]`` if given (``[R, H]``; a row outside ``[0, T)`` is clamped
+    into it, so no value of ``rows`` reads out of range).
 
     The norm runs over all ``T`` rows and the gather reads its output, not the
     other way round: the norm is row-wise, so the numbers are those of
@@ -223,7 +224,7 @@ def normed_rows(hidden: torch.Tensor, norm: Optional[torch.Tensor], eps: float,
     pass over ``[T, H]``.
     """
     out = hidden if norm is None else rms_norm(hidden, norm, eps)
-    return out if rows is None else out[rows]
+    return out if rows is None else out[rows.clamp(0, out.shape[0] - 1)]
 
 
 def _layer_slots(kv: "KVCache", slots: torch.Tensor) -> torch.Tensor:
@@ -475,8 +476,11 @@ class SpecModel(Protocol):
     hidden states besides the last). The draft's outputs are ``[T,
     hidden_size]``; ``draft_topk`` gives its ``k`` best proposals as target
     token ids (a reduced draft vocabulary is mapped back here) with their
-    log-probabilities. Everything must trace under
-    ``torch.compile(fullgraph=True)`` and capture in a CUDA graph.
+    log-probabilities; with int64 ``rows [R]`` it scores only those rows
+    (``[R, k]``, the numbers of ``draft_topk(hidden[rows], k)``; the draft
+    extend passes them, so a model must accept the argument). Everything
+    must trace under ``torch.compile(fullgraph=True)`` and capture in a CUDA
+    graph.
 
     Optional: ``draft_vocab_size``, the tokens the draft head proposes from
     (a reduced-vocabulary head such as EAGLE-3's ``V_d``, the width of
@@ -510,7 +514,8 @@ class SpecModel(Protocol):
 
     def draft_input(self, features) -> torch.Tensor: ...
 
-    def draft_topk(self, hidden, k: int, rows=None) -> Tuple[torch.Tensor, torch.Tensor]: ...
+    def draft_topk(self, hidden, k: int,
+                   rows: Optional[torch.Tensor] = None) -> Tuple[torch.Tensor, torch.Tensor]: ...
 
 
 @dataclasses.dataclass
@@ -600,10 +605,10 @@ class EagleModels:
         """Target features (of `target_forward`) -> the draft's input ``[T, H]``."""
         return self.draft.input_from_target(self.target, features)
 
-    def draft_topk(self, hidden, k: int, rows=None):
+    def draft_topk(self, hidden, k: int, rows: Optional[torch.Tensor] = None):
         """``[T, H]`` -> ``(logp float32 [T, k], token ids int64 [T, k])``, target
-        ids; with int64 ``rows [R]`` (in range), those rows' ``[R, k]`` only
-        (the same numbers as ``draft_topk(hidden[rows], k)``)."""
+        ids; with int64 ``rows [R]``, those rows' ``[R, k]`` only (the same
+        numbers as ``draft_topk(hidden[rows], k)``; `normed_rows`)."""
         return self.draft.topk(hidden, k, rows)
 
 
