@@ -219,8 +219,9 @@ def _draft_steps(lc: LoopConfig, models: SpecModel, draft_kv: KVCache, view: Bat
         if steps is None:
             steps = build_draft_iteration_metadata(cfg, **batch, out_cache_loc=loc)
     tokens, scores = st["cand_tokens"], st["cand_scores"]
-    # Per leaf (request-major, [B * K]) values are row gathers by ``owner``,
-    # not reshapes of expanded [B, K] views: under size-oblivious sizes
+    # The first step's hidden state and every step's positions, per leaf
+    # (request-major, [B * K]), are row gathers by ``owner``, not reshapes of
+    # expanded [B, K] views: under size-oblivious sizes
     # inductor's lowering of such a reshape guarded the batch against 1 on
     # the H200 (one of the guards that give bucket 1 a frame of its own;
     # others remain, benchmarks/RESULTS.md).
@@ -400,12 +401,13 @@ def extend_phase(lc: LoopConfig, models: SpecModel, draft_kv: KVCache,
     h_ext = models.draft_forward(ext_tokens, ext_hidden, pos, ext_slots, md_ext, draft_kv,
                                  backend=lc.backend, num_splits=lc.num_splits)
     last = (md_ext.cu_seqlens_q[1:].to(torch.int64) - 1).clamp(0, h_ext.shape[0] - 1)
-    draft_hidden = torch.where(live.unsqueeze(1), h_ext[last], 0)
+    live_row = live.unsqueeze(1)
+    draft_hidden = torch.where(live_row, h_ext[last], 0)
     # The head scores h_ext's rows ``last`` itself (see `normed_rows`); a
     # padding row's candidates are zeros, as in `empty_state`.
     cand_scores, cand_tokens = models.draft_topk(h_ext, cfg.topk, rows=last)
-    cand_scores = torch.where(live.unsqueeze(1), cand_scores, 0)
-    cand_tokens = torch.where(live.unsqueeze(1), cand_tokens, 0)
+    cand_scores = torch.where(live_row, cand_scores, 0)
+    cand_tokens = torch.where(live_row, cand_tokens, 0)
 
     # 7. Output append, EOS / length stop; finished rows become padding.
     emit = torch.where(live, accepted + 1, 0)
