@@ -17,7 +17,9 @@ the inline rows of `compile_modes_h200.json`; the regions' rows are in
 Per mode, in a fresh process each: compile + capture of ``--buckets`` (seconds
 per bucket), then ms per iteration (20 replays back to back after 3, synced
 at both ends: launch throughput, not `timing`'s drained per-call wall) at each of
-``--time-batches``, scripted acceptance, `llama3-8b` shapes, P 2 / topk 8 /
+``--time-batches`` (in the smallest bucket that holds the batch, the rest
+padding rows; and again in the next bucket up, what padding costs),
+scripted acceptance, `llama3-8b` shapes, P 2 / topk 8 /
 5 steps / N 16, context 1024. ``--restart`` adds a second dynamic process
 that loads the first one's compile cache file (`cache_path=`).
 
@@ -43,14 +45,25 @@ from fa3_spec.eagle import DEFAULT_SCRIPT, EagleEngine, LoopConfig, make_models,
 import timing
 
 
+def _ms_per_iteration(eng: EagleEngine, bucket: int, warmup: int = 3, iters: int = 20) -> float:
+    for _ in range(warmup):
+        eng.launch(bucket)
+    torch.cuda.synchronize()
+    start = time.perf_counter()
+    for _ in range(iters):
+        eng.launch(bucket)
+    torch.cuda.synchronize()
+    return round(1e3 * (time.perf_counter() - start) / iters, 3)
+
+
 def child(mode: str, cache: str, buckets, timed, num_layers, compile_regions: bool) -> dict:
     torch.manual_seed(0)
     models = make_models("llama3-8b", draft="random", device="cuda", num_layers=num_layers)
     spec = fa3_spec.SpecConfig(page_size=2, topk=8, num_steps=5, num_draft_tokens=16,
-                               max_bs=max(buckets), max_context_len=1024 + 400)
+                               max_bs=max(buckets), max_context_len=1024 + 600)
     draft_attention = LoopConfig.draft_attention
     spec = dataclasses.replace(spec, num_pages=spec.pool_pages(max(buckets), draft_attention))
-    lc = LoopConfig(spec, max_new_tokens=300, backend="fa3", scripted=DEFAULT_SCRIPT,
+    lc = LoopConfig(spec, max_new_tokens=500, backend="fa3", scripted=DEFAULT_SCRIPT,
                     draft_attention=draft_attention)
     eng = EagleEngine(lc, models, buckets=buckets, device="cuda", cache_path=cache or None,
                       dynamic_batch=mode == "dynamic", compile_regions=compile_regions)
@@ -60,22 +73,26 @@ def child(mode: str, cache: str, buckets, timed, num_layers, compile_regions: bo
                seconds=round(time.perf_counter() - t0, 2),
                frames=eng.runner.compile_counter.frame_count,
                region_programs=regions.compiled_programs(),
-               per_bucket={str(b): round(x, 2) for b, x in per.items()}, ms_per_iteration={})
+               per_bucket={str(b): round(x, 2) for b, x in per.items()}, ms_per_iteration={},
+               bucket_of_batch={}, ms_per_iteration_next_bucket={})
     g = torch.Generator().manual_seed(0)
     n = 0
     for b in timed:
         while n < b:
-            eng.submit(torch.randint(0, models.vocab_size, (1024,), generator=g).tolist(), 300)
+            eng.submit(torch.randint(0, models.vocab_size, (1024,), generator=g).tolist(), 500)
             n += 1
         eng.admit()
-        for _ in range(3):
-            eng.launch(b)
-        torch.cuda.synchronize()
-        start = time.perf_counter()
-        for _ in range(20):
-            eng.launch(b)
-        torch.cuda.synchronize()
-        out["ms_per_iteration"][str(b)] = round(1e3 * (time.perf_counter() - start) / 20, 3)
+        bucket = eng.runner.bucket_for(b)  # b requests, the rest of the bucket padding rows
+        out["ms_per_iteration"][str(b)] = _ms_per_iteration(eng, bucket)
+        out["bucket_of_batch"][str(b)] = bucket
+        above = [x for x in buckets if x > bucket]
+        if above:  # what padding costs: the same b requests in the next bucket up
+            out["ms_per_iteration_next_bucket"][str(b)] = _ms_per_iteration(eng, above[0])
+    # Where the compile went: seconds per phase PyTorch times (dynamo_timed),
+    # summed over every frame and region program this process compiled.
+    names, seconds = torch._dynamo.utils.compile_times(repr="csv", aggregate=True)
+    out["compile_phases_s"] = {n: round(float(x), 2) for n, x in zip(names, seconds)
+                               if float(x) >= 0.5}
     return out
 
 

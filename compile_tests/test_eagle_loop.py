@@ -347,6 +347,26 @@ def test_topk_above_the_draft_vocabulary_is_refused_at_construction():
     make_engine(small_head, 2, 6, 2, 4)  # within it: accepted
 
 
+@pytest.mark.parametrize("buckets, error, says", [
+    ([], ValueError, "buckets must be batch sizes in"),
+    ([0, 4], ValueError, r"\[1, max_bs=4\].*got \[0, 4\]"),
+    ([1, 2], ValueError, "the largest bucket must be max_bs"),  # rows 3-4 fit no bucket
+    ([2, 8], ValueError, r"got \[2, 8\]"),  # a bucket beyond the state's rows
+    ([2.5, 4], TypeError, "buckets must be a sequence of ints"),
+    ([True, 4], TypeError, "buckets must be a sequence of ints"),
+    ("4", TypeError, "buckets must be a sequence of ints"),
+    (4, TypeError, "buckets must be a sequence of ints"),
+], ids=repr)
+def test_bad_buckets_are_refused_at_construction_naming_them(buckets, error, says):
+    with pytest.raises(error, match=says):
+        make_engine(models_for(), 2, 2, 2, 3, buckets=buckets)
+
+
+def test_buckets_are_sorted_deduplicated_and_take_integer_likes():
+    eng = make_engine(models_for(), 2, 2, 2, 3, buckets=[4, torch.tensor(2), 2, 4])
+    assert eng.buckets == [2, 4] and all(type(b) is int for b in eng.buckets)
+
+
 def test_the_auto_attention_backend_is_resolved_when_the_engine_is_built():
     """Found on the H200: an engine given ``backend="auto"`` whose first FA3 lookup
     happened while dynamo traced the compiled iteration failed to compile (the
@@ -435,6 +455,8 @@ _SMALL = ["--device", "cpu", "--batch", "2", "--requests", "3", "--page-size", "
     ["--num-draft-tokens", "1"], ["--topk", "1", "--num-steps", "2", "--num-draft-tokens", "8"],
     ["--topk", "600"], ["--check-greedy", "--scripted"], ["--scripted", "3,x"], ["--graphs"],
     ["--draft-attention", "tree"], ["--compile-regions"],  # regions need a compile backend
+    ["--batch", "4", "--buckets", "1", "2"], ["--batch", "4", "--buckets", "2", "8"],
+    ["--buckets", "0", "8"],
 ], ids=lambda a: " ".join(a))
 def test_cli_invalid_invocations_exit_2_with_one_line_and_no_traceback(argv, capsys):
     with pytest.raises(SystemExit) as exit_info:
@@ -461,6 +483,14 @@ def test_cli_drafts_on_true_ancestors_and_says_so(tmp_path):
                               "--check-greedy", "--json", str(out), "--quiet"]) == 0
     res = json.loads(out.read_text())
     assert res["exact"] is True and res["config"]["draft_attention"] == "ancestors"
+
+
+def test_cli_buckets_without_1_pad_a_single_request_and_stay_exact(tmp_path):
+    out = tmp_path / "eagle.json"
+    assert cli.main(_SMALL + ["--requests", "1", "--buckets", "2", "--check-greedy", "--json",
+                              str(out), "--quiet"]) == 0
+    res = json.loads(out.read_text())
+    assert res["exact"] is True and res["config"]["buckets"] == [2]
 
 
 def test_cli_help_documents_the_exit_status(capsys):

@@ -164,6 +164,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="override the preset's depth")
     p.add_argument("--eos", type=int, default=-1, help="EOS token id (-1: none)")
     p.add_argument("--backend", default="auto", choices=["auto", "fa3", "torch"])
+    p.add_argument("--buckets", type=_positive, nargs="+", default=None, metavar="B",
+                   help="batch sizes to capture, the largest --batch (default: powers of two "
+                        "below --batch, plus --batch); a batch runs in the smallest bucket that "
+                        "holds it. Under inductor leaving 1 out saves bucket 1's frame of "
+                        "compile time and costs batch 1 a few percent (benchmarks/RESULTS.md)")
     p.add_argument("--graphs", action=argparse.BooleanOptionalAction, default=None,
                    help="capture one CUDA graph per bucket (default: on with CUDA)")
     p.add_argument("--compile", default="auto", choices=list(COMPILE_BACKENDS),
@@ -400,7 +405,7 @@ def run_eagle(args: argparse.Namespace, *, log=print) -> dict:
         lc = LoopConfig(spec, max_new_tokens=max_new, backend=args.backend, scripted=scripted,
                         max_eos=max(4, len(eos)), sampling=args.temperature > 0,
                         draft_attention=args.draft_attention)
-        engine = EagleEngine(lc, models, max_reqs=max_reqs, graphs=graphs,
+        engine = EagleEngine(lc, models, max_reqs=max_reqs, buckets=args.buckets, graphs=graphs,
                              compile_backend=args.compile, cache_path=args.compile_cache,
                              compile_regions=args.compile_regions, device=device, seed=args.seed,
                              count_syncs=args.count_syncs and device == "cuda")
@@ -419,7 +424,8 @@ def run_eagle(args: argparse.Namespace, *, log=print) -> dict:
                   seed=args.seed, draft=args.draft,
                   alpha=None if loaded else DEFAULT_ALPHA if args.alpha is None else args.alpha,
                   noise=args.noise, num_layers=models.num_target_layers, eos=list(eos),
-                  backend=args.backend, graphs=graphs, compile=engine.compile_backend,
+                  backend=args.backend, buckets=engine.buckets, graphs=graphs,
+                  compile=engine.compile_backend,
                   compile_regions=engine.compile_regions,
                   scripted=list(scripted) if scripted else None,
                   temperature=args.temperature, top_p=args.top_p,

@@ -28,6 +28,7 @@ reference: plain greedy decoding of the same target on decode metadata.
 from __future__ import annotations
 
 import dataclasses
+import operator
 import time
 from typing import Callable, Dict, Iterable, List, Optional, Sequence, Tuple, Union
 
@@ -68,6 +69,20 @@ class Request:
     accept_lens: List[int] = dataclasses.field(default_factory=list)  # per iteration
     admitted_s: float = 0.0  # host clock at admission
     finished_s: float = 0.0  # host clock when its finish was read back
+
+
+def _check_buckets(buckets, max_bs: int) -> List[int]:
+    """``buckets`` sorted and deduplicated; ValueError/TypeError naming them."""
+    try:
+        if isinstance(buckets, (str, bytes)) or any(isinstance(b, bool) for b in buckets):
+            raise TypeError
+        values = [operator.index(b) for b in buckets]
+    except TypeError:
+        raise TypeError(f"buckets must be a sequence of ints, got {buckets!r}") from None
+    if not values or min(values) < 1 or max(values) != max_bs:
+        raise ValueError(f"buckets must be batch sizes in [1, max_bs={max_bs}] and the largest "
+                         f"bucket must be max_bs (every row a bucket can hold), got {values!r}")
+    return sorted(set(values))
 
 
 def _draft_vocab_size(models: SpecModel) -> int:
@@ -148,8 +163,15 @@ class EagleEngine:
             vocabulary (``models.draft_vocab_size`` when it has one, else ``vocab_size``).
         models: a `SpecModel`.
         max_reqs: ``req_to_token`` rows (default ``2 * max_bs``).
-        buckets: batch sizes to run/capture (default: powers of two up to
-            ``max_bs``, plus ``max_bs``).
+        buckets: batch sizes to run/capture, ints in ``[1, max_bs]`` that
+            include ``max_bs`` (default: powers of two below ``max_bs``, plus
+            ``max_bs``). A batch runs in the smallest bucket that holds it,
+            the other rows padding. Leaving 1 out trades batch-1 speed for
+            compile time under inductor (bucket 1 is a frame of its own, see
+            ``dynamic_batch``): on the H200, at ``llama3-8b`` shapes, one
+            request in bucket 2 took 4.4% longer per iteration than in
+            bucket 1, and the cold compile + capture lost bucket 1's 72 s
+            frame (``benchmarks/RESULTS.md``).
         graphs: capture one CUDA graph per bucket (CUDA only; default: on
             with CUDA).
         compile_backend: one of `COMPILE_BACKENDS`: the
@@ -213,9 +235,7 @@ class EagleEngine:
         if buckets is None:
             buckets = [b for b in (1, 2, 4, 8, 16, 32, 64, 128, 256) if b < self.max_bs]
             buckets.append(self.max_bs)
-        self.buckets = sorted(set(buckets))
-        if self.buckets[-1] < self.max_bs:
-            raise ValueError("the largest bucket must be >= max_bs")
+        self.buckets = _check_buckets(buckets, self.max_bs)
         cuda = self.device.type == "cuda"
         if graphs is None:
             graphs = cuda
