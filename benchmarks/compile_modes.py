@@ -15,12 +15,14 @@ the inline rows of `compile_modes_h200.json`; the regions' rows are in
 `compile_modes_regions_h200.json`).
 
 Per mode, in a fresh process each: compile + capture of ``--buckets`` (seconds
-per bucket), then ms per iteration (20 replays back to back after 3, synced
-at both ends: launch throughput, not `timing`'s drained per-call wall) at each of
-``--time-batches`` (in the smallest bucket that holds the batch, the rest
-padding rows; and again in the next bucket up, what padding costs),
-scripted acceptance, `llama3-8b` shapes, P 2 / topk 8 /
-5 steps / N 16, context 1024. ``--restart`` adds a second dynamic process
+per bucket), then ms per iteration at each of ``--time-batches`` (replays
+back to back after 3, synced at both ends: launch throughput, not `timing`'s
+drained per-call wall), in the smallest bucket that holds the batch (the
+rest padding rows) and in the next bucket up, in blocks A, B, B, A of 10
+replays: what a coarser bucket list costs (more padding rows; for batch 1,
+also the shared dynamic frame instead of bucket 1's own). Then the compile
+phases PyTorch timed. Scripted acceptance, `llama3-8b` shapes, P 2 / topk 8
+/ 5 steps / N 16, context 1024. ``--restart`` adds a second dynamic process
 that loads the first one's compile cache file (`cache_path=`).
 
     python3 benchmarks/compile_modes.py --json benchmarks/results/compile_modes_h200.json
@@ -45,15 +47,32 @@ from fa3_spec.eagle import DEFAULT_SCRIPT, EagleEngine, LoopConfig, make_models,
 import timing
 
 
-def _ms_per_iteration(eng: EagleEngine, bucket: int, warmup: int = 3, iters: int = 20) -> float:
-    for _ in range(warmup):
-        eng.launch(bucket)
+def _replay_ms(eng: EagleEngine, bucket: int, iters: int) -> float:
+    """ms per iteration of ``iters`` replays of ``bucket`` back to back, synced at both ends."""
     torch.cuda.synchronize()
     start = time.perf_counter()
     for _ in range(iters):
         eng.launch(bucket)
     torch.cuda.synchronize()
-    return round(1e3 * (time.perf_counter() - start) / iters, 3)
+    return 1e3 * (time.perf_counter() - start) / iters
+
+
+def _ms_per_iteration(eng: EagleEngine, buckets, warmup: int = 3, iters: int = 20) -> list:
+    """ms per iteration in each of ``buckets`` (one or two) over the same requests.
+
+    Two buckets are timed in blocks A, B, B, A of ``iters / 2`` replays, so
+    that the context's growth over the blocks (every replay emits tokens)
+    weighs both alike.
+    """
+    for bucket in buckets:
+        for _ in range(warmup):
+            eng.launch(bucket)
+    if len(buckets) == 1:
+        return [round(_replay_ms(eng, buckets[0], iters), 3)]
+    a, b = buckets
+    half = iters // 2
+    blocks = [(x, _replay_ms(eng, x, half)) for x in (a, b, b, a)]
+    return [round(sum(ms for x, ms in blocks if x == y) / 2, 3) for y in (a, b)]
 
 
 def child(mode: str, cache: str, buckets, timed, num_layers, compile_regions: bool) -> dict:
@@ -74,7 +93,8 @@ def child(mode: str, cache: str, buckets, timed, num_layers, compile_regions: bo
                frames=eng.runner.compile_counter.frame_count,
                region_programs=regions.compiled_programs(),
                per_bucket={str(b): round(x, 2) for b, x in per.items()}, ms_per_iteration={},
-               bucket_of_batch={}, ms_per_iteration_next_bucket={})
+               bucket_of_batch={}, ms_per_iteration_next_bucket={}, next_bucket_of_batch={},
+               live_requests_after={})
     g = torch.Generator().manual_seed(0)
     n = 0
     for b in timed:
@@ -83,11 +103,16 @@ def child(mode: str, cache: str, buckets, timed, num_layers, compile_regions: bo
             n += 1
         eng.admit()
         bucket = eng.runner.bucket_for(b)  # b requests, the rest of the bucket padding rows
-        out["ms_per_iteration"][str(b)] = _ms_per_iteration(eng, bucket)
+        # And the next bucket up, if any: what a coarser bucket list costs these requests.
+        timed_buckets = [bucket] + [x for x in buckets if x > bucket][:1]
+        ms = _ms_per_iteration(eng, timed_buckets)
+        out["ms_per_iteration"][str(b)] = ms[0]
         out["bucket_of_batch"][str(b)] = bucket
-        above = [x for x in buckets if x > bucket]
-        if above:  # what padding costs: the same b requests in the next bucket up
-            out["ms_per_iteration_next_bucket"][str(b)] = _ms_per_iteration(eng, above[0])
+        if len(ms) == 2:
+            out["ms_per_iteration_next_bucket"][str(b)] = ms[1]
+            out["next_bucket_of_batch"][str(b)] = timed_buckets[1]
+        # Every request still decoding (none finished and became padding while timed).
+        out["live_requests_after"][str(b)] = int((eng.state["seq_lens"][:n] > 0).sum())
     # Where the compile went: seconds per phase PyTorch times (dynamo_timed),
     # summed over every frame and region program this process compiled.
     names, seconds = torch._dynamo.utils.compile_times(repr="csv", aggregate=True)

@@ -348,13 +348,15 @@ def test_topk_above_the_draft_vocabulary_is_refused_at_construction():
 
 
 @pytest.mark.parametrize("buckets, error, says", [
-    ([], ValueError, "buckets must be batch sizes in"),
-    ([0, 4], ValueError, r"\[1, max_bs=4\].*got \[0, 4\]"),
-    ([1, 2], ValueError, "the largest bucket must be max_bs"),  # rows 3-4 fit no bucket
-    ([2, 8], ValueError, r"got \[2, 8\]"),  # a bucket beyond the state's rows
+    ([], ValueError, "buckets must hold at least one batch size"),
+    ([0, 4], ValueError, r"buckets must be batch sizes >= 1, got \[0, 4\]"),
+    ([1, 2], ValueError, "the largest bucket must be max_bs=4"),  # rows 3-4 fit no bucket
+    ([2, 8], ValueError, r"must not exceed max_bs=4 .*got \[2, 8\]"),  # beyond the state's rows
     ([2.5, 4], TypeError, "buckets must be a sequence of ints"),
     ([True, 4], TypeError, "buckets must be a sequence of ints"),
+    ([torch.tensor(True), 4], TypeError, "buckets must be a sequence of ints"),
     ("4", TypeError, "buckets must be a sequence of ints"),
+    ({4: 1}, TypeError, "buckets must be a sequence of ints"),
     (4, TypeError, "buckets must be a sequence of ints"),
 ], ids=repr)
 def test_bad_buckets_are_refused_at_construction_naming_them(buckets, error, says):
@@ -362,9 +364,11 @@ def test_bad_buckets_are_refused_at_construction_naming_them(buckets, error, say
         make_engine(models_for(), 2, 2, 2, 3, buckets=buckets)
 
 
-def test_buckets_are_sorted_deduplicated_and_take_integer_likes():
+def test_buckets_are_sorted_deduplicated_and_take_integer_likes_and_iterators():
     eng = make_engine(models_for(), 2, 2, 2, 3, buckets=[4, torch.tensor(2), 2, 4])
     assert eng.buckets == [2, 4] and all(type(b) is int for b in eng.buckets)
+    assert eng.runner.buckets == [2, 4]
+    assert make_engine(models_for(), 2, 2, 2, 3, buckets=(b for b in (4, 1))).buckets == [1, 4]
 
 
 def test_the_auto_attention_backend_is_resolved_when_the_engine_is_built():
@@ -464,6 +468,8 @@ def test_cli_invalid_invocations_exit_2_with_one_line_and_no_traceback(argv, cap
     assert exit_info.value.code == 2
     err = capsys.readouterr().err
     assert "Traceback" not in err and err.strip().splitlines()[-1].startswith("fa3-spec eagle")
+    if "--buckets" in argv:  # the message names the option
+        assert "--buckets" in err
 
 
 def test_cli_prints_its_configuration_first_and_progress_in_both_phases(monkeypatch, capsys):

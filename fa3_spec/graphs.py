@@ -83,6 +83,7 @@ building block, for any step an engine captures itself.
 from __future__ import annotations
 
 import functools
+import operator
 import os
 import time
 from typing import Callable, Dict, List, NamedTuple, Optional, Sequence, Tuple
@@ -93,6 +94,43 @@ import torch.utils._pytree as pytree
 from .probes import RecordingBackend
 
 STRATEGIES = ("manual", "reduce-overhead", "compile", "eager")
+
+
+def check_buckets(buckets, largest: Optional[int] = None) -> List[int]:
+    """``buckets`` (batch sizes) sorted and deduplicated, checked.
+
+    Each must be an int >= 1 (integer-likes such as numpy or 0-d torch ints
+    are taken; bools are not); with ``largest`` (a state of that many rows),
+    none may exceed it and the largest must equal it, so every batch the
+    state can hold has a bucket.
+
+    Raises:
+        TypeError: ``buckets`` is not a sequence of ints.
+        ValueError: empty, a size below 1, or (with ``largest``) a size above
+            it or none equal to it; the message names ``buckets``.
+    """
+    def is_bool(b) -> bool:  # operator.index takes these as 0 / 1
+        return isinstance(b, bool) or (isinstance(b, torch.Tensor) and b.dtype == torch.bool)
+    try:
+        if isinstance(buckets, (str, bytes, dict)):
+            raise TypeError
+        given = list(buckets)
+        if any(is_bool(b) for b in given):
+            raise TypeError
+        values = [operator.index(b) for b in given]
+    except TypeError:
+        raise TypeError(f"buckets must be a sequence of ints, got {buckets!r}") from None
+    if not values:
+        raise ValueError("buckets must hold at least one batch size, got none")
+    if min(values) < 1:
+        raise ValueError(f"buckets must be batch sizes >= 1, got {values!r}")
+    if largest is not None and max(values) > largest:
+        raise ValueError(f"buckets must not exceed max_bs={largest} (the state's rows), "
+                         f"got {values!r}")
+    if largest is not None and max(values) != largest:
+        raise ValueError(f"the largest bucket must be max_bs={largest}, so that every batch "
+                         f"of up to max_bs requests has a bucket; got {values!r}")
+    return sorted(set(values))
 
 
 def capture(fn: Callable, *args, warmup: int = 2, pool=None, **kwargs):
@@ -242,8 +280,6 @@ class CUDAGraphRunner:
                  buffers: Optional[Callable[[int], Dict[str, torch.Tensor]]] = None):
         if strategy not in STRATEGIES:
             raise ValueError(f"strategy must be one of {STRATEGIES}, got {strategy!r}")
-        if not buckets or min(buckets) < 1:
-            raise ValueError(f"buckets must be positive batch sizes, got {buckets!r}")
         if example is None and buffers is None:
             raise ValueError("give example= (runner-owned buffers) or buffers= (caller-owned)")
         if backend is None and strategy in ("reduce-overhead", "compile"):
@@ -259,7 +295,7 @@ class CUDAGraphRunner:
         self.step = step
         self.example = example if example is not None else buffers
         self.buffers = buffers
-        self.buckets = sorted(set(buckets))
+        self.buckets = check_buckets(buckets)
         self.strategy = strategy
         self.dynamic_batch = dynamic_batch
         self.size_oblivious = size_oblivious

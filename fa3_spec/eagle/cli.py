@@ -165,10 +165,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--eos", type=int, default=-1, help="EOS token id (-1: none)")
     p.add_argument("--backend", default="auto", choices=["auto", "fa3", "torch"])
     p.add_argument("--buckets", type=_positive, nargs="+", default=None, metavar="B",
-                   help="batch sizes to capture, the largest --batch (default: powers of two "
-                        "below --batch, plus --batch); a batch runs in the smallest bucket that "
-                        "holds it. Under inductor leaving 1 out saves bucket 1's frame of "
-                        "compile time and costs batch 1 a few percent (benchmarks/RESULTS.md)")
+                   help="batch sizes to capture, the largest equal to --batch (default: the "
+                        "powers of two up to 256 below --batch, plus --batch); a batch runs in "
+                        "the smallest bucket that holds it. Under inductor, leaving 1 out saves "
+                        "bucket 1's frame of compile time and costs batch 1 about 4%% per "
+                        "iteration (benchmarks/RESULTS.md)")
     p.add_argument("--graphs", action=argparse.BooleanOptionalAction, default=None,
                    help="capture one CUDA graph per bucket (default: on with CUDA)")
     p.add_argument("--compile", default="auto", choices=list(COMPILE_BACKENDS),
@@ -332,7 +333,7 @@ def _describe(c: dict, scripted: Optional[tuple], model: Optional[dict] = None) 
             f"topk={c['topk']} steps={c['num_steps']} N={c['num_draft_tokens']} "
             f"draft attention {c['draft_attention']}, "
             f"max_new_tokens={c['max_new_tokens']}, backend {c['backend']}, "
-            f"graphs {'on' if c['graphs'] else 'off'}{label}")
+            f"buckets {c['buckets']}, graphs {'on' if c['graphs'] else 'off'}{label}")
 
 
 #: Seconds between two progress lines.
@@ -526,6 +527,9 @@ def run_eagle(args: argparse.Namespace, *, log=print) -> dict:
 
 def usage_error(args: argparse.Namespace) -> Optional[str]:
     """What makes this combination of options meaningless, or None."""
+    if args.buckets is not None and max(args.buckets) != args.batch:
+        return (f"--buckets: the largest must be --batch ({args.batch}), none above it, so "
+                f"that every batch has a bucket; got {sorted(set(args.buckets))}")
     if args.temperature > 0 and args.check_greedy:
         return "--check-greedy compares with greedy decoding: it needs --temperature 0"
     if args.temperature > 0 and args.scripted:

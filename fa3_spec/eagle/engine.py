@@ -28,7 +28,6 @@ reference: plain greedy decoding of the same target on decode metadata.
 from __future__ import annotations
 
 import dataclasses
-import operator
 import time
 from typing import Callable, Dict, Iterable, List, Optional, Sequence, Tuple, Union
 
@@ -37,7 +36,7 @@ import torch
 from ..attention import resolve_backend
 from ..builders.prefill import build_prefill_metadata, extend_query_positions
 from ..config import SpecConfig
-from ..graphs import INDUCTOR_OPTIONS, CUDAGraphRunner
+from ..graphs import INDUCTOR_OPTIONS, CUDAGraphRunner, check_buckets
 from ..probes import recording_host_syncs
 from .decode import decode_step
 from .iteration import LoopConfig, State, eagle_iteration, empty_state, step_in_place
@@ -69,20 +68,6 @@ class Request:
     accept_lens: List[int] = dataclasses.field(default_factory=list)  # per iteration
     admitted_s: float = 0.0  # host clock at admission
     finished_s: float = 0.0  # host clock when its finish was read back
-
-
-def _check_buckets(buckets, max_bs: int) -> List[int]:
-    """``buckets`` sorted and deduplicated; ValueError/TypeError naming them."""
-    try:
-        if isinstance(buckets, (str, bytes)) or any(isinstance(b, bool) for b in buckets):
-            raise TypeError
-        values = [operator.index(b) for b in buckets]
-    except TypeError:
-        raise TypeError(f"buckets must be a sequence of ints, got {buckets!r}") from None
-    if not values or min(values) < 1 or max(values) != max_bs:
-        raise ValueError(f"buckets must be batch sizes in [1, max_bs={max_bs}] and the largest "
-                         f"bucket must be max_bs (every row a bucket can hold), got {values!r}")
-    return sorted(set(values))
 
 
 def _draft_vocab_size(models: SpecModel) -> int:
@@ -164,14 +149,16 @@ class EagleEngine:
         models: a `SpecModel`.
         max_reqs: ``req_to_token`` rows (default ``2 * max_bs``).
         buckets: batch sizes to run/capture, ints in ``[1, max_bs]`` that
-            include ``max_bs`` (default: powers of two below ``max_bs``, plus
-            ``max_bs``). A batch runs in the smallest bucket that holds it,
-            the other rows padding. Leaving 1 out trades batch-1 speed for
-            compile time under inductor (bucket 1 is a frame of its own, see
-            ``dynamic_batch``): on the H200, at ``llama3-8b`` shapes, one
-            request in bucket 2 took 4.4% longer per iteration than in
-            bucket 1, and the cold compile + capture lost bucket 1's 72 s
-            frame (``benchmarks/RESULTS.md``).
+            include ``max_bs`` (`fa3_spec.graphs.check_buckets`; default: the
+            powers of two up to 256 below ``max_bs``, plus ``max_bs``). A
+            batch runs in the smallest bucket that holds it, the other rows
+            padding. Leaving 1 out trades batch-1 speed for compile time
+            under inductor, where bucket 1 is a frame of its own (see
+            ``dynamic_batch``). On the H200, at ``llama3-8b`` shapes, one
+            request ran 3.9-4.4% slower per iteration in bucket 2 (the
+            shared frame, one padding row) than in bucket 1, and leaving 1
+            out saved 81.5 s of a 181.5 s cold compile + capture and 8.2 s
+            of a 36.2 s restart (``benchmarks/RESULTS.md``).
         graphs: capture one CUDA graph per bucket (CUDA only; default: on
             with CUDA).
         compile_backend: one of `COMPILE_BACKENDS`: the
@@ -226,16 +213,16 @@ class EagleEngine:
         self.spec = lc.spec
         self.models = models
         self.max_bs = lc.spec.max_bs
+        if buckets is None:
+            buckets = [b for b in (1, 2, 4, 8, 16, 32, 64, 128, 256) if b < self.max_bs]
+            buckets.append(self.max_bs)
+        self.buckets = check_buckets(buckets, self.max_bs)
         self.pool = KVPool(lc.spec, max_reqs=max_reqs or 2 * self.max_bs,
                            target_layers=models.num_target_layers,
                            draft_layers=models.num_draft_layers, num_kv_heads=models.num_kv_heads,
                            head_dim=models.head_dim, dtype=models.dtype, device=device, seed=seed,
                            draft_attention=lc.draft_attention)
         self.state = empty_state(lc, models, self.max_bs, self.device)
-        if buckets is None:
-            buckets = [b for b in (1, 2, 4, 8, 16, 32, 64, 128, 256) if b < self.max_bs]
-            buckets.append(self.max_bs)
-        self.buckets = _check_buckets(buckets, self.max_bs)
         cuda = self.device.type == "cuda"
         if graphs is None:
             graphs = cuda
@@ -456,7 +443,8 @@ class EagleEngine:
 
     # ------------------------------------------------------------- iteration
     def bucket_for(self, rows: int) -> int:
-        return next(b for b in self.buckets if b >= rows)
+        """The smallest bucket that holds ``rows`` occupied rows."""
+        return self.runner.bucket_for(rows)
 
     def bucket_state(self, bucket: int) -> State:
         """The loop state's first ``bucket`` rows (views of the engine's buffers:

@@ -1,0 +1,34 @@
+"""benchmarks/compile_modes.py: the timing of a batch in two buckets."""
+
+import pathlib
+import sys
+
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1] / "benchmarks"))
+import compile_modes  # noqa: E402
+
+
+class _ClockedEngine:
+    """Stands in for an engine whose every replay takes 1 ms more than the last
+    (the context grows), in any bucket: an order-fair timing gives equal figures."""
+
+    def __init__(self, monkeypatch):
+        self.now = 0.0
+        self.step = 0
+        self.launched = []
+        monkeypatch.setattr(compile_modes.time, "perf_counter", lambda: self.now)
+        monkeypatch.setattr(compile_modes.torch.cuda, "synchronize", lambda: None)
+
+    def launch(self, bucket):
+        self.step += 1
+        self.now += 1e-3 * self.step
+        self.launched.append(bucket)
+
+
+def test_compile_modes_times_two_buckets_in_blocks_that_cancel_a_drift(monkeypatch):
+    eng = _ClockedEngine(monkeypatch)
+    a, b = compile_modes._ms_per_iteration(eng, [1, 2], warmup=3, iters=20)
+    assert a == b  # a linear drift weighs both buckets alike in A, B, B, A
+    timed = eng.launched[6:]
+    assert eng.launched[:6] == [1] * 3 + [2] * 3 and timed == [1] * 10 + [2] * 20 + [1] * 10
+    one = _ClockedEngine(monkeypatch)  # one bucket: replays 4-23 timed, 4..23 ms each
+    assert compile_modes._ms_per_iteration(one, [4], warmup=3, iters=20) == [13.5]
