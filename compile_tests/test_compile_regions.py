@@ -309,6 +309,25 @@ def test_an_engine_with_regions_under_a_dynamic_frame_is_exact_to_greedy(models)
     assert stats["unique_graphs"] - graphs == 1 + regions.compiled_programs()
 
 
+def test_a_chain_engine_shares_one_frame_with_bucket_one_under_aot_eager(models):
+    """A chain (topk 1) under aot_eager, buckets 1, 2 and 4: one frame, the same
+    tokens as greedy. With one leaf per request the per-leaf tensors are
+    ``[B]``, and a reshape or a copy of such a view guarded the batch against
+    1 in its layout check (the draft steps' slots and parents, the layer's
+    head split, the reference attention's LSE): bucket 1 compiled a frame of
+    its own."""
+    eng = _engine(models, [1, 2, 4], "aot_eager", max_new=4, topk=1, num_steps=3,
+                  num_draft_tokens=4)
+    prompts = [[5, 9, 2, 7], [3, 1, 4, 1, 5, 9, 2, 6], [8]]
+    first = eng.submit(prompts[0], 4)
+    got = eng.run()  # alone: bucket 1
+    rids = [first] + [eng.submit(p, 4) for p in prompts]
+    got.update(eng.run())  # three at once: bucket 4
+    want = greedy_generate(models, prompts[:1] + prompts, [4] * 4, page_size=2, backend="torch")
+    assert [got[r] for r in rids] == want
+    assert eng.runner.compile_counter.frame_count == 1
+
+
 def test_a_static_runner_stays_static_after_the_same_step_ran_at_another_batch():
     """Two one-bucket runners of the same step code (as two engines in one process):
     without ``dynamic=False`` dynamo would compile the second one with a symbolic

@@ -138,5 +138,8 @@ def paged_attention_reference(
     slot = (j - cu[row]).clamp(0, max(mq - 1, 0))
     owned = j < cu[-1]
     out_q = torch.where(owned[:, None, None], out[row, slot], 0).to(out_dtype)
-    lse_q = torch.where(owned[:, None], lse[row, :, slot], float("-inf"))
-    return out_q, lse_q.transpose(0, 1).contiguous()
+    # [Hq, total_q], gathered in that order (not a transposed copy of
+    # [total_q, Hq]: with one query per batch row, that copy's layout check
+    # guards the batch against 1 under size-oblivious sizes).
+    lse_q = torch.where(owned[None, :], lse.transpose(0, 1)[:, row, slot], float("-inf"))
+    return out_q, lse_q

@@ -219,15 +219,18 @@ def _draft_steps(lc: LoopConfig, models: SpecModel, draft_kv: KVCache, view: Bat
         if steps is None:
             steps = build_draft_iteration_metadata(cfg, **batch, out_cache_loc=loc)
     tokens, scores = st["cand_tokens"], st["cand_scores"]
-    # The first step's hidden state and every step's positions, per leaf
-    # (request-major, [B * K]), are row gathers by ``owner``, not reshapes of
-    # expanded [B, K] views: under size-oblivious sizes
-    # inductor's lowering of such a reshape guarded the batch against 1 on
-    # the H200 (one of the guards that give bucket 1 a frame of its own;
-    # others remain, benchmarks/RESULTS.md).
+    # Per-leaf values (request-major, [B * K]) are indexed by each leaf's
+    # request (``owner``) and branch (``branch``), not reshaped from [B, K]
+    # views; likewise each child's parent leaf (``child_parent``) from a
+    # [B, K, K] view. Under size-oblivious sizes such reshapes guard the batch
+    # against 1 (in inductor's lowering on the H200; in the view's layout
+    # check for chains, k = 1), which gives bucket 1 a frame of its own
+    # (benchmarks/RESULTS.md).
     owner = torch.arange(bs * k, device=tokens.device) // k  # request of each leaf
+    branch = torch.arange(bs * k, device=tokens.device) % k  # its branch in the request
     hidden = st["draft_hidden"][owner]
     leaf = torch.arange(k, device=tokens.device).expand(bs, k)  # candidate index of each leaf
+    child_parent = torch.arange(k * k, device=tokens.device) // k  # a child's leaf, of k
     parent_branch = leaf  # of each leaf, in the previous step (unused at step 0)
     all_tokens, all_scores, all_parents = [tokens], [scores], [torch.full_like(tokens, -1)]
     offset = k
@@ -239,14 +242,14 @@ def _draft_steps(lc: LoopConfig, models: SpecModel, draft_kv: KVCache, view: Bat
             md = steps[i]
         positions = view.seq_lens[owner] + i
         out = models.draft_forward(tokens.reshape(-1), hidden.reshape(bs * k, -1), positions,
-                                   loc[:, :, i].reshape(-1), md, draft_kv, backend=lc.backend,
+                                   loc[owner, branch, i], md, draft_kv, backend=lc.backend,
                                    num_splits=lc.num_splits)
         top_lp, top_tok = models.draft_topk(out, k)  # target token ids
         cum = (scores.unsqueeze(-1) + top_lp.view(bs, k, k)).view(bs, k * k)
         top_tok = top_tok.view(bs, k * k)
         all_tokens.append(top_tok)
         all_scores.append(cum)
-        all_parents.append(leaf.unsqueeze(-1).expand(bs, k, k).reshape(bs, k * k))
+        all_parents.append(leaf[:, child_parent])
         best = torch.sort(cum, dim=-1, descending=True, stable=True).indices[:, :k]
         tokens, scores = top_tok.gather(1, best), cum.gather(1, best)
         parent_branch = torch.div(best, k, rounding_mode="floor")

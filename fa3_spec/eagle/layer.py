@@ -125,9 +125,11 @@ def attention_inputs(shape: LayerShape, w: LayerWeights, x: torch.Tensor, cos: t
     t = x.shape[0]
     hq, hkv, d = shape.num_heads, shape.num_kv_heads, shape.head_dim
     h = x if w.attn_norm is None else rms_norm(x, w.attn_norm, shape.rms_eps)
-    q, k, v = (h @ w.wqkv).split([hq * d, hkv * d, hkv * d], dim=-1)
-    return (apply_rope(q.reshape(t, hq, d), cos, sin), apply_rope(k.reshape(t, hkv, d), cos, sin),
-            v.reshape(t, hkv, d))
+    # One view of the fused output, then a split along the heads: the strides
+    # of reshaping each part, without a reshape's layout check over T (which
+    # guards a symbolic batch against 1 when T is the batch, a chain's draft).
+    q, k, v = (h @ w.wqkv).view(t, hq + 2 * hkv, d).split([hq, hkv, hkv], dim=1)
+    return apply_rope(q, cos, sin), apply_rope(k, cos, sin), v
 
 
 def mlp(shape: LayerShape, w: LayerWeights, x: torch.Tensor) -> torch.Tensor:
