@@ -285,6 +285,18 @@ def test_the_engine_choices_can_be_forced_and_bad_ones_are_refused(models):
         _engine(Plain(), [4], "aot_eager", compile_regions=True)
 
 
+def _assert_alone_then_three_match_greedy(eng, models):
+    """One request alone (bucket 1), then three at once (bucket 4), 4 new
+    tokens each: the engine's tokens are greedy decoding's."""
+    prompts = [[5, 9, 2, 7], [3, 1, 4, 1, 5, 9, 2, 6], [8]]
+    first = eng.submit(prompts[0], 4)
+    got = eng.run()
+    rids = [first] + [eng.submit(p, 4) for p in prompts]
+    got.update(eng.run())
+    want = greedy_generate(models, prompts[:1] + prompts, [4] * 4, page_size=2, backend="torch")
+    assert [got[r] for r in rids] == want
+
+
 def test_an_engine_with_regions_under_a_dynamic_frame_is_exact_to_greedy(models):
     """An eager-backend iteration with eager regions (dynamo traces both),
     buckets 1, 2 and 4 sharing one frame (the batch dimension symbolic in the
@@ -297,13 +309,7 @@ def test_an_engine_with_regions_under_a_dynamic_frame_is_exact_to_greedy(models)
     # A small tree (topk 2, 2 steps): the cost is dynamo tracing the symbolic frame.
     eng = _engine(models, [1, 2, 4], "eager", compile_regions=True, max_new=4, topk=2,
                   num_steps=2, num_draft_tokens=3)
-    prompts = [[5, 9, 2, 7], [3, 1, 4, 1, 5, 9, 2, 6], [8]]
-    first = eng.submit(prompts[0], 4)
-    got = eng.run()  # alone: bucket 1
-    rids = [first] + [eng.submit(p, 4) for p in prompts]
-    got.update(eng.run())  # three at once: bucket 4
-    want = greedy_generate(models, prompts[:1] + prompts, [4] * 4, page_size=2, backend="torch")
-    assert [got[r] for r in rids] == want
+    _assert_alone_then_three_match_greedy(eng, models)
     assert eng.runner.compile_counter.frame_count == 1
     assert regions.compiled_programs() >= 2
     assert stats["unique_graphs"] - graphs == 1 + regions.compiled_programs()
@@ -318,13 +324,7 @@ def test_a_chain_engine_shares_one_frame_with_bucket_one_under_aot_eager(models)
     its own."""
     eng = _engine(models, [1, 2, 4], "aot_eager", max_new=4, topk=1, num_steps=3,
                   num_draft_tokens=4)
-    prompts = [[5, 9, 2, 7], [3, 1, 4, 1, 5, 9, 2, 6], [8]]
-    first = eng.submit(prompts[0], 4)
-    got = eng.run()  # alone: bucket 1
-    rids = [first] + [eng.submit(p, 4) for p in prompts]
-    got.update(eng.run())  # three at once: bucket 4
-    want = greedy_generate(models, prompts[:1] + prompts, [4] * 4, page_size=2, backend="torch")
-    assert [got[r] for r in rids] == want
+    _assert_alone_then_three_match_greedy(eng, models)
     assert eng.runner.compile_counter.frame_count == 1
 
 
