@@ -8,7 +8,8 @@ Importing this package registers the custom ops, with their fakes:
 from .cascade import (BACKENDS, attention_call, cascade_attention, fa3_equivalent_key_bound,
                       fa3_plans, resolve_backend)
 from .fa3_op import default_num_splits, fa3_paged_attention, fa3_scheduler_plan, plan_entries
-from .kv_store import store_kv
+from .kv_store import (STORE_KV_IMPLS, fused_store_applies, fused_store_available, store_kv,
+                       store_kv_fused, store_kv_index_copy)
 from .merge import add_attention_sink, merge_attention_states
 from .providers import (
     FEATURES, fa3_available, find_provider, provider_features, provider_plans, provider_supports,
@@ -19,6 +20,7 @@ from .reference import paged_attention_reference, visible_keys
 __all__ = [
     "BACKENDS",
     "FEATURES",
+    "STORE_KV_IMPLS",
     "add_attention_sink",
     "attention_call",
     "cascade_attention",
@@ -28,6 +30,8 @@ __all__ = [
     "fa3_paged_attention",
     "fa3_plans",
     "fa3_scheduler_plan",
+    "fused_store_applies",
+    "fused_store_available",
     "find_provider",
     "merge_attention_states",
     "paged_attention_reference",
@@ -38,5 +42,7 @@ __all__ = [
     "provider_version",
     "resolve_backend",
     "store_kv",
+    "store_kv_fused",
+    "store_kv_index_copy",
     "visible_keys",
 ]

@@ -6,13 +6,49 @@ and inductor (torch 2.11 on the H200, 2.13 on CPU) then materialises a copy of
 the *whole* cache per write: measured ~400 µs per layer-step for a 4K-context
 batch-64 cache on the H200, 116 ms vs 0.2 ms on CPU. A custom op that
 declares ``mutates_args`` is re-inplaced by inductor and writes only the
-``T`` rows. Slots are clamped in plain torch by the callers; the op itself
-does no index arithmetic.
+``T`` rows. Slots are clamped in plain torch by the callers.
+
+Two implementations, one contract:
+
+- the default (CPU, and CUDA without Triton): two ``index_copy_``, one per
+  cache. An out-of-range slot raises (CPU) or trips a device assert (CUDA);
+- CUDA with Triton: one kernel writes the K and the V rows of a token
+  together (one launch per layer instead of two; `benchmarks/kv_store_bench.py`
+  measures both in one CUDA graph). A slot outside ``[0, rows)`` writes
+  nothing, so whatever ``slots`` holds the kernel stays inside the caches.
+  It takes ``k``/``v`` with any row and head strides (``v`` is usually a view
+  of the fused QKV output) and needs unit stride along ``D``; anything else
+  (a non-contiguous cache, mixed dtypes) goes to the default.
+
+``FA3_SPEC_STORE_KV=index_copy`` in the environment, read at import, keeps
+the default on CUDA too (for A/B runs and debugging).
 """
 
 from __future__ import annotations
 
+import functools
+import importlib.util
+import os
+
 import torch
+
+STORE_KV_IMPLS = ("index_copy", "triton")
+
+
+@functools.cache
+def fused_store_available() -> bool:
+    """Whether Triton can be imported, so that `store_kv_fused` can run (it is
+    imported at `store_kv_fused`'s first call, not at ``import fa3_spec``: a
+    process that later wants Triton's CPU interpreter must import it first).
+    Asked once per process."""
+    return importlib.util.find_spec("triton") is not None
+
+
+def _impl_from_env() -> str:
+    impl = os.environ.get("FA3_SPEC_STORE_KV", "triton")
+    if impl not in STORE_KV_IMPLS:
+        raise ValueError(f"FA3_SPEC_STORE_KV must be one of {STORE_KV_IMPLS}, got {impl!r}")
+    return impl
 
 
 @torch.library.custom_op("fa3_spec::store_kv", mutates_args=("k_cache", "v_cache"))
@@ -24,10 +60,101 @@ def store_kv(k_cache: torch.Tensor, v_cache: torch.Tensor, slots: torch.Tensor,
     leading dims flattened, e.g. ``layer * slots_per_layer + slot``), which the
     caller has clamped into range. ``k``, ``v``: ``[T, H_kv, D]``.
     """
-    k_cache.view(-1, k.shape[-2], k.shape[-1]).index_copy_(0, slots, k)
-    v_cache.view(-1, v.shape[-2], v.shape[-1]).index_copy_(0, slots, v)
+    store_kv_index_copy(k_cache, v_cache, slots, k, v)
 
 
 @store_kv.register_fake
 def _store_kv_fake(k_cache, v_cache, slots, k, v) -> None:
     return None
+
+
+def store_kv_index_copy(k_cache: torch.Tensor, v_cache: torch.Tensor, slots: torch.Tensor,
+                        k: torch.Tensor, v: torch.Tensor) -> None:
+    """The default implementation of `store_kv`: two ``index_copy_``. A plain
+    function, not an op: inside ``torch.compile`` call the op (see the module
+    docstring for why)."""
+    k_cache.view(-1, k.shape[-2], k.shape[-1]).index_copy_(0, slots, k)
+    v_cache.view(-1, v.shape[-2], v.shape[-1]).index_copy_(0, slots, v)
+
+
+def fused_store_applies(k_cache: torch.Tensor, v_cache: torch.Tensor, slots: torch.Tensor,
+                        k: torch.Tensor, v: torch.Tensor) -> bool:
+    """Whether `store_kv_fused` takes these tensors (layouts and dtypes only,
+    never values): contiguous caches of one shape and dtype, ``k``/``v``
+    ``[T, H, D]`` of that dtype with unit stride along ``D``, 1-D integer
+    ``slots`` of ``T``, all on one device, and ``H * D`` a whole number of
+    cache rows."""
+    if not fused_store_available():
+        return False
+    if k.dim() != 3 or v.shape != k.shape or slots.dim() != 1 or slots.shape[0] != k.shape[0]:
+        return False
+    if slots.dtype not in (torch.int32, torch.int64):
+        return False
+    if not (k_cache.dtype == v_cache.dtype == k.dtype == v.dtype):
+        return False
+    if k_cache.shape != v_cache.shape or not (k_cache.is_contiguous() and v_cache.is_contiguous()):
+        return False
+    if k.stride(-1) != 1 or v.stride(-1) != 1 or slots.stride(0) != 1:
+        return False
+    row = k.shape[1] * k.shape[2]
+    if row == 0 or k_cache.numel() % row:
+        return False
+    devices = {t.device for t in (k_cache, v_cache, slots, k, v)}
+    return len(devices) == 1
+
+
+@functools.cache
+def _kernel():
+    """The Triton kernel, built at first use (``(triton, kernel)``)."""
+    import triton
+    import triton.language as tl
+
+    @triton.jit
+    def store_kv_kernel(k_cache, v_cache, slots, k, v, num_rows,
+                        k_row_stride, k_head_stride, v_row_stride, v_head_stride,
+                        H: tl.constexpr, D: tl.constexpr,
+                        BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr):
+        # One program per token: its H x D K row and V row.
+        t = tl.program_id(0).to(tl.int64)
+        slot = tl.load(slots + t).to(tl.int64)
+        h = tl.arange(0, BLOCK_H)[:, None]
+        d = tl.arange(0, BLOCK_D)[None, :]
+        row = slot + 0 * (h + d)  # the slot, broadcast to the block
+        mask = (h < H) & (d < D) & (row >= 0) & (row < num_rows)
+        dst = tl.where(mask, row, 0) * (H * D) + h * D + d
+        kr = tl.load(k + t * k_row_stride + h * k_head_stride + d, mask=mask)
+        vr = tl.load(v + t * v_row_stride + h * v_head_stride + d, mask=mask)
+        tl.store(k_cache + dst, kr, mask=mask)
+        tl.store(v_cache + dst, vr, mask=mask)
+
+    return triton, store_kv_kernel
+
+
+def store_kv_fused(k_cache: torch.Tensor, v_cache: torch.Tensor, slots: torch.Tensor,
+                   k: torch.Tensor, v: torch.Tensor) -> None:
+    """`store_kv` as one Triton launch (``T`` programs); the tensors must pass
+    `fused_store_applies` (``TypeError`` otherwise). Slots outside the
+    caches' rows are dropped. Runs wherever Triton does (CUDA; CPU tensors
+    under ``TRITON_INTERPRET=1``)."""
+    if not fused_store_applies(k_cache, v_cache, slots, k, v):
+        raise TypeError("store_kv_fused: the tensors' layouts or dtypes do not fit the fused "
+                        "kernel (see fused_store_applies)")
+    t, h, d = k.shape
+    if t == 0:
+        return
+    triton, kernel = _kernel()
+    kernel[(t,)](
+        k_cache, v_cache, slots, k, v, k_cache.numel() // (h * d),
+        k.stride(0), k.stride(1), v.stride(0), v.stride(1),
+        H=h, D=d, BLOCK_H=triton.next_power_of_2(h), BLOCK_D=triton.next_power_of_2(d),
+        num_warps=4)
+
+
+if _impl_from_env() == "triton":
+
+    @store_kv.register_kernel("cuda")
+    def _store_kv_cuda(k_cache, v_cache, slots, k, v) -> None:
+        if fused_store_applies(k_cache, v_cache, slots, k, v):
+            store_kv_fused(k_cache, v_cache, slots, k, v)
+        else:
+            store_kv_index_copy(k_cache, v_cache, slots, k, v)

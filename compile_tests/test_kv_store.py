@@ -1,0 +1,137 @@
+"""`fa3_spec.attention.store_kv`'s fused Triton kernel against its default.
+
+On CPU the kernel runs in Triton's interpreter, in a child process
+(``TRITON_INTERPRET=1`` must be set before Triton is imported), with the
+Triton the sglang parity tests use (`fa3_spec.harness.sglang_upstream`'s
+cache) when none is installed. The CUDA side: test_gpu_kv_store.py.
+"""
+
+import json
+import sys
+
+import pytest
+
+import children
+
+CHILD = r"""
+import json, sys
+import torch
+from fa3_spec.harness.sglang_upstream import TRITON_VERSION, default_cache_dir
+try:
+    import triton
+except ImportError:
+    sys.path.append(str(default_cache_dir() / f"triton-{TRITON_VERSION}"))
+    try:
+        import triton
+    except ImportError as e:
+        print(json.dumps({"skip": f"no triton: {e}"}))
+        sys.exit(0)
+from fa3_spec.attention import fused_store_applies, store_kv_fused, store_kv_index_copy
+
+out = {"cases": [], "refused": {}}
+g = torch.Generator().manual_seed(0)
+L, N, P, H, D = 2, 5, 4, 3, 24  # H, D not powers of two: the block is masked
+rows = L * N * P
+for dtype in (torch.bfloat16, torch.float32):
+    for slot_dtype in (torch.int64, torch.int32):
+        kc = torch.randn(L, N, P, H, D, generator=g).to(dtype)
+        vc = torch.randn(L, N, P, H, D, generator=g).to(dtype)
+        qkv = torch.randn(8, (4 + 2 * H) * D, generator=g).to(dtype).view(8, 4 + 2 * H, D)
+        k = qkv[:, 4:4 + H].contiguous()
+        v = qkv[:, 4 + H:]  # a view with the fused output's row stride
+        slots = torch.tensor([0, 5, rows - 1, 17, -1, rows, 10**6, 3], dtype=slot_dtype)
+        want, got = (kc.clone(), vc.clone()), (kc.clone(), vc.clone())
+        keep = (slots >= 0) & (slots < rows)
+        store_kv_index_copy(*want, slots[keep].long(), k[keep], v[keep])
+        store_kv_fused(*got, slots, k, v)
+        out["cases"].append(dict(dtype=str(dtype), slots=str(slot_dtype),
+                                 k_equal=torch.equal(want[0], got[0]),
+                                 v_equal=torch.equal(want[1], got[1]),
+                                 changed=int((got[0] != kc).any(-1).any(-1).sum())))
+empty = torch.empty(0, H, D)
+before = kc.clone()
+store_kv_fused(kc, vc, torch.empty(0, dtype=torch.int64), empty.to(kc.dtype), empty.to(kc.dtype))
+out["empty_untouched"] = torch.equal(before, kc)
+
+kc, vc = torch.zeros(L, N, P, H, D), torch.zeros(L, N, P, H, D)
+k, v, s = torch.ones(2, H, D), torch.ones(2, H, D), torch.tensor([1, 2])
+out["applies"] = fused_store_applies(kc, vc, s, k, v)
+bad = {
+    "strided cache": (kc.transpose(0, 1), vc.transpose(0, 1), s, k, v),
+    "mixed dtype": (kc, vc, s, k.double(), v),
+    "float slots": (kc, vc, s.float(), k, v),
+    "D stride 2": (kc, vc, s, torch.ones(2, H, 2 * D)[..., ::2], v),
+    "slots count": (kc, vc, s[:1], k, v),
+    "2-D k": (kc, vc, s, k.view(2, -1), v.view(2, -1)),
+    "cache shapes": (kc, vc[:1], s, k, v),
+}
+for name, args in bad.items():
+    refused = not fused_store_applies(*args)
+    try:
+        store_kv_fused(*args)
+        raised = ""
+    except TypeError as e:
+        raised = str(e)
+    out["refused"][name] = [refused, raised]
+print(json.dumps(out))
+"""
+
+
+def _interpreter_job(tmp):
+    done = children.run([sys.executable, "-c", CHILD], env_extra={"TRITON_INTERPRET": "1"})
+    return json.loads(done.stdout.strip().splitlines()[-1])
+
+
+@pytest.mark.children(job=_interpreter_job)
+def test_the_fused_kernel_writes_what_index_copy_writes_drops_slots_out_of_range_and_refuses_odd_layouts(child):
+    doc = child.result()
+    if "skip" in doc:
+        pytest.skip(doc["skip"])
+    assert len(doc["cases"]) == 4
+    for case in doc["cases"]:
+        assert case["k_equal"] and case["v_equal"], case
+        assert case["changed"] == 5, case  # 5 in-range slots of 8, all distinct rows
+    assert doc["empty_untouched"]
+    # ... and it refuses, by layout alone, what it cannot write.
+    assert doc["applies"]
+    for name, (refused, raised) in doc["refused"].items():
+        assert refused and "store_kv_fused" in raised, name
+
+
+def _bad_env_job(tmp):
+    return children.run([sys.executable, "-c", "import fa3_spec"], check=False,
+                        env_extra={"FA3_SPEC_STORE_KV": "scatter"})
+
+
+@pytest.mark.children(job=_bad_env_job)
+def test_an_unknown_store_impl_in_the_environment_fails_import_naming_it(child):
+    done = child.result()
+    assert done.returncode != 0
+    assert "FA3_SPEC_STORE_KV must be one of ('index_copy', 'triton'), got 'scatter'" in done.stderr
+
+
+def _import_job(tmp):
+    return children.run([sys.executable, "-c", "import sys, fa3_spec, fa3_spec.eagle; "
+                         "print('triton' in sys.modules)"])
+
+
+@pytest.mark.children(job=_import_job)
+def test_importing_the_library_does_not_import_triton(child):
+    # sglang's CPU kernels need Triton's interpreter, fixed at Triton's first import.
+    assert child.result().stdout.strip() == "False"
+
+
+@pytest.mark.parametrize("argv, says", [([], "needs CUDA and Triton"),
+                                        (["--tokens", "0"], "--tokens must be >= 1"),
+                                        (["--num-pages", "2"], "holds fewer slots")])
+def test_the_benchmark_exits_2_without_cuda_or_on_bad_input(argv, says, monkeypatch, capsys):
+    import pathlib
+
+    import torch
+
+    sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1] / "benchmarks"))
+    import kv_store_bench
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    assert kv_store_bench.main(argv) == 2
+    assert says in capsys.readouterr().err
