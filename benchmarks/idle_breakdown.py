@@ -51,7 +51,8 @@ CATEGORIES = (
     ("attention", re.compile(r"flash|fmha|FlashAttn", re.I)),
     ("gemm", re.compile(r"gemm|nvjet|cutlass|xmma|cublas|sm90_", re.I)),
     ("triton", re.compile(r"^triton_")),
-    ("copy", re.compile(r"memcpy|memset|copy", re.I)),
+    # the K/V writes: index_copy_, or fa3_spec's fused store_kv kernel
+    ("copy", re.compile(r"memcpy|memset|copy|store_kv", re.I)),
 )
 
 

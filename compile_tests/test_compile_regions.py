@@ -219,11 +219,12 @@ def test_a_region_refuses_an_unknown_compiler(models):
 
 
 def _engine(models, buckets, backend, dynamic_batch=None, compile_regions=None, max_new=8,
-            topk=4, num_steps=3, num_draft_tokens=6):
+            topk=4, num_steps=3, num_draft_tokens=6, draft_attention=None):
     spec = fa3_spec.SpecConfig(page_size=2, topk=topk, num_steps=num_steps,
                                num_draft_tokens=num_draft_tokens, max_bs=4, max_context_len=64)
     spec = dataclasses.replace(spec, num_pages=spec.pool_pages(4))
-    return EagleEngine(LoopConfig(spec, max_new_tokens=max_new, backend="torch"), models,
+    extra = {} if draft_attention is None else {"draft_attention": draft_attention}
+    return EagleEngine(LoopConfig(spec, max_new_tokens=max_new, backend="torch", **extra), models,
                        buckets=buckets, compile_backend=backend, dynamic_batch=dynamic_batch,
                        compile_regions=compile_regions)
 
@@ -315,15 +316,17 @@ def test_an_engine_with_regions_under_a_dynamic_frame_is_exact_to_greedy(models)
     assert stats["unique_graphs"] - graphs == 1 + regions.compiled_programs()
 
 
-def test_a_chain_engine_shares_one_frame_with_bucket_one_under_aot_eager(models):
-    """A chain (topk 1) under aot_eager, buckets 1, 2 and 4: one frame, the same
-    tokens as greedy. With one leaf per request the per-leaf tensors are
+@pytest.mark.parametrize("draft_attention", ["ancestors", "branch"])
+def test_a_chain_engine_shares_one_frame_with_bucket_one_under_aot_eager(models, draft_attention):
+    """A chain (topk 1) under aot_eager, buckets 1, 2 and 4, in both draft
+    semantics: one frame, the same tokens as greedy. With one leaf per request the per-leaf tensors are
     ``[B]``, and a reshape or a copy of such a view guarded the batch against
     1 in its layout check (the draft steps' slots and parents, the layer's
     head split, the reference attention's LSE): bucket 1 compiled a frame of
     its own."""
     eng = _engine(models, [1, 2, 4], "aot_eager", max_new=4, topk=1, num_steps=3,
-                  num_draft_tokens=4)
+                  num_draft_tokens=4, draft_attention=draft_attention)
+    assert eng.lc.draft_attention == draft_attention
     _assert_alone_then_three_match_greedy(eng, models)
     assert eng.runner.compile_counter.frame_count == 1
 
