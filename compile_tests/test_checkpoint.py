@@ -428,7 +428,7 @@ def eagle3(checkpoints, tmp_path_factory):
 
 
 def test_an_eagle3_head_computes_the_same_through_compiled_regions(eagle3):
-    """The target's captures (read through the regions' ``(x, delta)``
+    """The target's captures (read through the regions' unsummed
     residual) and the draft layer (its ``[embed; hidden]`` attention input, no
     attention norm) as `fa3_spec.eagle.regions` programs, bit for bit the
     inline layers' (eager regions: the same ops)."""

@@ -12,8 +12,9 @@ from fa3_spec.attention import cascade_attention, fa3_plans, plan_entries
 from fa3_spec.eagle import make_models
 from helpers import one_prompt_prefill, trace_only_backend
 
-PLAN, FA3, LAYER = ("fa3_spec.fa3_scheduler_plan", "fa3_spec.fa3_paged_attention",
-                    "fa3_spec_eagle.decoder_layer")
+PLAN, FA3 = "fa3_spec.fa3_scheduler_plan", "fa3_spec.fa3_paged_attention"
+#: A forward's first layer region, and the later ones (`fa3_spec.eagle.regions`).
+FIRST_LAYER, LAYER = "fa3_spec_eagle.decoder_layer_first", "fa3_spec_eagle.decoder_layer"
 
 
 @pytest.fixture(scope="module")
@@ -95,10 +96,13 @@ def test_the_target_makes_one_plan_per_call_and_every_layer_reads_it(models, reg
             assert tuple(plan.args[13:15]) == tuple(call.args[11:13])
             assert plan.args[3] == md.calls[i % len(md.calls)].page_table.shape[1] * 2
     else:
-        layers = _nodes(graph, LAYER)
-        assert len(layers) == 3 and not _nodes(graph, FA3)
+        layers = _nodes(graph, FIRST_LAYER) + _nodes(graph, LAYER)
+        assert [str(n.target).split(".default")[0] for n in layers] == [FIRST_LAYER] + 2 * [LAYER]
+        assert not _nodes(graph, FA3)
         for layer in layers:
-            assert list(layer.args[8]) == plans
+            op = getattr(layer.target, "default", layer.target)  # a packet or its overload
+            names = [a.name for a in op._schema.arguments]
+            assert list(layer.args[names.index("plans")]) == plans
 
 
 @pytest.mark.parametrize("why", ["provider", "asked"])

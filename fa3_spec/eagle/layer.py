@@ -9,7 +9,7 @@ The one implementation of the layer, shared by the inline path
 from __future__ import annotations
 
 import dataclasses
-from typing import List, Optional, Tuple
+from typing import List, Optional, Sequence, Tuple
 
 import torch
 import torch.nn.functional as F
@@ -139,25 +139,39 @@ def mlp(shape: LayerShape, w: LayerWeights, x: torch.Tensor) -> torch.Tensor:
 
 
 def layer_body(shape: LayerShape, w: LayerWeights, x: torch.Tensor,
-               delta: Optional[torch.Tensor], attn_in: Optional[torch.Tensor],
+               deltas: Sequence[torch.Tensor], attn_in: Optional[torch.Tensor],
                cos: torch.Tensor, sin: torch.Tensor, slots: torch.Tensor, metadata,
                k_cache: torch.Tensor, v_cache: torch.Tensor, backend: str,
                num_splits: Optional[int],
-               plans: Optional[tuple] = None) -> Tuple[torch.Tensor, torch.Tensor]:
-    """One layer, its residual stream carried as ``(x, delta)``.
+               plans: Optional[tuple] = None
+               ) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """One layer, its residual stream carried as ``x`` plus unsummed ``deltas``.
 
-    The layer's input is ``x + delta`` (``delta`` None: ``x``). Returns
-    ``(x_mid, mlp_out)``, the residual after attention and the MLP branch:
-    the layer's output is ``x_mid + mlp_out``, which the next layer's
-    ``delta`` adds (`fa3_spec.eagle.regions` says why). ``plans``: FA3
-    scheduler plans the forward's layers share (`fa3_spec.attention.fa3_plans`),
-    or None. Shapes and the other arguments: `decoder_layer`.
+    The layer's input is ``x`` plus each of ``deltas`` (none, or the previous
+    layer's two, added left to right). Returns ``(x_in, attn_out,
+    mlp_out)``: that input (``x`` itself when ``deltas`` is empty), the
+    attention branch after its output projection, and the MLP branch. The
+    layer's output is ``(x_in + attn_out) + mlp_out``, which the next layer
+    adds as its ``deltas``: every sum of the stream is then a pointwise add
+    that inductor fuses into the RMSNorm after it, and no matmul's result is
+    added to a tensor a compiled region returns (inductor makes such an add
+    an ``addmm``, which copies the addend into the output before the GEMM:
+    one device-to-device copy per layer, `fa3_spec.eagle.regions`).
+    ``plans``: FA3 scheduler plans the forward's layers share
+    (`fa3_spec.attention.fa3_plans`), or None. Shapes and the other
+    arguments: `fa3_spec.eagle.models.decoder_layer`.
     """
-    if delta is not None:
-        x = x + delta
+    for d in deltas:
+        x = x + d
     q, k, v = attention_inputs(shape, w, x if attn_in is None else attn_in, cos, sin)
     store_kv(k_cache, v_cache, slots, k, v)
     attn = cascade_attention(q, k_cache, v_cache, metadata, backend=backend,
                              num_splits=num_splits, plans=plans)
-    x = x + attn.reshape(x.shape[0], -1) @ w.wo
-    return x, mlp(shape, w, x)
+    attn_out = attn.reshape(x.shape[0], -1) @ w.wo
+    return x, attn_out, mlp(shape, w, x + attn_out)
+
+
+def layer_output(x_in: torch.Tensor, attn_out: torch.Tensor, mlp_out: torch.Tensor) -> torch.Tensor:
+    """The output of a layer from `layer_body`'s three parts, summed in the
+    order the next layer sums them."""
+    return x_in + attn_out + mlp_out

@@ -49,7 +49,7 @@ import torch
 
 from ..attention import fa3_plans, provider_plans, resolve_backend
 from ..attention.kv_store import store_kv
-from .layer import LayerWeights, rms_norm
+from .layer import LayerWeights, layer_output, rms_norm
 from .regions import REGION_BACKENDS, decoder_layer_region
 from .vocab import log_prob_topk
 
@@ -205,9 +205,9 @@ def decoder_layer(shape: ModelShape, w: LayerWeights, x: torch.Tensor, cos: torc
     under ``eager`` and ``aot_eager``; under inductor the program's fused
     kernels round as inductor's inline code does, not bit for bit alike.
     """
-    x, delta = decoder_layer_region(shape, w, x, None, attn_in, cos, sin, slots, metadata,
-                                    k_cache, v_cache, backend, num_splits, regions)
-    return x + delta
+    return layer_output(*decoder_layer_region(shape, w, x, (), attn_in, cos, sin, slots,
+                                              metadata, k_cache, v_cache, backend, num_splits,
+                                              regions))
 
 
 def normed_rows(hidden: torch.Tensor, norm: Optional[torch.Tensor], eps: float,
@@ -288,15 +288,16 @@ class LlamaTarget:
             plans = fa3_plans(metadata, num_heads=self.shape.num_heads,
                               head_dim=self.shape.head_dim, k_cache=kv.k[0], v_cache=kv.v[0],
                               num_splits=num_splits)
-        captured, delta = {}, None
+        captured, deltas = {}, ()
         for i, w in enumerate(self.layers):
+            # x comes back as this layer's input (the stream summed): what capture reads.
+            x, *deltas = decoder_layer_region(self.shape, w, x, deltas, None, cos, sin, slots,
+                                              metadata, kv.k[i], kv.v[i], backend, num_splits,
+                                              self.compile_regions, plans)
             if i in capture:
-                captured[i] = x if delta is None else x + delta
-            x, delta = decoder_layer_region(self.shape, w, x, delta, None, cos, sin, slots,
-                                            metadata, kv.k[i], kv.v[i], backend, num_splits,
-                                            self.compile_regions, plans)
-        if delta is not None:
-            x = x + delta
+                captured[i] = x
+        if deltas:
+            x = layer_output(x, *deltas)
         if not capture:
             return x
         captured[len(self.layers)] = x

@@ -36,11 +36,16 @@ regions inductor (torch 2.11) emitted wrong tokens on the H200 and could not
 compile them with a symbolic batch (``benchmarks/RESULTS.md``); this op is
 an ordinary inductor compile of an ordinary function.
 
-The residual stream is carried as ``(x, delta)``: a layer returns its
-post-attention residual ``x`` and its MLP output ``delta`` unsummed, and the
-next layer adds them first, so inductor fuses that add into the next
-layer's RMSNorm as it does inline (one kernel, not two, per layer
-boundary). The caller adds the last pair.
+The residual stream is carried as ``x`` plus two unsummed deltas: a layer
+returns its input ``x_in``, its attention branch ``attn_out`` and its MLP
+branch ``mlp_out``, and the next layer adds ``(x_in + attn_out) + mlp_out``
+first, so inductor fuses those adds into the next layer's RMSNorm as it
+does inline (one kernel per layer boundary). No region returns a sum with a
+matmul's result: inductor turns ``x + a @ w`` whose sum leaves the graph
+into an ``addmm``, and cuBLAS's addmm copies ``x`` into the output before
+the GEMM (one device-to-device copy per layer, found on the H200 with
+``(x_mid, mlp_out)`` returned). The caller sums the last three
+(`fa3_spec.eagle.layer.layer_output`).
 
 The op mutates the layer's K/V cache (``mutates_args``), like
 ``fa3_spec::store_kv``, so inductor writes it in place. The programs compile
@@ -50,11 +55,11 @@ enclosing compile was given.
 Example (what `fa3_spec.eagle.models.LlamaTarget.forward` does with
 ``compile_regions="inductor"``)::
 
-    x, delta = embeddings, None
+    x, deltas = embeddings, ()
     for w, k, v in zip(layers, kv.k, kv.v):
-        x, delta = decoder_layer_region(shape, w, x, delta, None, cos, sin, slots,
-                                        metadata, k, v, "fa3", None, "inductor")
-    out = x + delta
+        x, *deltas = decoder_layer_region(shape, w, x, deltas, None, cos, sin, slots,
+                                          metadata, k, v, "fa3", None, "inductor")
+    out = layer_output(x, *deltas)
 """
 
 from __future__ import annotations
@@ -62,7 +67,7 @@ from __future__ import annotations
 import itertools
 import threading
 import types
-from typing import Dict, List, Optional, Tuple
+from typing import Dict, List, Optional, Sequence, Tuple
 
 import torch
 
@@ -138,18 +143,18 @@ def _decode_metadata(tensors: List[torch.Tensor], statics: List[int]):
     return CascadeMetadata(calls[0], calls[1] if len(calls) > 1 else None)
 
 
-def decoder_layer_region(shape, w, x: torch.Tensor, delta: Optional[torch.Tensor],
+def decoder_layer_region(shape, w, x: torch.Tensor, deltas: Sequence[torch.Tensor],
                          attn_in: Optional[torch.Tensor], cos: torch.Tensor, sin: torch.Tensor,
                          slots: torch.Tensor, metadata, k_cache: torch.Tensor,
                          v_cache: torch.Tensor, backend: str, num_splits: Optional[int],
-                         compiler: Optional[str],
-                         plans: Optional[tuple] = None) -> Tuple[torch.Tensor, torch.Tensor]:
+                         compiler: Optional[str], plans: Optional[tuple] = None
+                         ) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """One decoder layer through the ``fa3_spec_eagle::decoder_layer`` op while
     an enclosing function is compiled; `layer_body` itself eagerly, or when
     ``compiler`` is None (the layers inline).
 
     Args: as `fa3_spec.eagle.layer.layer_body` (``shape`` a `ModelShape`,
-    ``w`` a `LayerWeights`, ``x [T, H]`` with ``delta [T, H]`` or None,
+    ``w`` a `LayerWeights`, ``x [T, H]`` with ``deltas``, none or two ``[T, H]``,
     ``attn_in [T, H_a]`` or None, ``cos, sin [T, D/2]``, int64 ``slots
     [T]``, ``metadata`` an `FA3Metadata` or `CascadeMetadata`, this layer's
     ``k_cache, v_cache [num_pages, P, H_kv, D]``, the attention ``backend``
@@ -158,34 +163,40 @@ def decoder_layer_region(shape, w, x: torch.Tensor, delta: Optional[torch.Tensor
     FA3 scheduler plans the forward's layers share
     (`fa3_spec.attention.fa3_plans`) or None.
 
-    Returns ``(x_mid, mlp_out)``, both ``[T, H]``: the layer's output is
-    their sum. Writes the ``T`` tokens' K/V at ``slots``.
+    Returns ``(x_in, attn_out, mlp_out)``, each ``[T, H]``, as `layer_body`
+    (`fa3_spec.eagle.layer.layer_output` sums them). Writes the ``T``
+    tokens' K/V at ``slots``.
     """
+    deltas = list(deltas)
+    if len(deltas) not in (0, 2):
+        raise ValueError(f"deltas must be empty or the previous layer's two, got {len(deltas)}")
     if compiler and compiler not in REGION_BACKENDS:
         raise ValueError(f"compiler must be one of {REGION_BACKENDS}, got {compiler!r}")
     if not compiler or not torch.compiler.is_compiling():  # (a False from before: inline)
-        return layer_body(shape, w, x, delta, attn_in, cos, sin, slots, metadata, k_cache,
+        return layer_body(shape, w, x, deltas, attn_in, cos, sin, slots, metadata, k_cache,
                           v_cache, backend, num_splits, plans)
     md_tensors, md_statics = _encode_metadata(metadata,
                                               fa3=resolve_backend(backend, x.device) == "fa3")
     dims = [shape.hidden_size, shape.num_heads, shape.num_kv_heads, shape.head_dim,
             shape.intermediate_size]
-    return torch.ops.fa3_spec_eagle.decoder_layer(
-        x, delta, attn_in, w.as_list(), cos, sin, slots, md_tensors, list(plans or ()),
-        k_cache, v_cache, md_statics, dims, float(shape.rms_eps), backend, num_splits, compiler)
+    args = (attn_in, w.as_list(), cos, sin, slots, md_tensors, list(plans or ()), k_cache,
+            v_cache, md_statics, dims, float(shape.rms_eps), backend, num_splits, compiler)
+    if not deltas:  # the layer's input is x itself, which an op may not return
+        return (x, *torch.ops.fa3_spec_eagle.decoder_layer_first(x, *args))
+    return tuple(torch.ops.fa3_spec_eagle.decoder_layer(x, *deltas, *args))
 
 
-@torch.library.custom_op("fa3_spec_eagle::decoder_layer", mutates_args=("k_cache", "v_cache"))
-def _decoder_layer_op(x: torch.Tensor, delta: Optional[torch.Tensor],
-                      attn_in: Optional[torch.Tensor], weights: List[torch.Tensor],
-                      cos: torch.Tensor, sin: torch.Tensor, slots: torch.Tensor,
-                      md_tensors: List[torch.Tensor], plans: List[torch.Tensor],
-                      k_cache: torch.Tensor, v_cache: torch.Tensor,
-                      md_statics: List[int], dims: List[int],
-                      eps: float, backend: str, num_splits: Optional[int],
-                      compiler: str) -> Tuple[torch.Tensor, torch.Tensor]:
+def _run_program(x: torch.Tensor, deltas: List[torch.Tensor], attn_in: Optional[torch.Tensor],
+                 weights: List[torch.Tensor], cos: torch.Tensor, sin: torch.Tensor,
+                 slots: torch.Tensor, md_tensors: List[torch.Tensor], plans: List[torch.Tensor],
+                 k_cache: torch.Tensor, v_cache: torch.Tensor, md_statics: List[int],
+                 dims: List[int], eps: float, backend: str, num_splits: Optional[int],
+                 compiler: str) -> tuple:
+    """Both ops' body: the compiled program of this call's key, run.
+    ``(x_in, attn_out, mlp_out)`` (`layer_body`), without ``x_in`` when
+    ``deltas`` is empty."""
     key = (tuple(md_statics), tuple(dims), eps, backend, num_splits, compiler,
-           delta is not None, attn_in is not None, len(weights), len(plans), str(x.device),
+           len(deltas), attn_in is not None, len(weights), len(plans), str(x.device),
            tuple(t.dtype for t in (x, cos, slots, k_cache, *weights, *md_tensors)))
     with _LOCK:
         fn = _COMPILED.get(key)
@@ -198,12 +209,41 @@ def _decoder_layer_op(x: torch.Tensor, delta: Optional[torch.Tensor],
     # one call and below it on the next, and every program compiled twice:
     # test_compile_regions.py fails without it).
     with torch.no_grad(), torch._C._AutoDispatchBelowADInplaceOrView():
-        x, delta, attn_in, cos, sin, slots = (_dynamic_rows(t) for t in
-                                              (x, delta, attn_in, cos, sin, slots))
-        x_mid, mlp_out = fn(x, delta, attn_in, weights, cos, sin, slots,
-                            [_dynamic_rows(t, ndim=t.dim()) for t in md_tensors],
-                            [_dynamic_rows(t) for t in plans], k_cache, v_cache)
-    return x_mid, mlp_out
+        x, attn_in, cos, sin, slots = (_dynamic_rows(t) for t in (x, attn_in, cos, sin, slots))
+        return tuple(fn(x, [_dynamic_rows(t) for t in deltas], attn_in, weights, cos, sin, slots,
+                        [_dynamic_rows(t, ndim=t.dim()) for t in md_tensors],
+                        [_dynamic_rows(t) for t in plans], k_cache, v_cache))
+
+
+@torch.library.custom_op("fa3_spec_eagle::decoder_layer", mutates_args=("k_cache", "v_cache"))
+def _decoder_layer_op(x: torch.Tensor, delta_attn: torch.Tensor, delta_mlp: torch.Tensor,
+                      attn_in: Optional[torch.Tensor], weights: List[torch.Tensor],
+                      cos: torch.Tensor, sin: torch.Tensor, slots: torch.Tensor,
+                      md_tensors: List[torch.Tensor], plans: List[torch.Tensor],
+                      k_cache: torch.Tensor, v_cache: torch.Tensor,
+                      md_statics: List[int], dims: List[int],
+                      eps: float, backend: str, num_splits: Optional[int],
+                      compiler: str) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """A layer after the first: its input is ``(x + delta_attn) + delta_mlp``
+    (the previous layer's three parts); ``(x_in, attn_out, mlp_out)``."""
+    return _run_program(x, [delta_attn, delta_mlp], attn_in, weights, cos, sin, slots,
+                        md_tensors, plans, k_cache, v_cache, md_statics, dims, eps, backend,
+                        num_splits, compiler)
+
+
+@torch.library.custom_op("fa3_spec_eagle::decoder_layer_first",
+                         mutates_args=("k_cache", "v_cache"))
+def _decoder_layer_first_op(x: torch.Tensor, attn_in: Optional[torch.Tensor],
+                            weights: List[torch.Tensor], cos: torch.Tensor, sin: torch.Tensor,
+                            slots: torch.Tensor, md_tensors: List[torch.Tensor],
+                            plans: List[torch.Tensor], k_cache: torch.Tensor,
+                            v_cache: torch.Tensor, md_statics: List[int], dims: List[int],
+                            eps: float, backend: str, num_splits: Optional[int],
+                            compiler: str) -> Tuple[torch.Tensor, torch.Tensor]:
+    """A layer whose input is ``x`` as given (a forward's first layer, a
+    draft layer); ``(attn_out, mlp_out)``."""
+    return _run_program(x, [], attn_in, weights, cos, sin, slots, md_tensors, plans, k_cache,
+                        v_cache, md_statics, dims, eps, backend, num_splits, compiler)
 
 
 def _dynamic_rows(t: Optional[torch.Tensor], ndim: int = 1) -> Optional[torch.Tensor]:
@@ -226,8 +266,12 @@ def _dynamic_rows(t: Optional[torch.Tensor], ndim: int = 1) -> Optional[torch.Te
 
 
 @_decoder_layer_op.register_fake
-def _decoder_layer_fake(x, delta, attn_in, weights, cos, sin, slots, md_tensors, plans,
-                        k_cache, v_cache, md_statics, dims, eps, backend, num_splits, compiler):
+def _decoder_layer_fake(x, *_):
+    return x.new_empty(x.shape), x.new_empty(x.shape), x.new_empty(x.shape)
+
+
+@_decoder_layer_first_op.register_fake
+def _decoder_layer_first_fake(x, *_):
     return x.new_empty(x.shape), x.new_empty(x.shape)
 
 
@@ -244,11 +288,12 @@ def _compile_program(index: int, md_statics: List[int], dims: List[int], eps: fl
     shape = LayerShape(*dims, rms_eps=eps)
     statics = list(md_statics)
 
-    def program(x, delta, attn_in, weights, cos, sin, slots, md_tensors, plans, k_cache,
+    def program(x, deltas, attn_in, weights, cos, sin, slots, md_tensors, plans, k_cache,
                 v_cache):
-        return layer_body(shape, LayerWeights.from_list(weights), x, delta, attn_in, cos, sin,
-                          slots, _decode_metadata(md_tensors, statics), k_cache, v_cache,
-                          backend, num_splits, tuple(plans) or None)
+        out = layer_body(shape, LayerWeights.from_list(weights), x, deltas, attn_in, cos, sin,
+                         slots, _decode_metadata(md_tensors, statics), k_cache, v_cache,
+                         backend, num_splits, tuple(plans) or None)
+        return out if deltas else out[1:]  # never an input as an output
 
     name = f"decoder_layer_program_{index}"
     code = program.__code__.replace(co_name=name)
