@@ -10,7 +10,8 @@ models at the ``tiny`` preset's widths, ``--layers`` deep) compiled with
 process with an empty inductor cache:
 
   inline   the layers traced into the forward's graph;
-  regions  each layer the ``fa3_spec_eagle::decoder_layer`` op, whose layer is
+  regions  each layer a ``fa3_spec_eagle`` layer op (``decoder_layer_first``
+           for layer 0, ``decoder_layer`` after), whose layer is
            compiled once per program (`fa3_spec.eagle.regions`; the engine's
            default under inductor).
 

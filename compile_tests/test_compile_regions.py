@@ -1,6 +1,7 @@
 """The layers as compiled regions (`fa3_spec.eagle.regions`) or inline, and the engine's choices.
 
-A region is the ``fa3_spec_eagle::decoder_layer`` custom op running a
+A region is a ``fa3_spec_eagle`` layer custom op (``decoder_layer_first``
+for a forward's first layer, ``decoder_layer`` after) running a
 ``torch.compile`` of one layer (while an enclosing function is compiled;
 eagerly, the layer itself). These tests check, with ``aot_eager``/
 ``eager`` regions (inductor's own output is checked on the GPU,
@@ -59,7 +60,10 @@ def test_the_layers_are_region_ops_only_when_asked_and_compute_the_same(models):
     test below)."""
     with_regions, code_on, pool_on = _traced(models, "eager")
     inline, code_off, pool_off = _traced(models, None)
-    assert code_on.count("fa3_spec_eagle.decoder_layer") == models.num_target_layers
+    first = code_on.count("fa3_spec_eagle.decoder_layer_first")
+    later = code_on.count("fa3_spec_eagle.decoder_layer(") + code_on.count(
+        "fa3_spec_eagle.decoder_layer.default")
+    assert (first, later) == (1, models.num_target_layers - 1), (first, later)
     assert "fa3_spec_eagle.decoder_layer" not in code_off
     torch.testing.assert_close(with_regions, inline, rtol=0, atol=0)
     torch.testing.assert_close(pool_on.target_kv.k, pool_off.target_kv.k, rtol=0, atol=0)
@@ -204,9 +208,11 @@ def test_no_region_program_adds_a_residual_to_a_matmul_in_an_addmm(monkeypatch):
     device test patched: it is the rule's only device dependence); fails on
     the old return (2 addmm, one per program: layer 0, and the later layers)."""
     import torch._inductor.fx_passes.post_grad as post_grad
-    from torch._inductor.utils import run_and_get_code
+    import torch._inductor.utils as inductor_utils
 
     monkeypatch.setattr(post_grad, "is_gpu", lambda device: True)
+    # The patch is in no cache key: compile in a fresh cache, read nothing, leave nothing.
+    fresh = getattr(inductor_utils, "fresh_cache", None) or inductor_utils.fresh_inductor_cache
     m = make_models("tiny", draft="derived", num_layers=2,
                     dtype=torch.bfloat16).with_compile_regions("inductor")
     tokens, pos, slots, md, pool = _prefill_inputs(m, 11)
@@ -214,8 +220,11 @@ def test_no_region_program_adds_a_residual_to_a_matmul_in_an_addmm(monkeypatch):
                        backend="inductor", fullgraph=True)
     regions.clear_programs()
     torch._dynamo.reset()
-    _, codes = run_and_get_code(fn, pool.target_kv)
-    assert regions.compiled_programs() == 2 and len(codes) == 3  # the frame, 2 programs
+    with fresh():
+        _, codes = inductor_utils.run_and_get_code(fn, pool.target_kv)
+    regions.clear_programs()  # compiled under the patch: no later test may reuse them
+    torch._dynamo.reset()
+    assert len(codes) == 3  # the frame, 2 programs (layer 0, the later layers)
     assert sum(c.count("extern_kernels.addmm") for c in codes) == 0
     assert sum(c.count("extern_kernels.mm(") for c in codes) == 8  # QKV, O, gate/up, down
 

@@ -76,6 +76,10 @@ def test_the_op_in_a_cuda_graph_and_under_inductor_writes_each_replay_s_rows():
 
     graph, _ = capture(lambda: write(kc, vc, qkv, slots), warmup=2)
     reference()  # the warm-up's writes (the same rows each time)
+    # The compiled op took the fused kernel (a layout it refused would fall
+    # back to index_copy_ and still write the right rows).
+    assert any("store_kv_kernel" in n for n in _kernel_names(graph.replay))
+    reference()  # that replay's writes
     g = torch.Generator(device="cuda").manual_seed(1)
     for _ in range(3):
         qkv.copy_(torch.randn(qkv.shape, device="cuda", dtype=qkv.dtype, generator=g))

@@ -56,6 +56,8 @@ out["empty_untouched"] = torch.equal(before, kc)
 kc, vc = torch.zeros(L, N, P, H, D), torch.zeros(L, N, P, H, D)
 k, v, s = torch.ones(2, H, D), torch.ones(2, H, D), torch.tensor([1, 2])
 out["applies"] = fused_store_applies(kc, vc, s, k, v)
+# One token: a size-1 dimension's stride means nothing, so it is no reason to refuse.
+out["applies_one_token"] = fused_store_applies(kc, vc, torch.tensor([1, 2])[::2], k[:1], v[:1])
 bad = {
     "strided cache": (kc.transpose(0, 1), vc.transpose(0, 1), s, k, v),
     "mixed dtype": (kc, vc, s, k.double(), v),
@@ -93,7 +95,7 @@ def test_the_fused_kernel_writes_what_index_copy_writes_drops_slots_out_of_range
         assert case["changed"] == 5, case  # 5 in-range slots of 8, all distinct rows
     assert doc["empty_untouched"]
     # ... and it refuses, by layout alone, what it cannot write.
-    assert doc["applies"]
+    assert doc["applies"] and doc["applies_one_token"]
     for name, (refused, raised) in doc["refused"].items():
         assert refused and "store_kv_fused" in raised, name
 

@@ -8,7 +8,8 @@ batch-64 cache on the H200, 116 ms vs 0.2 ms on CPU. A custom op that
 declares ``mutates_args`` is re-inplaced by inductor and writes only the
 ``T`` rows. Slots are clamped in plain torch by the callers.
 
-Two implementations, one contract:
+Two implementations, which write the same bytes for slots in range (the
+callers clamp every slot, so the loop never passes one outside):
 
 - the default (CPU, and CUDA without Triton): two ``index_copy_``, one per
   cache. An out-of-range slot raises (CPU) or trips a device assert (CUDA);
@@ -26,6 +27,7 @@ the default on CUDA too (for A/B runs and debugging).
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import importlib.util
 import os
@@ -37,11 +39,18 @@ STORE_KV_IMPLS = ("index_copy", "triton")
 
 @functools.cache
 def fused_store_available() -> bool:
-    """Whether Triton can be imported, so that `store_kv_fused` can run (it is
-    imported at `store_kv_fused`'s first call, not at ``import fa3_spec``: a
-    process that later wants Triton's CPU interpreter must import it first).
-    Asked once per process."""
-    return importlib.util.find_spec("triton") is not None
+    """Whether Triton imports, so that `store_kv_fused` can run. Asked once
+    per process, at the first CUDA `store_kv` (or a direct call): that is
+    when Triton is first imported, never at ``import fa3_spec`` (a process
+    that wants Triton's CPU interpreter must import it first)."""
+    if importlib.util.find_spec("triton") is None:
+        return False
+    try:
+        import triton  # noqa: F401
+        import triton.language  # noqa: F401
+    except Exception:  # an install that does not import is no Triton
+        return False
+    return True
 
 
 def _impl_from_env() -> str:
@@ -94,7 +103,11 @@ def fused_store_applies(k_cache: torch.Tensor, v_cache: torch.Tensor, slots: tor
         return False
     if k_cache.shape != v_cache.shape or not (k_cache.is_contiguous() and v_cache.is_contiguous()):
         return False
-    if k.stride(-1) != 1 or v.stride(-1) != 1 or slots.stride(0) != 1:
+    # Unit strides where they matter (a size-1 dimension's stride means nothing).
+    t, _, d = k.shape
+    if d > 1 and (k.stride(-1) != 1 or v.stride(-1) != 1):
+        return False
+    if t > 1 and slots.stride(0) != 1:
         return False
     row = k.shape[1] * k.shape[2]
     if row == 0 or k_cache.numel() % row:
@@ -117,8 +130,8 @@ def _kernel():
         # One program per token: its H x D K row and V row.
         t = tl.program_id(0).to(tl.int64)
         slot = tl.load(slots + t).to(tl.int64)
-        h = tl.arange(0, BLOCK_H)[:, None]
-        d = tl.arange(0, BLOCK_D)[None, :]
+        h = tl.arange(0, BLOCK_H).to(tl.int64)[:, None]  # int64: a head stride times h
+        d = tl.arange(0, BLOCK_D).to(tl.int64)[None, :]  # may pass 2**31
         row = slot + 0 * (h + d)  # the slot, broadcast to the block
         mask = (h < H) & (d < D) & (row >= 0) & (row < num_rows)
         dst = tl.where(mask, row, 0) * (H * D) + h * D + d
@@ -143,11 +156,16 @@ def store_kv_fused(k_cache: torch.Tensor, v_cache: torch.Tensor, slots: torch.Te
     if t == 0:
         return
     triton, kernel = _kernel()
-    kernel[(t,)](
-        k_cache, v_cache, slots, k, v, k_cache.numel() // (h * d),
-        k.stride(0), k.stride(1), v.stride(0), v.stride(1),
-        H=h, D=d, BLOCK_H=triton.next_power_of_2(h), BLOCK_D=triton.next_power_of_2(d),
-        num_warps=4)
+    # A custom op gets no device guard, and Triton launches on the current
+    # device: make it the tensors' (an eager call on another GPU).
+    guard = (torch.cuda.device(k_cache.device) if k_cache.device.type == "cuda"
+             else contextlib.nullcontext())
+    with guard:
+        kernel[(t,)](
+            k_cache, v_cache, slots, k, v, k_cache.numel() // (h * d),
+            k.stride(0), k.stride(1), v.stride(0), v.stride(1),
+            H=h, D=d, BLOCK_H=triton.next_power_of_2(h), BLOCK_D=triton.next_power_of_2(d),
+            num_warps=4)
 
 
 if _impl_from_env() == "triton":

@@ -199,7 +199,9 @@ def decoder_layer(shape: ModelShape, w: LayerWeights, x: torch.Tensor, cos: torc
 
     ``regions``: None traces the layer inline; a ``torch.compile`` backend
     name (`fa3_spec.eagle.regions.REGION_BACKENDS`) runs it, inside an
-    enclosing compile, as the ``fa3_spec_eagle::decoder_layer`` op, whose
+    enclosing compile, as a ``fa3_spec_eagle::decoder_layer_first`` op (a
+    layer whose input is ``x`` as given; the forward's later layers are
+    ``decoder_layer``), whose
     layer is compiled once with that backend and reused by every layer of the
     same program (the models' ``compile_regions`` field). The same numbers
     under ``eager`` and ``aot_eager``; under inductor the program's fused

@@ -4,8 +4,11 @@ Traced inline, the 32 layers of an 8B target make one large graph, and
 inductor's work grows with it: a cold compile of one EAGLE iteration took
 124 s on the H200, 46 s of it in the scheduler's construction and fusion
 and 29 s in its code generation (``benchmarks/RESULTS.md``). Here, while an
-enclosing function is being compiled, each layer call is one
-``fa3_spec_eagle::decoder_layer`` custom op instead:
+enclosing function is being compiled, each layer call is one custom op
+instead, ``fa3_spec_eagle::decoder_layer_first`` for a layer whose input is
+given whole (a forward's first layer, a draft layer) and
+``fa3_spec_eagle::decoder_layer`` for the later layers (their input is the
+previous layer's three parts):
 
 * the enclosing graph sees the op as opaque (its fake gives the output
   shapes), so it compiles only what lies between the layers: embeddings,
@@ -149,7 +152,8 @@ def decoder_layer_region(shape, w, x: torch.Tensor, deltas: Sequence[torch.Tenso
                          v_cache: torch.Tensor, backend: str, num_splits: Optional[int],
                          compiler: Optional[str], plans: Optional[tuple] = None
                          ) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """One decoder layer through the ``fa3_spec_eagle::decoder_layer`` op while
+    """One decoder layer through a ``fa3_spec_eagle`` layer op (``decoder_layer_first``
+    without ``deltas``, else ``decoder_layer``) while
     an enclosing function is compiled; `layer_body` itself eagerly, or when
     ``compiler`` is None (the layers inline).
 
