@@ -56,7 +56,8 @@ def row(t: int, num_pages: int) -> dict:
              "op": torch.ops.fa3_spec.store_kv}
     written = {}
     for name, fn in impls.items():
-        kc.zero_(), vc.zero_()
+        kc.zero_()
+        vc.zero_()
         for s in layer_slots:
             fn(kc, vc, s, k, v)
         written[name] = (kc.clone(), vc.clone())

@@ -112,8 +112,7 @@ def fused_store_applies(k_cache: torch.Tensor, v_cache: torch.Tensor, slots: tor
     row = k.shape[1] * k.shape[2]
     if row == 0 or k_cache.numel() % row:
         return False
-    devices = {t.device for t in (k_cache, v_cache, slots, k, v)}
-    return len(devices) == 1
+    return len({x.device for x in (k_cache, v_cache, slots, k, v)}) == 1
 
 
 @functools.cache
@@ -152,6 +151,11 @@ def store_kv_fused(k_cache: torch.Tensor, v_cache: torch.Tensor, slots: torch.Te
     if not fused_store_applies(k_cache, v_cache, slots, k, v):
         raise TypeError("store_kv_fused: the tensors' layouts or dtypes do not fit the fused "
                         "kernel (see fused_store_applies)")
+    _launch_fused(k_cache, v_cache, slots, k, v)
+
+
+def _launch_fused(k_cache, v_cache, slots, k, v) -> None:
+    """The launch of `store_kv_fused`, for tensors `fused_store_applies` took."""
     t, h, d = k.shape
     if t == 0:
         return
@@ -172,7 +176,7 @@ if _impl_from_env() == "triton":
 
     @store_kv.register_kernel("cuda")
     def _store_kv_cuda(k_cache, v_cache, slots, k, v) -> None:
-        if fused_store_applies(k_cache, v_cache, slots, k, v):
-            store_kv_fused(k_cache, v_cache, slots, k, v)
+        if fused_store_applies(k_cache, v_cache, slots, k, v):  # checked once per call
+            _launch_fused(k_cache, v_cache, slots, k, v)
         else:
             store_kv_index_copy(k_cache, v_cache, slots, k, v)
