@@ -16,6 +16,7 @@ import torch.nn.functional as F
 
 from ..attention import cascade_attention
 from ..attention.kv_store import store_kv
+from .gemm import matmul
 
 
 @dataclasses.dataclass(frozen=True)
@@ -128,14 +129,14 @@ def attention_inputs(shape: LayerShape, w: LayerWeights, x: torch.Tensor, cos: t
     # One view of the fused output, then a split along the heads: the strides
     # of reshaping each part, without a reshape's layout check over T (which
     # guards a symbolic batch against 1 when T is the batch, a chain's draft).
-    q, k, v = (h @ w.wqkv).view(t, hq + 2 * hkv, d).split([hq, hkv, hkv], dim=1)
+    q, k, v = matmul(h, w.wqkv).view(t, hq + 2 * hkv, d).split([hq, hkv, hkv], dim=1)
     return apply_rope(q, cos, sin), apply_rope(k, cos, sin), v
 
 
 def mlp(shape: LayerShape, w: LayerWeights, x: torch.Tensor) -> torch.Tensor:
     """The SwiGLU MLP branch of ``x [T, H]`` (RMSNorm first), without its residual."""
-    gate, up = (rms_norm(x, w.mlp_norm, shape.rms_eps) @ w.w_gate_up).chunk(2, dim=-1)
-    return (F.silu(gate) * up) @ w.w_down
+    gate, up = matmul(rms_norm(x, w.mlp_norm, shape.rms_eps), w.w_gate_up).chunk(2, dim=-1)
+    return matmul(F.silu(gate) * up, w.w_down)
 
 
 def layer_body(shape: LayerShape, w: LayerWeights, x: torch.Tensor,
@@ -167,7 +168,7 @@ def layer_body(shape: LayerShape, w: LayerWeights, x: torch.Tensor,
     store_kv(k_cache, v_cache, slots, k, v)
     attn = cascade_attention(q, k_cache, v_cache, metadata, backend=backend,
                              num_splits=num_splits, plans=plans)
-    attn_out = attn.reshape(x.shape[0], -1) @ w.wo
+    attn_out = matmul(attn.reshape(x.shape[0], -1), w.wo)
     return x, attn_out, mlp(shape, w, x + attn_out)
 
 

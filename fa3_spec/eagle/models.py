@@ -49,6 +49,7 @@ import torch
 
 from ..attention import fa3_plans, provider_plans, resolve_backend
 from ..attention.kv_store import store_kv
+from .gemm import matmul
 from .layer import LayerWeights, layer_output, rms_norm
 from .regions import REGION_BACKENDS, decoder_layer_region
 from .vocab import log_prob_topk
@@ -311,7 +312,7 @@ class LlamaTarget:
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """``[T, H] -> [T, V]`` in the model dtype (the first ``H`` columns of a
         ``capture`` result are the last layer's output)."""
-        return self.final_norm(hidden[..., : self.shape.hidden_size]) @ self.lm_head
+        return matmul(self.final_norm(hidden[..., : self.shape.hidden_size]), self.lm_head)
 
 
 @dataclasses.dataclass
@@ -374,7 +375,7 @@ class EagleDraft:
                 num_splits: Optional[int] = None) -> torch.Tensor:
         """``tokens [T]``, ``hidden [T, H]`` (target or previous draft feature) -> ``[T, H]``."""
         e = self.embed[tokens.to(torch.int64).clamp(0, self.shape.vocab_size - 1)]
-        x = torch.cat([e, hidden.to(e.dtype)], -1) @ self.fc
+        x = matmul(torch.cat([e, hidden.to(e.dtype)], -1), self.fc)
         if self.fc_bias is not None:
             x = x + self.fc_bias
         cos, sin = self.rope.at(positions)
@@ -389,7 +390,7 @@ class EagleDraft:
     def logits(self, hidden: torch.Tensor, rows: Optional[torch.Tensor] = None) -> torch.Tensor:
         """``[T, H] -> [T, V]`` (``[R, V]`` for the int64 ``rows [R]`` of
         ``hidden``: `normed_rows`)."""
-        return normed_rows(hidden, self.norm, self.shape.rms_eps, rows) @ self.lm_head
+        return matmul(normed_rows(hidden, self.norm, self.shape.rms_eps, rows), self.lm_head)
 
     def topk(self, hidden: torch.Tensor, k: int,
              rows: Optional[torch.Tensor] = None) -> Tuple[torch.Tensor, torch.Tensor]:
@@ -435,7 +436,7 @@ class Eagle3Draft:
 
     def input_from_target(self, target: "LlamaTarget", features: torch.Tensor) -> torch.Tensor:
         """`LlamaTarget.forward`'s ``[T, 4H]`` (captures of ``aux_layers``) -> ``[T, H]``."""
-        x = features[..., target.shape.hidden_size:].to(self.fc.dtype) @ self.fc
+        x = matmul(features[..., target.shape.hidden_size:].to(self.fc.dtype), self.fc)
         return x if self.fc_bias is None else x + self.fc_bias
 
     def forward(self, tokens: torch.Tensor, hidden: torch.Tensor, positions: torch.Tensor,
@@ -457,7 +458,7 @@ class Eagle3Draft:
     def logits(self, hidden: torch.Tensor, rows: Optional[torch.Tensor] = None) -> torch.Tensor:
         """``[T, H] -> [T, V_d]``: logits over the draft vocabulary (``[R, V_d]``
         for the int64 ``rows [R]`` of ``hidden``: `normed_rows`)."""
-        return normed_rows(hidden, self.norm, self.shape.rms_eps, rows) @ self.lm_head
+        return matmul(normed_rows(hidden, self.norm, self.shape.rms_eps, rows), self.lm_head)
 
     def topk(self, hidden: torch.Tensor, k: int,
              rows: Optional[torch.Tensor] = None) -> Tuple[torch.Tensor, torch.Tensor]:

@@ -1,0 +1,147 @@
+"""`fa3_spec.eagle.gemm`: the skinny Triton GEMM against ``x @ w``, the op and
+its fake, and `matmul`'s dispatch.
+
+On CPU the kernel runs in Triton's interpreter in a child process (fp16:
+the interpreter's bf16 ``tl.dot`` is not exact), with the Triton the sglang
+parity tests use when none is installed. The CUDA side: test_gpu_gemm.py.
+"""
+
+import json
+import sys
+
+import pytest
+import torch
+
+import children
+from fa3_spec.eagle import gemm
+from fa3_spec.graphs import compile_fullgraph
+
+CHILD = r"""
+import json, sys
+import torch
+from fa3_spec.harness.sglang_upstream import TRITON_VERSION, default_cache_dir
+try:
+    import triton
+except ImportError:
+    sys.path.append(str(default_cache_dir() / f"triton-{TRITON_VERSION}"))
+    try:
+        import triton
+    except ImportError as e:
+        print(json.dumps({"skip": f"no triton: {e}"}))
+        sys.exit(0)
+from fa3_spec.eagle.gemm import skinny_applies, skinny_mm_triton, tile_config
+
+g = torch.Generator().manual_seed(0)
+out = {"cases": [], "refused": {}}
+# (M, K, N): one slice and split K, tiles that divide the shapes and ones that do not.
+for m, k, n in [(1, 512, 4096), (16, 512, 64), (5, 700, 130), (3, 1024, 300), (16, 96, 33)]:
+    x = torch.randn(m, k, generator=g).half()
+    w = (torch.randn(k, n, generator=g) * 0.05).half()
+    ref = x.float() @ w.float()
+    got = skinny_mm_triton(x, w)
+    strided = torch.randn(m, 2 * k, generator=g).half()[:, ::2]  # no: the column stride is 2
+    rowpad = torch.randn(m, k + 8, generator=g).half()[:, :k]   # a row stride of k + 8
+    got_pad = skinny_mm_triton(rowpad, w)
+    out["cases"].append(dict(m=m, k=k, n=n, split=tile_config(k, n).split, shape=list(got.shape),
+                             dtype=str(got.dtype),
+                             err=float((got.float() - ref).abs().max() / ref.abs().max()),
+                             pad_err=float((got_pad.float() - rowpad.float() @ w.float()).abs().max()
+                                           / ref.abs().max()),
+                             strided_refused=not skinny_applies(strided, w)))
+x, w = torch.randn(4, 64).half(), torch.randn(64, 32).half()
+bad = {"17 rows": (torch.randn(17, 64).half(), w), "fp32": (x.float(), w.float()),
+       "mixed dtype": (x, w.float()), "K mismatch": (x, w[:32]),
+       "w transposed": (x, torch.randn(32, 64).half().t()), "3-D x": (x.view(2, 2, 64), w),
+       "0 rows": (x[:0], w)}
+for name, args in bad.items():
+    try:
+        skinny_mm_triton(*args)
+        raised = ""
+    except TypeError as e:
+        raised = str(e)
+    out["refused"][name] = [not skinny_applies(*args), raised]
+print(json.dumps(out))
+"""
+
+
+def _interpreter_job(tmp):
+    done = children.run([sys.executable, "-c", CHILD], env_extra={"TRITON_INTERPRET": "1"})
+    return json.loads(done.stdout.strip().splitlines()[-1])
+
+
+@pytest.mark.children(job=_interpreter_job)
+def test_the_triton_kernel_matches_fp32_and_refuses_what_it_cannot_take(child):
+    doc = child.result()
+    if "skip" in doc:
+        pytest.skip(doc["skip"])
+    assert len(doc["cases"]) == 5
+    assert {c["split"] for c in doc["cases"]} == {1, 4}  # both paths ran
+    for case in doc["cases"]:
+        assert case["shape"] == [case["m"], case["n"]] and case["dtype"] == "torch.float16", case
+        assert case["err"] < 2e-3 and case["pad_err"] < 2e-3, case
+        assert case["strided_refused"], case
+    for name, (refused, raised) in doc["refused"].items():
+        assert refused and "skinny_mm_triton" in raised, name
+
+
+def test_tile_config_is_the_fitted_rule():
+    assert gemm.tile_config(14336, 4096) == (128, 64, 4)   # down
+    assert gemm.tile_config(4096, 4096) == (32, 256, 1)    # o
+    assert gemm.tile_config(4096, 6144) == (64, 256, 1)    # fused qkv
+    assert gemm.tile_config(4096, 28672) == (128, 64, 1)   # fused gate/up
+    assert gemm.tile_config(4096, 128256) == (128, 64, 1)  # lm_head
+    assert gemm.tile_config(192, 32) == (128, 64, 1)       # too short to split
+
+
+def test_the_op_is_x_at_w_on_cpu_and_passes_opcheck():
+    x, w = torch.randn(5, 24), torch.randn(24, 7)
+    torch.testing.assert_close(gemm.skinny_mm(x, w), x @ w)
+    torch.library.opcheck(torch.ops.fa3_spec.skinny_mm.default, (x, w),
+                          test_utils=("test_schema", "test_faketensor"))
+
+
+@pytest.mark.parametrize("x_shape, w_shape, dtype, err, match", [
+    ((4, 8), (9, 3), torch.float32, ValueError, "disagree on K"),
+    ((4, 8, 1), (8, 3), torch.float32, ValueError, "must be 2-D"),
+    ((4, 8), (8, 3), torch.float64, TypeError, "share a dtype"),
+])
+def test_bad_shapes_and_dtypes_raise_naming_them(x_shape, w_shape, dtype, err, match):
+    x, w = torch.randn(*x_shape), torch.randn(*w_shape, dtype=dtype)
+    with pytest.raises(err, match=match):
+        gemm.skinny_mm(x, w)
+    with pytest.raises(err, match=match), torch._subclasses.FakeTensorMode():
+        gemm.skinny_mm(torch.empty(*x_shape), torch.empty(*w_shape, dtype=dtype))
+
+
+def test_matmul_keeps_x_at_w_on_cpu_and_flattens_leading_dims():
+    x, w = torch.randn(2, 3, 16), torch.randn(16, 5)
+    torch.testing.assert_close(gemm.matmul(x, w), x @ w)
+    # Under compile the CPU graph holds no custom op: inductor sees the matmul as before.
+    found = []
+
+    def backend(gm, inputs):
+        found.extend(str(n.target) for n in gm.graph.nodes if n.op == "call_function")
+        return gm
+
+    torch.compile(gemm.matmul, backend=backend, fullgraph=True)(x, w)
+    assert not any("skinny_mm" in t for t in found) and found
+
+
+def test_the_op_compiles_fullgraph_with_a_dynamic_row_count():
+    fn = compile_fullgraph(lambda x, w: gemm.skinny_mm(x, w) + 1, backend="aot_eager", dynamic=True)
+    w = torch.randn(16, 4)
+    for m in (1, 3, 9):
+        x = torch.randn(m, 16)
+        torch.testing.assert_close(fn(x, w), x @ w + 1)
+
+
+def _bad_env_job(tmp):
+    return children.run([sys.executable, "-c", "import fa3_spec.eagle"], check=False,
+                        env_extra={"FA3_SPEC_GEMM": "cutlass"})
+
+
+@pytest.mark.children(job=_bad_env_job)
+def test_an_unknown_gemm_impl_in_the_environment_fails_import_naming_it(child):
+    done = child.result()
+    assert done.returncode != 0
+    assert "FA3_SPEC_GEMM must be one of ('cublas', 'triton'), got 'cutlass'" in done.stderr

@@ -1,0 +1,236 @@
+"""The model's GEMMs, ``x @ w`` with ``w [in, out]``: a Triton kernel for skinny ``x``.
+
+A decode or draft step at small batch multiplies 1 to 16 rows by weights
+that stream from DRAM once, so its GEMMs are bound by read bandwidth. On the
+H200 cuBLAS leaves some of it behind at these shapes: over the llama3-8b
+target's 32 layers plus lm_head, one CUDA graph on ``[in, out]`` weights,
+cuBLAS reaches 84-85% of the read floor and the kernel here 88-90% (1.04-1.05x
+at M = 1, 4, 16); the lm_head alone 1.12x (``benchmarks/skinny_gemm.py``,
+``benchmarks/results/skinny_gemm_h200.json``).
+
+`matmul` is what the layers call. On CPU it is plain ``x @ w`` (inductor
+and the CPU suite see exactly what they saw before). On CUDA it is the
+opaque op `skinny_mm`, whose CUDA kernel decides from the concrete shapes
+at run time, never from values:
+
+- ``M <= SKINNY_MAX_M`` rows, a 2-D bf16/fp16 ``x`` with unit column stride,
+  a contiguous ``w`` of its dtype on its device, fewer than ``2**31``
+  elements in either, and Triton importable: the Triton kernel;
+- anything else: ``x @ w`` (cuBLAS).
+
+The kernel tiles ``N`` by ``BLOCK_N`` and ``K`` by ``BLOCK_K`` with one
+``BLOCK_M = 16`` row tile (``tl.dot``, fp32 accumulation). Where ``K`` is
+much longer than ``N`` (the down projection) it splits ``K`` into
+``SPLIT`` slices that write fp32 partials ``[SPLIT, M, N]``, and a second
+kernel sums them in a fixed order: no atomics, so results are
+deterministic run to run. Loads and stores are masked against ``M``,
+``N`` and ``K`` (the unmasked weight load is taken only when the tiles
+divide the shapes exactly), so no launch reads or writes outside its
+tensors. Tile sizes come from `tile_config`, a rule fitted to the sweep in
+``benchmarks/skinny_gemm.py`` on the H200.
+
+``FA3_SPEC_GEMM=cublas`` in the environment, read at import, keeps
+``x @ w`` on CUDA too (for A/B runs and debugging).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import os
+from typing import NamedTuple
+
+import torch
+
+from ..attention.kv_store import fused_store_available as triton_available
+
+GEMM_IMPLS = ("cublas", "triton")
+SKINNY_MAX_M = 16  # the row tile: one program row covers every row of x
+_BLOCK_M = 16
+_INT32_LIMIT = 2 ** 31
+
+
+class TileConfig(NamedTuple):
+    """Tiles of one skinny GEMM: ``block_n`` x ``block_k``, ``split`` K slices."""
+
+    block_n: int
+    block_k: int
+    split: int
+
+
+def tile_config(k: int, n: int) -> TileConfig:
+    """The tiles for ``[M, k] @ [k, n]``, fitted to the H200 sweep of
+    ``benchmarks/skinny_gemm.py`` (llama3-8b shapes, M = 1-16):
+
+    >>> tile_config(14336, 4096)   # down: K >> N, split K in four
+    TileConfig(block_n=128, block_k=64, split=4)
+    >>> tile_config(4096, 4096)    # o
+    TileConfig(block_n=32, block_k=256, split=1)
+    >>> tile_config(4096, 128256)  # lm_head, gate/up: wide N
+    TileConfig(block_n=128, block_k=64, split=1)
+    """
+    if k >= 3 * n:
+        cfg = TileConfig(128, 64, 4)
+    elif n <= 4096:
+        cfg = TileConfig(32, 256, 1)
+    elif n <= 8192:
+        cfg = TileConfig(64, 256, 1)
+    else:
+        cfg = TileConfig(128, 64, 1)
+    if k < cfg.split * cfg.block_k:  # too short to split: one slice
+        cfg = cfg._replace(split=1)
+    return cfg
+
+
+def _impl_from_env() -> str:
+    impl = os.environ.get("FA3_SPEC_GEMM", "triton")
+    if impl not in GEMM_IMPLS:
+        raise ValueError(f"FA3_SPEC_GEMM must be one of {GEMM_IMPLS}, got {impl!r}")
+    return impl
+
+
+def _check(x: torch.Tensor, w: torch.Tensor) -> None:
+    if x.dim() != 2 or w.dim() != 2:
+        raise ValueError(f"skinny_mm: x and w must be 2-D, got x {tuple(x.shape)} and w {tuple(w.shape)}")
+    if x.shape[1] != w.shape[0]:
+        raise ValueError(f"skinny_mm: x [M, K] and w [K, N] disagree on K: x {tuple(x.shape)}, "
+                         f"w {tuple(w.shape)}")
+    if x.dtype != w.dtype:
+        raise TypeError(f"skinny_mm: x and w must share a dtype, got {x.dtype} and {w.dtype}")
+
+
+@torch.library.custom_op("fa3_spec::skinny_mm", mutates_args=())
+def skinny_mm(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    """``x [M, K] @ w [K, N] -> [M, N]``; on CUDA the Triton kernel where
+    `skinny_applies` (see the module docstring), else ``x @ w``."""
+    _check(x, w)
+    return x @ w
+
+
+@skinny_mm.register_fake
+def _skinny_mm_fake(x, w):
+    _check(x, w)
+    return x.new_empty(x.shape[0], w.shape[1])
+
+
+def skinny_applies(x: torch.Tensor, w: torch.Tensor) -> bool:
+    """Whether the Triton kernel takes ``x @ w`` (shapes, layouts and dtypes
+    only, never values)."""
+    if not triton_available():
+        return False
+    if x.dim() != 2 or w.dim() != 2 or x.shape[1] != w.shape[0]:
+        return False
+    m, k = x.shape
+    n = w.shape[1]
+    if not (1 <= m <= SKINNY_MAX_M and k > 0 and n > 0):
+        return False
+    if x.dtype != w.dtype or x.dtype not in (torch.bfloat16, torch.float16) or x.device != w.device:
+        return False
+    if not w.is_contiguous() or (k > 1 and x.stride(1) != 1):
+        return False
+    # int32 offsets inside the kernels: every element index below 2**31.
+    split = tile_config(k, n).split
+    return max(k * n, m * x.stride(0) + k, split * m * n) < _INT32_LIMIT
+
+
+@functools.cache
+def _kernels():
+    """The two Triton kernels, built at first use (``(triton, mm, reduce)``)."""
+    import triton
+    import triton.language as tl
+
+    @triton.jit
+    def skinny_mm_kernel(x_ptr, w_ptr, out_ptr, M, N, K, stride_xm, k_per_split,
+                         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                         PARTIAL: tl.constexpr, EVEN: tl.constexpr):
+        # Program (n, 0, s): columns [n*BN, n*BN + BN) of K slice s.
+        pid_n = tl.program_id(0)
+        pid_s = tl.program_id(2)
+        rm = tl.arange(0, BLOCK_M)
+        rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+        rk0 = tl.arange(0, BLOCK_K)
+        k_start = pid_s * k_per_split
+        m_ok = rm[:, None] < M
+        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+        for kk in tl.range(0, k_per_split, BLOCK_K):
+            rk = k_start + kk + rk0
+            if EVEN:  # the tiles divide N and K exactly: every weight load is in range
+                w = tl.load(w_ptr + rk[:, None] * N + rn[None, :])
+            else:
+                w = tl.load(w_ptr + rk[:, None] * N + rn[None, :],
+                            mask=(rk[:, None] < K) & (rn[None, :] < N), other=0.0)
+            x = tl.load(x_ptr + rm[:, None] * stride_xm + rk[None, :],
+                        mask=m_ok & (rk[None, :] < K), other=0.0)
+            acc += tl.dot(x, w)
+        mask = m_ok & (rn[None, :] < N)
+        if PARTIAL:
+            tl.store(out_ptr + pid_s * M * N + rm[:, None] * N + rn[None, :], acc, mask=mask)
+        else:
+            tl.store(out_ptr + rm[:, None] * N + rn[None, :], acc.to(out_ptr.dtype.element_ty), mask=mask)
+
+    @triton.jit
+    def sum_partials_kernel(part_ptr, out_ptr, MN, SPLIT: tl.constexpr, BLOCK: tl.constexpr):
+        r = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+        ok = r < MN
+        acc = tl.zeros((BLOCK,), dtype=tl.float32)
+        for s in tl.static_range(SPLIT):  # a fixed order: deterministic
+            acc += tl.load(part_ptr + s * MN + r, mask=ok, other=0.0)
+        tl.store(out_ptr + r, acc.to(out_ptr.dtype.element_ty), mask=ok)
+
+    return triton, skinny_mm_kernel, sum_partials_kernel
+
+
+def skinny_mm_triton(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    """``x @ w`` by the Triton kernel; the tensors must pass `skinny_applies`
+    (``TypeError`` otherwise). Runs wherever Triton does."""
+    if not skinny_applies(x, w):
+        raise TypeError("skinny_mm_triton: x and w do not fit the kernel (see skinny_applies): "
+                        f"x {tuple(x.shape)} {x.dtype} stride {x.stride()}, w {tuple(w.shape)} {w.dtype}")
+    return _launch(x, w)
+
+
+def _launch(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    triton, mm_kernel, sum_kernel = _kernels()
+    m, k = x.shape
+    n = w.shape[1]
+    cfg = tile_config(k, n)
+    k_per_split = triton.cdiv(k, cfg.split * cfg.block_k) * cfg.block_k
+    even = n % cfg.block_n == 0 and k % (cfg.split * cfg.block_k) == 0
+    out = torch.empty(m, n, device=x.device, dtype=x.dtype)
+    partial = cfg.split > 1
+    dst = torch.empty(cfg.split, m, n, device=x.device, dtype=torch.float32) if partial else out
+    # A custom op gets no device guard, and Triton launches on the current device.
+    guard = torch.cuda.device(x.device) if x.device.type == "cuda" else contextlib.nullcontext()
+    with guard:
+        mm_kernel[(triton.cdiv(n, cfg.block_n), 1, cfg.split)](
+            x, w, dst, m, n, k, x.stride(0), k_per_split,
+            BLOCK_M=_BLOCK_M, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
+            PARTIAL=partial, EVEN=even, num_warps=4, num_stages=4)
+        if partial:
+            sum_kernel[(triton.cdiv(m * n, 1024),)](dst, out, m * n, SPLIT=cfg.split, BLOCK=1024,
+                                                    num_warps=4)
+    return out
+
+
+if _impl_from_env() == "triton":
+
+    @skinny_mm.register_kernel("cuda")
+    def _skinny_mm_cuda(x, w):
+        _check(x, w)
+        if skinny_applies(x, w):
+            return _launch(x, w)
+        return x @ w
+
+
+def matmul(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    """``x [..., K] @ w [K, N] -> [..., N]``, what the model's layers call.
+
+    CPU: ``x @ w``. CUDA: the op `skinny_mm` on ``x`` flattened to 2-D
+    (the Triton kernel for at most `SKINNY_MAX_M` rows, cuBLAS beyond).
+    The branch is on the device, never on a value, so a compiled frame has
+    one op whatever its (symbolic) row count.
+    """
+    if x.device.type != "cuda":
+        return x @ w
+    lead = x.shape[:-1]
+    return skinny_mm(x.reshape(-1, x.shape[-1]), w).view(*lead, w.shape[-1])
