@@ -14,7 +14,6 @@ import torch
 
 import children
 from fa3_spec.eagle import gemm
-from fa3_spec.graphs import compile_fullgraph
 
 CHILD = r"""
 import json, sys
@@ -29,7 +28,7 @@ except ImportError:
     except ImportError as e:
         print(json.dumps({"skip": f"no triton: {e}"}))
         sys.exit(0)
-from fa3_spec.eagle.gemm import skinny_applies, skinny_mm_triton, tile_config
+from fa3_spec.eagle.gemm import TileConfig, skinny_applies, skinny_mm_triton, tile_config
 
 g = torch.Generator().manual_seed(0)
 out = {"cases": [], "refused": {}}
@@ -40,7 +39,9 @@ for m, k, n in [(1, 512, 4096), (16, 512, 64), (5, 700, 130), (3, 1024, 300), (1
     ref = x.float() @ w.float()
     got = skinny_mm_triton(x, w)
     strided = torch.randn(m, 2 * k, generator=g).half()[:, ::2]  # no: the column stride is 2
-    rowpad = torch.randn(m, k + 8, generator=g).half()[:, :k]   # a row stride of k + 8
+    rowpad = torch.full((m, k + 8), float("nan")).half()  # a row stride of k + 8, NaN past K:
+    rowpad[:, :k] = torch.randn(m, k, generator=g).half()  # a read past K shows
+    rowpad = rowpad[:, :k]
     got_pad = skinny_mm_triton(rowpad, w)
     out["cases"].append(dict(m=m, k=k, n=n, split=tile_config(k, n).split, shape=list(got.shape),
                              dtype=str(got.dtype),
@@ -49,6 +50,10 @@ for m, k, n in [(1, 512, 4096), (16, 512, 64), (5, 700, 130), (3, 1024, 300), (1
                                            / ref.abs().max()),
                              strided_refused=not skinny_applies(strided, w)))
 x, w = torch.randn(4, 64).half(), torch.randn(64, 32).half()
+for cfg in [(16, 32, 2), (32, 16, 3), (64, 128, 1)]:  # explicit tiles, split K that does not divide K
+    got = skinny_mm_triton(x, w, TileConfig(*cfg))
+    out.setdefault("configs", []).append(float((got.float() - x.float() @ w.float()).abs().max()
+                                               / (x.float() @ w.float()).abs().max()))
 bad = {"17 rows": (torch.randn(17, 64).half(), w), "fp32": (x.float(), w.float()),
        "mixed dtype": (x, w.float()), "K mismatch": (x, w[:32]),
        "w transposed": (x, torch.randn(32, 64).half().t()), "3-D x": (x.view(2, 2, 64), w),
@@ -82,6 +87,14 @@ def test_the_triton_kernel_matches_fp32_and_refuses_what_it_cannot_take(child):
         assert case["strided_refused"], case
     for name, (refused, raised) in doc["refused"].items():
         assert refused and "skinny_mm_triton" in raised, name
+    assert len(doc["configs"]) == 3 and max(doc["configs"]) < 2e-3
+
+
+@pytest.mark.parametrize("config", [(128, 64), (48, 64, 1), (128, 8, 1), (128, 64, 0), "128x64"])
+def test_a_bad_tile_config_raises_naming_it(config):
+    x, w = torch.randn(2, 64).half(), torch.randn(64, 32).half()
+    with pytest.raises(ValueError, match="config must be a TileConfig"):
+        gemm.skinny_mm_triton(x, w, config)
 
 
 def test_tile_config_is_the_fitted_rule():
@@ -127,12 +140,23 @@ def test_matmul_keeps_x_at_w_on_cpu_and_flattens_leading_dims():
     assert not any("skinny_mm" in t for t in found) and found
 
 
-def test_the_op_compiles_fullgraph_with_a_dynamic_row_count():
-    fn = compile_fullgraph(lambda x, w: gemm.skinny_mm(x, w) + 1, backend="aot_eager", dynamic=True)
+def test_the_op_compiles_fullgraph_with_a_dynamic_row_count_in_one_frame():
+    from torch._dynamo.testing import CompileCounterWithBackend
+
+    counter = CompileCounterWithBackend("aot_eager")
+    fn = torch.compile(lambda x, w: gemm.skinny_mm(x, w) + 1, backend=counter, fullgraph=True,
+                       dynamic=True)
     w = torch.randn(16, 4)
-    for m in (1, 3, 9):
+    for m in (2, 3, 9):
         x = torch.randn(m, 16)
         torch.testing.assert_close(fn(x, w), x @ w + 1)
+    assert counter.frame_count == 1
+
+
+def test_x_and_w_on_two_devices_raise_naming_them():
+    with pytest.raises(ValueError, match="x and w must be on one device"), \
+            torch._subclasses.FakeTensorMode():
+        gemm.skinny_mm(torch.empty(2, 8), torch.empty(8, 3, device="meta"))
 
 
 def _bad_env_job(tmp):

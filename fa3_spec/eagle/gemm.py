@@ -4,8 +4,8 @@ A decode or draft step at small batch multiplies 1 to 16 rows by weights
 that stream from DRAM once, so its GEMMs are bound by read bandwidth. On the
 H200 cuBLAS leaves some of it behind at these shapes: over the llama3-8b
 target's 32 layers plus lm_head, one CUDA graph on ``[in, out]`` weights,
-cuBLAS reaches 84-85% of the read floor and the kernel here 88-90% (1.04-1.05x
-at M = 1, 4, 16); the lm_head alone 1.12x (``benchmarks/skinny_gemm.py``,
+cuBLAS reaches 85-86% of the read floor and this kernel 89-91% (1.04-1.06x
+at M = 1, 4, 16); the lm_head alone 1.12-1.13x (``benchmarks/skinny_gemm.py``,
 ``benchmarks/results/skinny_gemm_h200.json``).
 
 `matmul` is what the layers call. On CPU it is plain ``x @ w`` (inductor
@@ -38,7 +38,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import os
-from typing import NamedTuple
+from typing import NamedTuple, Optional
 
 import torch
 
@@ -97,6 +97,8 @@ def _check(x: torch.Tensor, w: torch.Tensor) -> None:
                          f"w {tuple(w.shape)}")
     if x.dtype != w.dtype:
         raise TypeError(f"skinny_mm: x and w must share a dtype, got {x.dtype} and {w.dtype}")
+    if x.device != w.device:
+        raise ValueError(f"skinny_mm: x and w must be on one device, got {x.device} and {w.device}")
 
 
 @torch.library.custom_op("fa3_spec::skinny_mm", mutates_args=())
@@ -113,9 +115,19 @@ def _skinny_mm_fake(x, w):
     return x.new_empty(x.shape[0], w.shape[1])
 
 
-def skinny_applies(x: torch.Tensor, w: torch.Tensor) -> bool:
+def _check_config(config: TileConfig) -> None:
+    def pow2(v):
+        return isinstance(v, int) and v >= 16 and v & (v - 1) == 0
+
+    if not (isinstance(config, tuple) and len(config) == 3 and pow2(config[0]) and pow2(config[1])
+            and isinstance(config[2], int) and config[2] >= 1):
+        raise ValueError("config must be a TileConfig(block_n, block_k, split) with powers of two "
+                         f">= 16 for the blocks and split >= 1, got {config!r}")
+
+
+def skinny_applies(x: torch.Tensor, w: torch.Tensor, config: Optional[TileConfig] = None) -> bool:
     """Whether the Triton kernel takes ``x @ w`` (shapes, layouts and dtypes
-    only, never values)."""
+    only, never values), with ``config`` or else `tile_config`'s tiles."""
     if not triton_available():
         return False
     if x.dim() != 2 or w.dim() != 2 or x.shape[1] != w.shape[0]:
@@ -129,7 +141,7 @@ def skinny_applies(x: torch.Tensor, w: torch.Tensor) -> bool:
     if not w.is_contiguous() or (k > 1 and x.stride(1) != 1):
         return False
     # int32 offsets inside the kernels: every element index below 2**31.
-    split = tile_config(k, n).split
+    split = (config or tile_config(k, n)).split
     return max(k * n, m * x.stride(0) + k, split * m * n) < _INT32_LIMIT
 
 
@@ -180,20 +192,27 @@ def _kernels():
     return triton, skinny_mm_kernel, sum_partials_kernel
 
 
-def skinny_mm_triton(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
-    """``x @ w`` by the Triton kernel; the tensors must pass `skinny_applies`
-    (``TypeError`` otherwise). Runs wherever Triton does."""
-    if not skinny_applies(x, w):
+def skinny_mm_triton(x: torch.Tensor, w: torch.Tensor,
+                     config: Optional[TileConfig] = None) -> torch.Tensor:
+    """``x @ w`` by the Triton kernel, with ``config``'s tiles or else
+    `tile_config`'s (``benchmarks/skinny_gemm.py`` sweeps them); the tensors
+    must pass `skinny_applies` (``TypeError`` otherwise). Runs wherever
+    Triton does."""
+    if config is not None:
+        _check_config(config)
+        config = TileConfig(*config)
+    if not skinny_applies(x, w, config):
         raise TypeError("skinny_mm_triton: x and w do not fit the kernel (see skinny_applies): "
                         f"x {tuple(x.shape)} {x.dtype} stride {x.stride()}, w {tuple(w.shape)} {w.dtype}")
-    return _launch(x, w)
+    return _launch(x, w, config)
 
 
-def _launch(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+def _launch(x: torch.Tensor, w: torch.Tensor,
+            config: Optional[TileConfig] = None) -> torch.Tensor:
     triton, mm_kernel, sum_kernel = _kernels()
     m, k = x.shape
     n = w.shape[1]
-    cfg = tile_config(k, n)
+    cfg = config or tile_config(k, n)
     k_per_split = triton.cdiv(k, cfg.split * cfg.block_k) * cfg.block_k
     even = n % cfg.block_n == 0 and k % (cfg.split * cfg.block_k) == 0
     out = torch.empty(m, n, device=x.device, dtype=x.dtype)
@@ -232,5 +251,6 @@ def matmul(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
     """
     if x.device.type != "cuda":
         return x @ w
-    lead = x.shape[:-1]
-    return skinny_mm(x.reshape(-1, x.shape[-1]), w).view(*lead, w.shape[-1])
+    if x.dim() == 2:  # no reshape: its layout check would guard a symbolic row count
+        return skinny_mm(x, w)
+    return skinny_mm(x.flatten(0, -2), w).view(*x.shape[:-1], w.shape[-1])

@@ -41,7 +41,9 @@ class LayerWeights:
     columns: the ``I`` gate columns, then the ``I`` up columns. Why ``[in,
     out]``: on the H200 the 8B shapes' GEMMs stream 1.5% (M = 1) to 4%
     (M = 64) faster as ``x @ w`` than as ``F.linear`` on ``[out, in]``
-    (``benchmarks/model_roofline.py``). Build one with `from_projections`,
+    (``benchmarks/model_roofline.py``); on CUDA the layers multiply through
+    `fa3_spec.eagle.gemm.matmul`, a Triton kernel at up to 16 rows.
+    Build one with `from_projections`,
     the one conversion from Hugging Face's separate ``[out, in]``
     projections (random presets and checkpoint loaders both go through it).
 
