@@ -27,7 +27,6 @@ from __future__ import annotations
 
 import argparse
 import math
-import statistics
 import sys
 import time
 
@@ -35,8 +34,8 @@ import torch
 import triton
 
 import timing
+from model_roofline import read_bandwidth, replay_ms
 from fa3_spec.eagle.gemm import TileConfig, matmul, skinny_mm_triton, tile_config
-from fa3_spec.graphs import capture
 
 SHAPES = {  # llama3-8b, (K, N) = (in, out)
     "qkv": (4096, 6144),
@@ -46,21 +45,6 @@ SHAPES = {  # llama3-8b, (K, N) = (in, out)
     "lm_head": (4096, 128256),
 }
 MM_TILES = [(32, 128), (32, 256), (64, 128), (64, 256), (128, 64)]  # (BLOCK_N, BLOCK_K), BLOCK_M 16
-
-
-def replay_ms(fn, reps: int = 20) -> float:
-    """Median ms of one ``fn()`` captured as a CUDA graph."""
-    graph, _ = capture(fn, warmup=2)
-    _, device = timing.event_samples(graph.replay, reps, warmup=3)
-    return statistics.median(device) * 1e3
-
-
-def read_bandwidth() -> float:
-    x = torch.empty(4 << 30, dtype=torch.uint8, device="cuda").view(torch.float32)
-    x.fill_(1.0)
-    out = torch.empty((), device="cuda")
-    ms = replay_ms(lambda: torch.sum(x, 0, out=out))
-    return x.numel() * 4 / (ms * 1e-3) / 1e12
 
 
 def configs(K: int):
@@ -86,7 +70,7 @@ def sweep_shape(name: str, K: int, N: int, ms_list, errors):
 
         def record(label, kind, gemm):
             try:
-                ms = replay_ms(lambda: [gemm(a, b) for a, b in zip(w_kn, w_nk)]) / copies
+                ms = replay_ms(lambda: [gemm(a, b) for a, b in zip(w_kn, w_nk)], reps=20) / copies
                 got = gemm(w_kn[0], w_nk[0])
                 torch.cuda.synchronize()
                 err = ((got.float() - ref).abs().max() / ref.abs().max()).item()

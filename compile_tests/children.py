@@ -29,6 +29,7 @@ end of the run (the children tests' durations are mostly waiting).
 from __future__ import annotations
 
 import concurrent.futures
+import json
 import os
 import re
 import signal
@@ -56,6 +57,35 @@ def env(**extra) -> dict:
         out.setdefault("OMP_NUM_THREADS", "1")
     out.update(extra)
     return out
+
+
+#: The head of a child script that runs Triton kernels in Triton's interpreter:
+#: the installed Triton, else the one the sglang parity tests cache; with
+#: neither, it prints ``{"skip": ...}`` as its one JSON line and exits.
+TRITON_INTERPRETER_PREAMBLE = '''import json, sys
+import torch
+from fa3_spec.harness.sglang_upstream import TRITON_VERSION, default_cache_dir
+try:
+    import triton
+except ImportError:
+    sys.path.append(str(default_cache_dir() / f"triton-{TRITON_VERSION}"))
+    try:
+        import triton
+    except ImportError as e:
+        print(json.dumps({"skip": f"no triton: {e}"}))
+        sys.exit(0)
+'''
+
+
+def triton_interpreter_job(code: str):
+    """A children job running ``code`` (which starts with
+    `TRITON_INTERPRETER_PREAMBLE`) under ``TRITON_INTERPRET=1``; the job
+    returns the JSON of its last stdout line."""
+    def job(tmp):
+        done = run([sys.executable, "-c", code], env_extra={"TRITON_INTERPRET": "1"})
+        return json.loads(done.stdout.strip().splitlines()[-1])
+
+    return job
 
 
 def run(cmd, *, cwd=None, timeout=600, check=True, env_extra=None) -> subprocess.CompletedProcess:

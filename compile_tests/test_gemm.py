@@ -6,7 +6,6 @@ the interpreter's bf16 ``tl.dot`` is not exact), with the Triton the sglang
 parity tests use when none is installed. The CUDA side: test_gpu_gemm.py.
 """
 
-import json
 import sys
 
 import pytest
@@ -15,19 +14,7 @@ import torch
 import children
 from fa3_spec.eagle import gemm
 
-CHILD = r"""
-import json, sys
-import torch
-from fa3_spec.harness.sglang_upstream import TRITON_VERSION, default_cache_dir
-try:
-    import triton
-except ImportError:
-    sys.path.append(str(default_cache_dir() / f"triton-{TRITON_VERSION}"))
-    try:
-        import triton
-    except ImportError as e:
-        print(json.dumps({"skip": f"no triton: {e}"}))
-        sys.exit(0)
+CHILD = children.TRITON_INTERPRETER_PREAMBLE + r"""
 from fa3_spec.eagle.gemm import TileConfig, skinny_applies, skinny_mm_triton, tile_config
 
 g = torch.Generator().manual_seed(0)
@@ -69,12 +56,7 @@ print(json.dumps(out))
 """
 
 
-def _interpreter_job(tmp):
-    done = children.run([sys.executable, "-c", CHILD], env_extra={"TRITON_INTERPRET": "1"})
-    return json.loads(done.stdout.strip().splitlines()[-1])
-
-
-@pytest.mark.children(job=_interpreter_job)
+@pytest.mark.children(job=children.triton_interpreter_job(CHILD))
 def test_the_triton_kernel_matches_fp32_and_refuses_what_it_cannot_take(child):
     doc = child.result()
     if "skip" in doc:

@@ -6,26 +6,13 @@ Triton the sglang parity tests use (`fa3_spec.harness.sglang_upstream`'s
 cache) when none is installed. The CUDA side: test_gpu_kv_store.py.
 """
 
-import json
 import sys
 
 import pytest
 
 import children
 
-CHILD = r"""
-import json, sys
-import torch
-from fa3_spec.harness.sglang_upstream import TRITON_VERSION, default_cache_dir
-try:
-    import triton
-except ImportError:
-    sys.path.append(str(default_cache_dir() / f"triton-{TRITON_VERSION}"))
-    try:
-        import triton
-    except ImportError as e:
-        print(json.dumps({"skip": f"no triton: {e}"}))
-        sys.exit(0)
+CHILD = children.TRITON_INTERPRETER_PREAMBLE + r"""
 from fa3_spec.attention import fused_store_applies, store_kv_fused, store_kv_index_copy
 
 out = {"cases": [], "refused": {}}
@@ -79,12 +66,7 @@ print(json.dumps(out))
 """
 
 
-def _interpreter_job(tmp):
-    done = children.run([sys.executable, "-c", CHILD], env_extra={"TRITON_INTERPRET": "1"})
-    return json.loads(done.stdout.strip().splitlines()[-1])
-
-
-@pytest.mark.children(job=_interpreter_job)
+@pytest.mark.children(job=children.triton_interpreter_job(CHILD))
 def test_the_fused_kernel_writes_what_index_copy_writes_drops_slots_out_of_range_and_refuses_odd_layouts(child):
     doc = child.result()
     if "skip" in doc:

@@ -45,8 +45,7 @@ import torch
 from ..attention.kv_store import fused_store_available as triton_available
 
 GEMM_IMPLS = ("cublas", "triton")
-SKINNY_MAX_M = 16  # the row tile: one program row covers every row of x
-_BLOCK_M = 16
+SKINNY_MAX_M = 16  # the row tile (BLOCK_M): one program row covers every row of x
 _INT32_LIMIT = 2 ** 31
 
 
@@ -223,7 +222,7 @@ def _launch(x: torch.Tensor, w: torch.Tensor,
     with guard:
         mm_kernel[(triton.cdiv(n, cfg.block_n), 1, cfg.split)](
             x, w, dst, m, n, k, x.stride(0), k_per_split,
-            BLOCK_M=_BLOCK_M, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
+            BLOCK_M=SKINNY_MAX_M, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
             PARTIAL=partial, EVEN=even, num_warps=4, num_stages=4)
         if partial:
             sum_kernel[(triton.cdiv(m * n, 1024),)](dst, out, m * n, SPLIT=cfg.split, BLOCK=1024,
