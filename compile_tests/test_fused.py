@@ -225,31 +225,3 @@ def test_the_ops_compile_fullgraph_with_a_dynamic_row_count_in_one_frame():
         x, d = torch.randn(m, 16), torch.randn(m, 16)
         torch.testing.assert_close(compiled(x, d, gain, w, wd), fn(x, d, gain, w, wd))
     assert counter.frame_count == 1
-
-
-def test_the_wrappers_op_path_traces_fullgraph_and_matches_the_composition(monkeypatch):
-    """The path CUDA takes (the ops, 2-D and 3-D inputs, the sum returned or
-    not), traced here with the ops' CPU compositions under ``aot_eager``."""
-    x, deltas, gain, w = _norm_args(m=6, nd=2)
-    wd = torch.randn(2, 3)
-    want = fused.rms_norm_matmul(x, gain, w, 1e-6, deltas=deltas, return_sum=True)
-
-    def fn(a, d1, d2):
-        out, s = fused.rms_norm_matmul(a, gain, w, 1e-6, deltas=(d1, d2), return_sum=True)
-        no_sum = fused.rms_norm_matmul(s.view(2, 3, 16), gain, w, 1e-6, deltas=[d1.view(2, 3, 16)])
-        return out, s, no_sum, fused.swiglu_matmul(no_sum[..., :4], wd)
-
-    monkeypatch.setattr(fused, "_fused", lambda t: True)
-    found = []
-
-    def backend(gm, inputs):
-        found.extend(str(n.target) for n in gm.graph.nodes if n.op == "call_function")
-        return gm
-
-    out, s, no_sum, act = torch.compile(fn, backend=backend, fullgraph=True)(x, *deltas)
-    assert sum("rms_norm_mm" in t for t in found) == 2 and sum("swiglu_mm" in t for t in found) == 1
-    torch.testing.assert_close(out, want[0])
-    torch.testing.assert_close(s, want[1])
-    torch.testing.assert_close(no_sum, fused.rms_norm_matmul(
-        s + deltas[0], gain, w, 1e-6).view(2, 3, 5))
-    torch.testing.assert_close(act, fused.swiglu(no_sum[..., :4]) @ wd)

@@ -272,7 +272,7 @@ def rms_norm_matmul(x: torch.Tensor, gain: torch.Tensor, w: torch.Tensor, eps: f
         return (out, s) if return_sum else out
     lead = x.shape[:-1]
     got = rms_norm_mm(_flat(x), [_flat(d) for d in deltas], gain, w, eps,
-                      return_sum and len(deltas) > 0)
+                      return_sum and bool(deltas))
     out = got[0] if x.dim() == 2 else got[0].view(*lead, w.shape[1])
     if not return_sum:
         return out
