@@ -14,7 +14,7 @@ from fa3_spec.eagle import fused, gemm
 
 CHILD = children.TRITON_INTERPRETER_PREAMBLE + r"""
 from fa3_spec.eagle import fused
-from fa3_spec.eagle.gemm import RMS_NORM, SWIGLU, TileConfig, _launch, launch, prologue_applies
+from fa3_spec.eagle.gemm import RMS_NORM, SWIGLU, TileConfig, launch, prologue_applies
 
 g = torch.Generator().manual_seed(0)
 
@@ -32,32 +32,18 @@ def ref_norm(x, deltas, gain, w, eps):
     return s, (sf * torch.rsqrt(sf.pow(2).mean(-1, keepdim=True) + eps) * gain.float()) @ w.float()
 
 
-out = {"norm": [], "swiglu": [], "refused": {}}
-# (M, K, N), deltas, eps, scale: tiles that divide the shapes and ones that do not; 0, 1 and
-# 2 deltas; a row slice of a wider tensor (row stride 2K); small rows where eps matters.
-# fp16 through _launch: the interpreter's bf16 dot is not exact, and launch takes the norm
-# in bf16 only (see prologue_applies).
-for (m, k, n), nd, eps, scale, wide in [((1, 512, 256), 2, 1e-5, 1.0, False),
-                                        ((16, 256, 64), 1, 1e-5, 1.0, True),
-                                        ((5, 700, 130), 2, 1e-5, 1.0, False),
-                                        ((3, 96, 33), 0, 1e-5, 1.0, True),
-                                        ((4, 128, 40), 1, 1e-2, 0.05, False)]:
-    def make():
-        t = torch.randn(m, 2 * k if wide else k, generator=g) * scale
-        return t.half()[:, :k]
-    x = make()
-    deltas = [make() for _ in range(nd)]
+out = {"norm": [], "swiglu": [], "rows": [], "refused": {}}
+# (M, K, N): tiles that divide the shapes and ones that do not; 0, 1 and 2 deltas.
+for (m, k, n), nd in [((1, 512, 256), 2), ((16, 256, 64), 1), ((5, 700, 130), 2), ((3, 96, 33), 0)]:
+    x = torch.randn(m, k, generator=g).half()
+    deltas = [torch.randn(m, k, generator=g).half() for _ in range(nd)]
     gain = (1 + 0.1 * torch.randn(k, generator=g)).half()
     w = (torch.randn(k, n, generator=g) * 0.05).half()
-    s_ref, ref = ref_norm(x, deltas, gain, w, eps)
-    _, no_eps = ref_norm(x, deltas, gain, w, 0.0)
-    assert not prologue_applies(x, w, prologue=RMS_NORM, deltas=deltas, gain=gain)  # fp16
-    got = _launch(x, w, None, prologue=RMS_NORM, deltas=deltas, gain=gain, eps=eps,
-                  store_sum=nd > 0)
+    s_ref, ref = ref_norm(x, deltas, gain, w, 1e-5)
+    got = launch(x, w, prologue=RMS_NORM, deltas=deltas, gain=gain, eps=1e-5, store_sum=nd > 0)
     got, s = got if nd else (got, s_ref)
-    h, s_rows = fused._add_rms_norm_rows(x, deltas, gain, eps, nd > 0)
+    h, s_rows = fused._add_rms_norm_rows(x, deltas, gain, 1e-5, nd > 0)
     out["norm"].append(dict(m=m, k=k, n=n, nd=nd, shape=list(got.shape), err=rel(got, ref),
-                            eps_matters=rel(no_eps, ref) > 0.05,
                             sum_exact=bool(torch.equal(s, s_ref)),
                             rows_err=rel(h.float() @ w.float(), ref),
                             rows_sum_exact=nd == 0 or bool(torch.equal(s_rows, s_ref))))
@@ -69,11 +55,8 @@ for m, i, n in [(1, 1024, 64), (4, 300, 70), (16, 192, 32)]:  # split K (I >= 3N
     got = launch(gu, w, prologue=SWIGLU)
     out["swiglu"].append(dict(m=m, i=i, n=n, err=rel(got, ref),
                               rows_err=rel(fused._swiglu_rows(gu).float() @ w.float(), ref)))
-x, w, gain = torch.randn(4, 64).bfloat16(), torch.randn(64, 32).bfloat16(), torch.ones(64).bfloat16()
+x, w, gain = torch.randn(4, 64).half(), torch.randn(64, 32).half(), torch.ones(64).half()
 bad = {
-    "the norm in fp16": dict(prologue=RMS_NORM, gain=gain.half(), x=x.half(), w=w.half()),
-    "swiglu on a column-strided [M, 2]": dict(prologue=SWIGLU, x=torch.randn(2, 4).bfloat16().t(),
-                                              w=torch.randn(1, 8).bfloat16()),
     "split K with the norm": dict(prologue=RMS_NORM, gain=gain, config=TileConfig(16, 16, 2)),
     "no gain": dict(prologue=RMS_NORM),
     "a gain without the norm": dict(gain=gain),
@@ -83,13 +66,12 @@ bad = {
     "swiglu on K columns": dict(prologue=SWIGLU),
 }
 for name, kw in bad.items():
-    a, b = kw.pop("x", x), kw.pop("w", w)
     try:
-        launch(a, b, **kw)
+        launch(x, w, **kw)
         raised = ""
     except TypeError as e:
         raised = str(e)
-    out["refused"][name] = [not prologue_applies(a, b, **kw), raised]
+    out["refused"][name] = [not prologue_applies(x, w, **kw), raised]
 print(json.dumps(out))
 """
 
@@ -99,15 +81,14 @@ def test_the_fused_prologues_and_the_row_kernels_match_fp32(child):
     doc = child.result()
     if "skip" in doc:
         pytest.skip(doc["skip"])
-    assert len(doc["norm"]) == 5 and len(doc["swiglu"]) == 3
-    assert [c["eps_matters"] for c in doc["norm"]] == [False] * 4 + [True]
+    assert len(doc["norm"]) == 4 and len(doc["swiglu"]) == 3
     for case in doc["norm"]:
         assert case["shape"] == [case["m"], case["n"]], case
         assert case["err"] < 3e-3 and case["rows_err"] < 3e-3, case
         assert case["sum_exact"] and case["rows_sum_exact"], case
     for case in doc["swiglu"]:
         assert case["err"] < 3e-3 and case["rows_err"] < 3e-3, case
-    assert len(doc["refused"]) == 9
+    assert len(doc["refused"]) == 7
     for name, (refused, raised) in doc["refused"].items():
         assert refused and "skinny_mm_triton" in raised, name
 
@@ -185,16 +166,14 @@ def test_the_wrappers_keep_the_plain_compositions_on_cpu():
     x, deltas, gain, w = _norm_args(m=6, nd=2)
     x3 = x.view(2, 3, 16)
     d3 = [d.view(2, 3, 16) for d in deltas]
-    out, s = fused.rms_norm_matmul(x3, gain, w, 1e-6, deltas=d3, return_sum=True)
+    s, out = fused.rms_norm_matmul(x3, gain, w, 1e-6, deltas=d3, return_sum=True)
     want_s = (x + deltas[0]) + deltas[1]
     assert torch.equal(s, want_s.view(2, 3, 16))
-    normed = want_s * torch.rsqrt(want_s.pow(2).mean(-1, keepdim=True) + 1e-6) * gain
-    torch.testing.assert_close(out, (normed @ w).view(2, 3, 5))
-    _, same = fused.rms_norm_matmul(x, gain, w, 1e-6, return_sum=True)
+    assert torch.equal(out, gemm.matmul(fused.rms_norm(want_s, gain, 1e-6), w).view(2, 3, 5))
+    same, _ = fused.rms_norm_matmul(x, gain, w, 1e-6, return_sum=True)
     assert same is x  # no deltas: the sum is x itself
     gu, wd = torch.randn(2, 3, 12), torch.randn(6, 4)
-    gate, up = gu[..., :6], gu[..., 6:]
-    torch.testing.assert_close(fused.swiglu_matmul(gu, wd), (gate * torch.sigmoid(gate) * up) @ wd)
+    assert torch.equal(fused.swiglu_matmul(gu, wd), gemm.matmul(fused.swiglu(gu), wd))
     # Under compile the CPU graph holds no custom op: inductor fuses the norm as before.
     found = []
 
@@ -215,7 +194,7 @@ def test_the_ops_compile_fullgraph_with_a_dynamic_row_count_in_one_frame():
     counter = CompileCounterWithBackend("aot_eager")
 
     def fn(x, d, gain, w, wd):
-        out, s = fused.rms_norm_mm(x, [d], gain, w, 1e-6, True)  # the op: [out, s]
+        out, s = fused.rms_norm_mm(x, [d], gain, w, 1e-6, True)
         return fused.swiglu_mm(out, wd) + s.sum()
 
     compiled = torch.compile(fn, backend=counter, fullgraph=True, dynamic=True)

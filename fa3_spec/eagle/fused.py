@@ -26,15 +26,11 @@ activation (as inductor's would be) and cuBLAS for the GEMM.
 The fused kernel rounds differently from the composition: the norm's
 ``1 / rms`` multiplies the fp32 accumulator instead of the rounded input, and
 ``silu(gate) * up`` rounds once. Both are as accurate; they are not bit for
-bit alike (``compile_tests/test_gpu_gemm.py`` bounds them against fp32), so
-a row's numbers depend on whether its GEMM had at most 16 rows, as they
-already did between the skinny kernel and cuBLAS. The fused norm takes bf16
-only: in fp16 a tile scaled by the gain before ``1 / rms`` could pass 65504
-where the normalised row does not (fp16 goes to the row kernel).
+bit alike (``compile_tests/test_gpu_gemm.py`` bounds them against fp32).
 
 Example (what `fa3_spec.eagle.layer.layer_body` does)::
 
-    qkv, x_in = rms_norm_matmul(x, w.attn_norm, w.wqkv, eps, deltas=deltas, return_sum=True)
+    x_in, qkv = rms_norm_matmul(x, w.attn_norm, w.wqkv, eps, deltas=deltas, return_sum=True)
     ...
     gate_up = rms_norm_matmul(x_in, w.mlp_norm, w.w_gate_up, eps, deltas=[attn_out])
     mlp_out = swiglu_matmul(gate_up, w.w_down)
@@ -124,7 +120,7 @@ def rms_norm_mm(x: torch.Tensor, deltas: List[torch.Tensor], gain: torch.Tensor,
     ``return_sum``. On CUDA the fused kernel where it applies (see the module
     docstring); here the composition."""
     _check_norm(x, deltas, gain, w, return_sum)
-    s = _residual_sum(x, deltas).contiguous()  # the fake's layout, whatever the inputs'
+    s = _residual_sum(x, deltas)
     out = rms_norm(s, gain, eps) @ w
     return [out, s] if return_sum else [out]
 
@@ -201,7 +197,7 @@ def _rows_fit(x: torch.Tensor, others: Sequence[torch.Tensor]) -> bool:
 def _add_rms_norm_rows(x, deltas, gain, eps, return_sum):
     """``(rms_norm(s, gain, eps), s or None)``, one Triton launch where it fits."""
     if not (_rows_fit(x, deltas) and gain.is_contiguous()):
-        s = _residual_sum(x, deltas).contiguous()  # the fake's layout
+        s = _residual_sum(x, deltas)
         return rms_norm(s, gain, eps), (s if return_sum else None)
     triton, norm_kernel, _ = _row_kernels()
     m, k = x.shape
@@ -262,14 +258,14 @@ def rms_norm_matmul(x: torch.Tensor, gain: torch.Tensor, w: torch.Tensor, eps: f
                     ) -> Union[torch.Tensor, Tuple[torch.Tensor, torch.Tensor]]:
     """``rms_norm(s, gain, eps) @ w`` with ``s = x + deltas[0] + ...`` (left to
     right), ``x`` and each delta ``[..., K]``, ``gain [K]``, ``w [K, N]``:
-    ``[..., N]``; with ``return_sum``, ``(out, s)`` (``s`` is ``x`` itself when
-    there are no deltas; the op and `fa3_spec.eagle.gemm.launch` return that order too). At most two deltas. One fused kernel on CUDA for
+    ``[..., N]``; with ``return_sum``, ``(s, out)`` (``s`` is ``x`` itself when
+    there are no deltas). At most two deltas. One fused kernel on CUDA for
     up to `SKINNY_MAX_M` rows (see the module docstring)."""
     deltas = tuple(deltas)
     if not _fused(x):
         s = _residual_sum(x, deltas)
         out = matmul(rms_norm(s, gain, eps), w)
-        return (out, s) if return_sum else out
+        return (s, out) if return_sum else out
     lead = x.shape[:-1]
     got = rms_norm_mm(_flat(x), [_flat(d) for d in deltas], gain, w, eps,
                       return_sum and bool(deltas))
@@ -277,7 +273,7 @@ def rms_norm_matmul(x: torch.Tensor, gain: torch.Tensor, w: torch.Tensor, eps: f
     if not return_sum:
         return out
     s = (got[1] if x.dim() == 2 else got[1].view(x.shape)) if deltas else x
-    return out, s
+    return s, out
 
 
 def swiglu_matmul(gate_up: torch.Tensor, w: torch.Tensor) -> torch.Tensor:

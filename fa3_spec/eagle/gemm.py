@@ -162,8 +162,7 @@ def prologue_applies(x: torch.Tensor, w: torch.Tensor, *, prologue: int = PLAIN,
     with ``1 <= M <= SKINNY_MAX_M`` and unit column stride, ``w [K, N]``
     contiguous, ``deltas`` (at most two) shaped and laid out as ``x``,
     ``gain [K]`` contiguous for `RMS_NORM`, all bf16 or all fp16 on one
-    device (`RMS_NORM`: bf16 only), every element offset below ``2**31``;
-    `RMS_NORM` does not split K."""
+    device, every element offset below ``2**31``; `RMS_NORM` does not split K."""
     if not triton_available():
         return False
     if x.dim() != 2 or w.dim() != 2 or prologue not in (PLAIN, RMS_NORM, SWIGLU):
@@ -178,15 +177,9 @@ def prologue_applies(x: torch.Tensor, w: torch.Tensor, *, prologue: int = PLAIN,
     tensors = [x, w, *deltas] + ([gain] if gain is not None else [])
     if any(t.dtype != x.dtype or t.device != x.device for t in tensors):
         return False
-    # Unit column stride wherever a row has more than one column (SWIGLU's x has 2K).
-    if any(t.shape[1] > 1 and t.stride(1) != 1 for t in [x, *deltas]):
+    if len(deltas) > 2 or any(d.shape != x.shape or (k > 1 and d.stride(1) != 1) for d in deltas):
         return False
-    if len(deltas) > 2 or any(d.shape != x.shape for d in deltas):
-        return False
-    if (prologue == RMS_NORM) != (gain is not None):
-        return False
-    # fp16: the tiles scaled by the gain before 1/rms could pass 65504 where the norm does not.
-    if prologue == RMS_NORM and x.dtype != torch.bfloat16:
+    if (k > 1 and x.stride(1) != 1) or (prologue == RMS_NORM) != (gain is not None):
         return False
     if gain is not None and (gain.shape != (k,) or not gain.is_contiguous()):
         return False
@@ -195,7 +188,7 @@ def prologue_applies(x: torch.Tensor, w: torch.Tensor, *, prologue: int = PLAIN,
         return False
     # int32 offsets inside the kernels: every element index below 2**31.
     rows_end = max(m * t.stride(0) + t.shape[1] for t in [x, *deltas])
-    return max(k * n, rows_end, m * k, split * m * n) < _INT32_LIMIT
+    return max(k * n, rows_end, split * m * n) < _INT32_LIMIT
 
 
 @functools.cache

@@ -130,7 +130,7 @@ def attention_inputs(shape: LayerShape, w: LayerWeights, x: torch.Tensor,
     t = x.shape[0]
     hq, hkv, d = shape.num_heads, shape.num_kv_heads, shape.head_dim
     if attn_in is None and w.attn_norm is not None:
-        qkv, x = rms_norm_matmul(x, w.attn_norm, w.wqkv, shape.rms_eps, deltas=deltas,
+        x, qkv = rms_norm_matmul(x, w.attn_norm, w.wqkv, shape.rms_eps, deltas=deltas,
                                  return_sum=True)
     else:
         for delta in deltas:
