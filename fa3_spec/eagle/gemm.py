@@ -29,14 +29,8 @@ divide the shapes exactly), so no launch reads or writes outside its
 tensors. Tile sizes come from `tile_config`, a rule fitted to the sweep in
 ``benchmarks/skinny_gemm.py`` on the H200.
 
-The same kernel can transform its ``x`` tiles before the dot (`launch`'s
-``prologue``): the residual adds and RMSNorm in front of the QKV and gate/up
-projections and the lm_head, and SwiGLU in front of the down projection.
-`fa3_spec.eagle.fused` holds those ops.
-
 ``FA3_SPEC_GEMM=cublas`` in the environment, read at import, keeps
-``x @ w`` on CUDA too, and `fa3_spec.eagle.fused`'s plain compositions (for
-A/B runs and debugging).
+``x @ w`` on CUDA too (for A/B runs and debugging).
 """
 
 from __future__ import annotations
@@ -44,7 +38,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import os
-from typing import NamedTuple, Optional, Sequence, Tuple, Union
+from typing import NamedTuple, Optional
 
 import torch
 
@@ -53,24 +47,6 @@ from ..attention.kv_store import fused_store_available as triton_available
 GEMM_IMPLS = ("cublas", "triton")
 SKINNY_MAX_M = 16  # the row tile (BLOCK_M): one program row covers every row of x
 _INT32_LIMIT = 2 ** 31
-
-
-def _config_for(k: int, n: int, prologue: int, config: Optional[TileConfig]) -> TileConfig:
-    """``config``, else `tile_config`'s tiles (in one K slice for `RMS_NORM`)."""
-    if config is not None:
-        return config
-    cfg = tile_config(k, n)
-    return cfg._replace(split=1) if prologue == RMS_NORM else cfg
-
-
-def device_guard(t: torch.Tensor):
-    """``t``'s CUDA device as the current one (a custom op gets no device
-    guard, and Triton launches on the current device); a no-op off CUDA."""
-    return torch.cuda.device(t.device) if t.device.type == "cuda" else contextlib.nullcontext()
-
-
-#: What the kernel computes on its ``x`` tiles before the dot (`launch`'s ``prologue``).
-PLAIN, RMS_NORM, SWIGLU = 0, 1, 2
 
 
 class TileConfig(NamedTuple):
@@ -151,44 +127,21 @@ def _check_config(config: TileConfig) -> None:
 def skinny_applies(x: torch.Tensor, w: torch.Tensor, config: Optional[TileConfig] = None) -> bool:
     """Whether the Triton kernel takes ``x @ w`` (shapes, layouts and dtypes
     only, never values), with ``config`` or else `tile_config`'s tiles."""
-    return prologue_applies(x, w, config=config)
-
-
-def prologue_applies(x: torch.Tensor, w: torch.Tensor, *, prologue: int = PLAIN,
-                     deltas: Sequence[torch.Tensor] = (), gain: Optional[torch.Tensor] = None,
-                     config: Optional[TileConfig] = None) -> bool:
-    """Whether `launch` takes these arguments (shapes, layouts, dtypes and
-    devices only, never values): ``x [M, K]`` (``[M, 2K]`` for `SWIGLU`)
-    with ``1 <= M <= SKINNY_MAX_M`` and unit column stride, ``w [K, N]``
-    contiguous, ``deltas`` (at most two) shaped and laid out as ``x``,
-    ``gain [K]`` contiguous for `RMS_NORM`, all bf16 or all fp16 on one
-    device, every element offset below ``2**31``; `RMS_NORM` does not split K."""
     if not triton_available():
         return False
-    if x.dim() != 2 or w.dim() != 2 or prologue not in (PLAIN, RMS_NORM, SWIGLU):
+    if x.dim() != 2 or w.dim() != 2 or x.shape[1] != w.shape[0]:
         return False
-    m, k, n = x.shape[0], w.shape[0], w.shape[1]
-    if x.shape[1] != (2 * k if prologue == SWIGLU else k):
-        return False
+    m, k = x.shape
+    n = w.shape[1]
     if not (1 <= m <= SKINNY_MAX_M and k > 0 and n > 0):
         return False
-    if x.dtype not in (torch.bfloat16, torch.float16) or not w.is_contiguous():
+    if x.dtype != w.dtype or x.dtype not in (torch.bfloat16, torch.float16) or x.device != w.device:
         return False
-    tensors = [x, w, *deltas] + ([gain] if gain is not None else [])
-    if any(t.dtype != x.dtype or t.device != x.device for t in tensors):
-        return False
-    if len(deltas) > 2 or any(d.shape != x.shape or (k > 1 and d.stride(1) != 1) for d in deltas):
-        return False
-    if (k > 1 and x.stride(1) != 1) or (prologue == RMS_NORM) != (gain is not None):
-        return False
-    if gain is not None and (gain.shape != (k,) or not gain.is_contiguous()):
-        return False
-    split = _config_for(k, n, prologue, config).split
-    if prologue == RMS_NORM and split > 1:  # 1/rms needs the whole row in one program
+    if not w.is_contiguous() or (k > 1 and x.stride(1) != 1):
         return False
     # int32 offsets inside the kernels: every element index below 2**31.
-    rows_end = max(m * t.stride(0) + t.shape[1] for t in [x, *deltas])
-    return max(k * n, rows_end, split * m * n) < _INT32_LIMIT
+    split = (config or tile_config(k, n)).split
+    return max(k * n, m * x.stride(0) + k, split * m * n) < _INT32_LIMIT
 
 
 @functools.cache
@@ -198,11 +151,9 @@ def _kernels():
     import triton.language as tl
 
     @triton.jit
-    def skinny_mm_kernel(x_ptr, d1_ptr, d2_ptr, g_ptr, w_ptr, out_ptr, sum_ptr, M, N, K,
-                         stride_xm, stride_d1, stride_d2, k_per_split, eps,
+    def skinny_mm_kernel(x_ptr, w_ptr, out_ptr, M, N, K, stride_xm, k_per_split,
                          BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                         PARTIAL: tl.constexpr, EVEN: tl.constexpr, PROLOGUE: tl.constexpr,
-                         NUM_DELTAS: tl.constexpr, STORE_SUM: tl.constexpr):
+                         PARTIAL: tl.constexpr, EVEN: tl.constexpr):
         # Program (n, 0, s): columns [n*BN, n*BN + BN) of K slice s.
         pid_n = tl.program_id(0)
         pid_s = tl.program_id(2)
@@ -211,10 +162,7 @@ def _kernels():
         rk0 = tl.arange(0, BLOCK_K)
         k_start = pid_s * k_per_split
         m_ok = rm[:, None] < M
-        dtype = w_ptr.dtype.element_ty
         acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-        sumsq = tl.zeros((BLOCK_M,), dtype=tl.float32)
-        sum_rows = tl.where(pid_n == 0, M, 0)  # the rows of the sum this program stores
         for kk in tl.range(0, k_per_split, BLOCK_K):
             rk = k_start + kk + rk0
             if EVEN:  # the tiles divide N and K exactly: every weight load is in range
@@ -222,37 +170,14 @@ def _kernels():
             else:
                 w = tl.load(w_ptr + rk[:, None] * N + rn[None, :],
                             mask=(rk[:, None] < K) & (rn[None, :] < N), other=0.0)
-            x_ok = m_ok & (rk[None, :] < K)
-            x_at = rm[:, None] * stride_xm + rk[None, :]
-            if PROLOGUE == 2:  # SwiGLU: x is [gate | up], K columns each
-                gate = tl.load(x_ptr + x_at, mask=x_ok, other=0.0).to(tl.float32)
-                up = tl.load(x_ptr + x_at + K, mask=x_ok, other=0.0).to(tl.float32)
-                x = (gate * tl.sigmoid(gate) * up).to(dtype)
-            else:
-                x = tl.load(x_ptr + x_at, mask=x_ok, other=0.0)
-                if NUM_DELTAS > 0:  # the residual stream: x + d1 (+ d2), rounded once
-                    xs = x.to(tl.float32) + tl.load(d1_ptr + rm[:, None] * stride_d1 + rk[None, :],
-                                                    mask=x_ok, other=0.0).to(tl.float32)
-                    if NUM_DELTAS > 1:
-                        xs += tl.load(d2_ptr + rm[:, None] * stride_d2 + rk[None, :],
-                                      mask=x_ok, other=0.0).to(tl.float32)
-                    x = xs.to(dtype)
-                    if STORE_SUM:  # every program computes the sum; program 0 stores it
-                        tl.store(sum_ptr + rm[:, None] * K + rk[None, :], x,
-                                 mask=(rm[:, None] < sum_rows) & (rk[None, :] < K))
-                if PROLOGUE == 1:  # RMSNorm: the weight now, the row's 1/rms after the dot
-                    xf = x.to(tl.float32)
-                    sumsq += tl.sum(xf * xf, axis=1)
-                    gain = tl.load(g_ptr + rk, mask=rk < K, other=0.0).to(tl.float32)
-                    x = (xf * gain[None, :]).to(dtype)
+            x = tl.load(x_ptr + rm[:, None] * stride_xm + rk[None, :],
+                        mask=m_ok & (rk[None, :] < K), other=0.0)
             acc += tl.dot(x, w)
-        if PROLOGUE == 1:
-            acc = acc * tl.rsqrt(sumsq / K + eps)[:, None]
         mask = m_ok & (rn[None, :] < N)
         if PARTIAL:
             tl.store(out_ptr + pid_s * M * N + rm[:, None] * N + rn[None, :], acc, mask=mask)
         else:
-            tl.store(out_ptr + rm[:, None] * N + rn[None, :], acc.to(dtype), mask=mask)
+            tl.store(out_ptr + rm[:, None] * N + rn[None, :], acc.to(out_ptr.dtype.element_ty), mask=mask)
 
     @triton.jit
     def sum_partials_kernel(part_ptr, out_ptr, MN, SPLIT: tl.constexpr, BLOCK: tl.constexpr):
@@ -272,81 +197,46 @@ def skinny_mm_triton(x: torch.Tensor, w: torch.Tensor,
     `tile_config`'s (``benchmarks/skinny_gemm.py`` sweeps them); the tensors
     must pass `skinny_applies` (``TypeError`` otherwise). Runs wherever
     Triton does."""
-    return launch(x, w, config)
-
-
-def launch(x: torch.Tensor, w: torch.Tensor, config: Optional[TileConfig] = None, *,
-           prologue: int = PLAIN, deltas: Sequence[torch.Tensor] = (),
-           gain: Optional[torch.Tensor] = None, eps: float = 0.0,
-           store_sum: bool = False) -> Union[torch.Tensor, Tuple[torch.Tensor, torch.Tensor]]:
-    """The Triton kernel on ``x [M, *] @ w [K, N] -> [M, N]``, what it does
-    to ``x``'s tiles first chosen by ``prologue``:
-
-    - `PLAIN`: ``x [M, K] @ w``;
-    - `RMS_NORM`: ``rms_norm(s, gain, eps) @ w`` with ``s = x + deltas[0]
-      (+ deltas[1])`` rounded to the dtype once. The norm is a scale per
-      row, so the kernel multiplies the tiles by ``gain``, accumulates the
-      row's sum of squares beside the dot, and scales the fp32 result by
-      ``1 / rms`` at the end: one pass over ``x`` and one kernel. With
-      ``store_sum`` it also returns ``s`` (``(out, s)``; program 0 writes it);
-    - `SWIGLU`: ``(silu(gate) * up) @ w`` for ``x = [gate | up]``, ``[M, 2K]``
-      (rounded to the dtype once, before the dot).
-
-    The arguments must pass `prologue_applies` (``TypeError`` naming them
-    otherwise); ``config`` as in `skinny_mm_triton`.
-    """
     if config is not None:
         _check_config(config)
         config = TileConfig(*config)
-    deltas = tuple(deltas)
-    if not prologue_applies(x, w, prologue=prologue, deltas=deltas, gain=gain, config=config):
-        raise TypeError(
-            "skinny_mm_triton: x and w do not fit the kernel (see prologue_applies): "
-            f"x {tuple(x.shape)} {x.dtype} stride {x.stride()}, w {tuple(w.shape)} {w.dtype}, "
-            f"prologue {prologue}, deltas {[tuple(d.shape) for d in deltas]}, "
-            f"gain {None if gain is None else tuple(gain.shape)}")
-    if store_sum and not deltas:
-        raise ValueError("launch: store_sum needs deltas (without them the sum is x itself)")
-    return _launch(x, w, config, prologue=prologue, deltas=deltas, gain=gain, eps=eps,
-                   store_sum=store_sum)
+    if not skinny_applies(x, w, config):
+        raise TypeError("skinny_mm_triton: x and w do not fit the kernel (see skinny_applies): "
+                        f"x {tuple(x.shape)} {x.dtype} stride {x.stride()}, w {tuple(w.shape)} {w.dtype}")
+    return _launch(x, w, config)
 
 
-def _launch(x, w, config=None, *, prologue=PLAIN, deltas=(), gain=None, eps=0.0,
-            store_sum=False):
+def _launch(x: torch.Tensor, w: torch.Tensor,
+            config: Optional[TileConfig] = None) -> torch.Tensor:
     triton, mm_kernel, sum_kernel = _kernels()
-    m = x.shape[0]
-    k, n = w.shape
-    cfg = _config_for(k, n, prologue, config)
+    m, k = x.shape
+    n = w.shape[1]
+    cfg = config or tile_config(k, n)
     k_per_split = triton.cdiv(k, cfg.split * cfg.block_k) * cfg.block_k
     even = n % cfg.block_n == 0 and k % (cfg.split * cfg.block_k) == 0
     out = torch.empty(m, n, device=x.device, dtype=x.dtype)
     partial = cfg.split > 1
     dst = torch.empty(cfg.split, m, n, device=x.device, dtype=torch.float32) if partial else out
-    total = torch.empty(m, k, device=x.device, dtype=x.dtype) if store_sum else out
-    d1, d2 = (tuple(deltas) + (x, x))[:2]  # unused pointers when there are fewer deltas
-    with device_guard(x):
+    # A custom op gets no device guard, and Triton launches on the current device.
+    guard = torch.cuda.device(x.device) if x.device.type == "cuda" else contextlib.nullcontext()
+    with guard:
         mm_kernel[(triton.cdiv(n, cfg.block_n), 1, cfg.split)](
-            x, d1, d2, w if gain is None else gain, w, dst, total, m, n, k,
-            x.stride(0), d1.stride(0), d2.stride(0), k_per_split, float(eps),
+            x, w, dst, m, n, k, x.stride(0), k_per_split,
             BLOCK_M=SKINNY_MAX_M, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
-            PARTIAL=partial, EVEN=even, PROLOGUE=prologue, NUM_DELTAS=len(deltas),
-            STORE_SUM=store_sum, num_warps=4, num_stages=4)
+            PARTIAL=partial, EVEN=even, num_warps=4, num_stages=4)
         if partial:
             sum_kernel[(triton.cdiv(m * n, 1024),)](dst, out, m * n, SPLIT=cfg.split, BLOCK=1024,
                                                     num_warps=4)
-    return (out, total) if store_sum else out
+    return out
 
 
-#: ``FA3_SPEC_GEMM`` as read at import: ``"triton"`` (the default) or ``"cublas"``.
-GEMM_IMPL = _impl_from_env()
-
-if GEMM_IMPL == "triton":
+if _impl_from_env() == "triton":
 
     @skinny_mm.register_kernel("cuda")
     def _skinny_mm_cuda(x, w):
         _check(x, w)
         if skinny_applies(x, w):
-            return _launch(x, w, None)
+            return _launch(x, w)
         return x @ w
 
 

@@ -12,10 +12,10 @@ import dataclasses
 from typing import List, Optional, Sequence, Tuple
 
 import torch
+import torch.nn.functional as F
 
 from ..attention import cascade_attention
 from ..attention.kv_store import store_kv
-from .fused import rms_norm_matmul, swiglu_matmul
 from .gemm import matmul
 
 
@@ -105,6 +105,12 @@ class LayerWeights:
                               for t in (getattr(self, f.name) for f in dataclasses.fields(self))))
 
 
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    xf = x.to(torch.promote_types(x.dtype, torch.float32))
+    xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
+    return xf.to(x.dtype) * weight
+
+
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     """Rotate-half RoPE (Llama) of ``x [T, H, D]`` with the ``[T, D/2]`` rows of
     `RopeTable.at`: ``(x1, x2) -> (x1 cos - x2 sin, x2 cos + x1 sin)``."""
@@ -115,42 +121,24 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
     return torch.cat([x1 * c - x2 * s, x2 * c + x1 * s], -1).to(x.dtype)
 
 
-def attention_inputs(shape: LayerShape, w: LayerWeights, x: torch.Tensor,
-                     deltas: Sequence[torch.Tensor], attn_in: Optional[torch.Tensor],
-                     cos: torch.Tensor, sin: torch.Tensor
-                     ) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """The layer's input and its attention's: ``(x_in, q, k, v)``.
-
-    ``x_in = x + deltas`` (``[T, H]``; ``x`` itself without deltas). The
-    attention reads ``attn_in [T, H_in]`` if given, else ``x_in``: RMSNorm
-    unless ``w.attn_norm`` is None, the fused QKV projection (the norm and
-    the residual adds fused into it, `fa3_spec.eagle.fused`), RoPE with the
-    tokens' ``cos, sin [T, D/2]``: ``q [T, H_q, D]``, ``k, v [T, H_kv, D]``.
-    """
+def attention_inputs(shape: LayerShape, w: LayerWeights, x: torch.Tensor, cos: torch.Tensor,
+                     sin: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``x [T, H_in]`` -> ``q [T, H_q, D]``, ``k, v [T, H_kv, D]`` (RMSNorm unless
+    ``w.attn_norm`` is None, fused QKV, RoPE with the tokens' ``cos, sin [T, D/2]``)."""
     t = x.shape[0]
     hq, hkv, d = shape.num_heads, shape.num_kv_heads, shape.head_dim
-    if attn_in is None and w.attn_norm is not None:
-        x, qkv = rms_norm_matmul(x, w.attn_norm, w.wqkv, shape.rms_eps, deltas=deltas,
-                                 return_sum=True)
-    else:
-        for delta in deltas:
-            x = x + delta
-        src = x if attn_in is None else attn_in
-        qkv = (matmul(src, w.wqkv) if w.attn_norm is None
-               else rms_norm_matmul(src, w.attn_norm, w.wqkv, shape.rms_eps))
+    h = x if w.attn_norm is None else rms_norm(x, w.attn_norm, shape.rms_eps)
     # One view of the fused output, then a split along the heads: the strides
     # of reshaping each part, without a reshape's layout check over T (which
     # guards a symbolic batch against 1 when T is the batch, a chain's draft).
-    q, k, v = qkv.view(t, hq + 2 * hkv, d).split([hq, hkv, hkv], dim=1)
-    return x, apply_rope(q, cos, sin), apply_rope(k, cos, sin), v
+    q, k, v = matmul(h, w.wqkv).view(t, hq + 2 * hkv, d).split([hq, hkv, hkv], dim=1)
+    return apply_rope(q, cos, sin), apply_rope(k, cos, sin), v
 
 
-def mlp(shape: LayerShape, w: LayerWeights, x: torch.Tensor, attn_out: torch.Tensor) -> torch.Tensor:
-    """The SwiGLU MLP branch of ``x + attn_out`` (``[T, H]``; RMSNorm first),
-    without its residual: the add and the norm fused into gate/up, SwiGLU
-    into down (`fa3_spec.eagle.fused`)."""
-    gate_up = rms_norm_matmul(x, w.mlp_norm, w.w_gate_up, shape.rms_eps, deltas=(attn_out,))
-    return swiglu_matmul(gate_up, w.w_down)
+def mlp(shape: LayerShape, w: LayerWeights, x: torch.Tensor) -> torch.Tensor:
+    """The SwiGLU MLP branch of ``x [T, H]`` (RMSNorm first), without its residual."""
+    gate, up = matmul(rms_norm(x, w.mlp_norm, shape.rms_eps), w.w_gate_up).chunk(2, dim=-1)
+    return matmul(F.silu(gate) * up, w.w_down)
 
 
 def layer_body(shape: LayerShape, w: LayerWeights, x: torch.Tensor,
@@ -167,9 +155,8 @@ def layer_body(shape: LayerShape, w: LayerWeights, x: torch.Tensor,
     mlp_out)``: that input (``x`` itself when ``deltas`` is empty), the
     attention branch after its output projection, and the MLP branch. The
     layer's output is ``(x_in + attn_out) + mlp_out``, which the next layer
-    adds as its ``deltas``: every sum of the stream is then added in front of
-    the RMSNorm after it, in the fused norm + GEMM kernel on CUDA
-    (`fa3_spec.eagle.fused`) or by inductor into the norm's kernel, and no matmul's result is
+    adds as its ``deltas``: every sum of the stream is then a pointwise add
+    that inductor fuses into the RMSNorm after it, and no matmul's result is
     added to a tensor a compiled region returns (inductor makes such an add
     an ``addmm``, which copies the addend into the output before the GEMM:
     one device-to-device copy per layer, `fa3_spec.eagle.regions`).
@@ -177,12 +164,14 @@ def layer_body(shape: LayerShape, w: LayerWeights, x: torch.Tensor,
     (`fa3_spec.attention.fa3_plans`), or None. Shapes and the other
     arguments: `fa3_spec.eagle.models.decoder_layer`.
     """
-    x, q, k, v = attention_inputs(shape, w, x, deltas, attn_in, cos, sin)
+    for d in deltas:
+        x = x + d
+    q, k, v = attention_inputs(shape, w, x if attn_in is None else attn_in, cos, sin)
     store_kv(k_cache, v_cache, slots, k, v)
     attn = cascade_attention(q, k_cache, v_cache, metadata, backend=backend,
                              num_splits=num_splits, plans=plans)
     attn_out = matmul(attn.reshape(x.shape[0], -1), w.wo)
-    return x, attn_out, mlp(shape, w, x, attn_out)
+    return x, attn_out, mlp(shape, w, x + attn_out)
 
 
 def layer_output(x_in: torch.Tensor, attn_out: torch.Tensor, mlp_out: torch.Tensor) -> torch.Tensor:

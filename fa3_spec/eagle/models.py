@@ -49,9 +49,8 @@ import torch
 
 from ..attention import fa3_plans, provider_plans, resolve_backend
 from ..attention.kv_store import store_kv
-from .fused import rms_norm, rms_norm_matmul
 from .gemm import matmul
-from .layer import LayerWeights, layer_output
+from .layer import LayerWeights, layer_output, rms_norm
 from .regions import REGION_BACKENDS, decoder_layer_region
 from .vocab import log_prob_topk
 
@@ -313,9 +312,7 @@ class LlamaTarget:
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """``[T, H] -> [T, V]`` in the model dtype (the first ``H`` columns of a
         ``capture`` result are the last layer's output)."""
-        # The final norm fused into the lm_head GEMM (`fa3_spec.eagle.fused`).
-        return rms_norm_matmul(hidden[..., : self.shape.hidden_size], self.norm, self.lm_head,
-                               self.shape.rms_eps)
+        return matmul(self.final_norm(hidden[..., : self.shape.hidden_size]), self.lm_head)
 
 
 @dataclasses.dataclass
