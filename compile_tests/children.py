@@ -62,6 +62,8 @@ def env(**extra) -> dict:
 #: The head of a child script that runs Triton kernels in Triton's interpreter:
 #: the installed Triton, else the one the sglang parity tests cache; with
 #: neither, it prints ``{"skip": ...}`` as its one JSON line and exits.
+#: ``refusal(applies, call, *args)`` gives ``[not applies(*args), the
+#: TypeError call(*args) raised, or ""]``.
 TRITON_INTERPRETER_PREAMBLE = '''import json, sys
 import torch
 from fa3_spec.harness.sglang_upstream import TRITON_VERSION, default_cache_dir
@@ -74,6 +76,15 @@ except ImportError:
     except ImportError as e:
         print(json.dumps({"skip": f"no triton: {e}"}))
         sys.exit(0)
+
+
+def refusal(applies, call, *args):
+    refused = not applies(*args)
+    try:
+        call(*args)
+        return [refused, ""]
+    except TypeError as e:
+        return [refused, str(e)]
 '''
 
 

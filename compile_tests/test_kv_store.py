@@ -55,13 +55,7 @@ bad = {
     "cache shapes": (kc, vc[:1], s, k, v),
 }
 for name, args in bad.items():
-    refused = not fused_store_applies(*args)
-    try:
-        store_kv_fused(*args)
-        raised = ""
-    except TypeError as e:
-        raised = str(e)
-    out["refused"][name] = [refused, raised]
+    out["refused"][name] = refusal(fused_store_applies, store_kv_fused, *args)
 print(json.dumps(out))
 """
 

@@ -27,37 +27,20 @@ the default on CUDA too (for A/B runs and debugging).
 
 from __future__ import annotations
 
-import contextlib
 import functools
-import importlib.util
-import os
 
 import torch
+
+from ..triton_support import device_guard, impl_from_env, triton_available
 
 STORE_KV_IMPLS = ("index_copy", "triton")
 
 
-@functools.cache
 def fused_store_available() -> bool:
-    """Whether Triton imports, so that `store_kv_fused` can run. Asked once
-    per process, at the first CUDA `store_kv` (or a direct call): that is
-    when Triton is first imported, never at ``import fa3_spec`` (a process
-    that wants Triton's CPU interpreter must import it first)."""
-    if importlib.util.find_spec("triton") is None:
-        return False
-    try:
-        import triton  # noqa: F401
-        import triton.language  # noqa: F401
-    except Exception:  # an install that does not import is no Triton
-        return False
-    return True
-
-
-def _impl_from_env() -> str:
-    impl = os.environ.get("FA3_SPEC_STORE_KV", "triton")
-    if impl not in STORE_KV_IMPLS:
-        raise ValueError(f"FA3_SPEC_STORE_KV must be one of {STORE_KV_IMPLS}, got {impl!r}")
-    return impl
+    """Whether Triton imports, so that `store_kv_fused` can run
+    (`fa3_spec.triton_support.triton_available`: asked once per process, never at
+    ``import fa3_spec``)."""
+    return triton_available()
 
 
 @torch.library.custom_op("fa3_spec::store_kv", mutates_args=("k_cache", "v_cache"))
@@ -162,9 +145,7 @@ def _launch_fused(k_cache, v_cache, slots, k, v) -> None:
     triton, kernel = _kernel()
     # A custom op gets no device guard, and Triton launches on the current
     # device: make it the tensors' (an eager call on another GPU).
-    guard = (torch.cuda.device(k_cache.device) if k_cache.device.type == "cuda"
-             else contextlib.nullcontext())
-    with guard:
+    with device_guard(k_cache):
         kernel[(t,)](
             k_cache, v_cache, slots, k, v, k_cache.numel() // (h * d),
             k.stride(0), k.stride(1), v.stride(0), v.stride(1),
@@ -172,7 +153,7 @@ def _launch_fused(k_cache, v_cache, slots, k, v) -> None:
             num_warps=4)
 
 
-if _impl_from_env() == "triton":
+if impl_from_env("FA3_SPEC_STORE_KV", STORE_KV_IMPLS, "triton") == "triton":
 
     @store_kv.register_kernel("cuda")
     def _store_kv_cuda(k_cache, v_cache, slots, k, v) -> None:

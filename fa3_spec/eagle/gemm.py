@@ -35,14 +35,12 @@ tensors. Tile sizes come from `tile_config`, a rule fitted to the sweep in
 
 from __future__ import annotations
 
-import contextlib
 import functools
-import os
 from typing import NamedTuple, Optional
 
 import torch
 
-from ..attention.kv_store import fused_store_available as triton_available
+from ..triton_support import device_guard, impl_from_env, triton_available
 
 GEMM_IMPLS = ("cublas", "triton")
 SKINNY_MAX_M = 16  # the row tile (BLOCK_M): one program row covers every row of x
@@ -79,13 +77,6 @@ def tile_config(k: int, n: int) -> TileConfig:
     if k < cfg.split * cfg.block_k:  # too short to split: one slice
         cfg = cfg._replace(split=1)
     return cfg
-
-
-def _impl_from_env() -> str:
-    impl = os.environ.get("FA3_SPEC_GEMM", "triton")
-    if impl not in GEMM_IMPLS:
-        raise ValueError(f"FA3_SPEC_GEMM must be one of {GEMM_IMPLS}, got {impl!r}")
-    return impl
 
 
 def _check(x: torch.Tensor, w: torch.Tensor) -> None:
@@ -217,9 +208,7 @@ def _launch(x: torch.Tensor, w: torch.Tensor,
     out = torch.empty(m, n, device=x.device, dtype=x.dtype)
     partial = cfg.split > 1
     dst = torch.empty(cfg.split, m, n, device=x.device, dtype=torch.float32) if partial else out
-    # A custom op gets no device guard, and Triton launches on the current device.
-    guard = torch.cuda.device(x.device) if x.device.type == "cuda" else contextlib.nullcontext()
-    with guard:
+    with device_guard(x):
         mm_kernel[(triton.cdiv(n, cfg.block_n), 1, cfg.split)](
             x, w, dst, m, n, k, x.stride(0), k_per_split,
             BLOCK_M=SKINNY_MAX_M, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
@@ -230,13 +219,14 @@ def _launch(x: torch.Tensor, w: torch.Tensor,
     return out
 
 
-if _impl_from_env() == "triton":
+if impl_from_env("FA3_SPEC_GEMM", GEMM_IMPLS, "triton") == "triton":
 
     @skinny_mm.register_kernel("cuda")
     def _skinny_mm_cuda(x, w):
         _check(x, w)
-        if skinny_applies(x, w):
-            return _launch(x, w)
+        config = tile_config(x.shape[1], w.shape[1])  # once: the check and the launch share it
+        if skinny_applies(x, w, config):
+            return _launch(x, w, config)
         return x @ w
 
 
