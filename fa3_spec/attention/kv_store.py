@@ -31,7 +31,7 @@ import functools
 
 import torch
 
-from ..triton_support import device_guard, impl_from_env, triton_available
+from ..triton_support import device_guard, impl_from_env, pdl_kwargs, pdl_launch, triton_available
 
 STORE_KV_IMPLS = ("index_copy", "triton")
 
@@ -108,8 +108,11 @@ def _kernel():
     def store_kv_kernel(k_cache, v_cache, slots, k, v, num_rows,
                         k_row_stride, k_head_stride, v_row_stride, v_head_stride,
                         H: tl.constexpr, D: tl.constexpr,
-                        BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr):
+                        BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr, PDL: tl.constexpr):
         # One program per token: its H x D K row and V row.
+        if PDL:  # wait for the previous kernel before any load or store (pdl_launch)
+            tl.extra.cuda.gdc_wait()
+            tl.extra.cuda.gdc_launch_dependents()
         t = tl.program_id(0).to(tl.int64)
         slot = tl.load(slots + t).to(tl.int64)
         h = tl.arange(0, BLOCK_H).to(tl.int64)[:, None]  # int64: a head stride times h
@@ -145,12 +148,13 @@ def _launch_fused(k_cache, v_cache, slots, k, v) -> None:
     triton, kernel = _kernel()
     # A custom op gets no device guard, and Triton launches on the current
     # device: make it the tensors' (an eager call on another GPU).
+    pdl = pdl_launch(k_cache)
     with device_guard(k_cache):
         kernel[(t,)](
             k_cache, v_cache, slots, k, v, k_cache.numel() // (h * d),
             k.stride(0), k.stride(1), v.stride(0), v.stride(1),
             H=h, D=d, BLOCK_H=triton.next_power_of_2(h), BLOCK_D=triton.next_power_of_2(d),
-            num_warps=4)
+            PDL=pdl, num_warps=4, **pdl_kwargs(pdl))
 
 
 if impl_from_env("FA3_SPEC_STORE_KV", STORE_KV_IMPLS, "triton") == "triton":

@@ -40,7 +40,7 @@ from typing import NamedTuple, Optional
 
 import torch
 
-from ..triton_support import device_guard, impl_from_env, triton_available
+from ..triton_support import device_guard, impl_from_env, pdl_kwargs, pdl_launch, triton_available
 
 GEMM_IMPLS = ("cublas", "triton")
 SKINNY_MAX_M = 16  # the row tile (BLOCK_M): one program row covers every row of x
@@ -144,8 +144,11 @@ def _kernels():
     @triton.jit
     def skinny_mm_kernel(x_ptr, w_ptr, out_ptr, M, N, K, stride_xm, k_per_split,
                          BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                         PARTIAL: tl.constexpr, EVEN: tl.constexpr):
+                         PARTIAL: tl.constexpr, EVEN: tl.constexpr, PDL: tl.constexpr):
         # Program (n, 0, s): columns [n*BN, n*BN + BN) of K slice s.
+        if PDL:  # wait for the previous kernel before any load or store (pdl_launch)
+            tl.extra.cuda.gdc_wait()
+            tl.extra.cuda.gdc_launch_dependents()
         pid_n = tl.program_id(0)
         pid_s = tl.program_id(2)
         rm = tl.arange(0, BLOCK_M)
@@ -171,7 +174,11 @@ def _kernels():
             tl.store(out_ptr + rm[:, None] * N + rn[None, :], acc.to(out_ptr.dtype.element_ty), mask=mask)
 
     @triton.jit
-    def sum_partials_kernel(part_ptr, out_ptr, MN, SPLIT: tl.constexpr, BLOCK: tl.constexpr):
+    def sum_partials_kernel(part_ptr, out_ptr, MN, SPLIT: tl.constexpr, BLOCK: tl.constexpr,
+                            PDL: tl.constexpr):
+        if PDL:  # wait for the previous kernel before any load or store (pdl_launch)
+            tl.extra.cuda.gdc_wait()
+            tl.extra.cuda.gdc_launch_dependents()
         r = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
         ok = r < MN
         acc = tl.zeros((BLOCK,), dtype=tl.float32)
@@ -208,14 +215,15 @@ def _launch(x: torch.Tensor, w: torch.Tensor,
     out = torch.empty(m, n, device=x.device, dtype=x.dtype)
     partial = cfg.split > 1
     dst = torch.empty(cfg.split, m, n, device=x.device, dtype=torch.float32) if partial else out
+    pdl = pdl_launch(x)
     with device_guard(x):
         mm_kernel[(triton.cdiv(n, cfg.block_n), 1, cfg.split)](
             x, w, dst, m, n, k, x.stride(0), k_per_split,
             BLOCK_M=SKINNY_MAX_M, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
-            PARTIAL=partial, EVEN=even, num_warps=4, num_stages=4)
+            PARTIAL=partial, EVEN=even, PDL=pdl, num_warps=4, num_stages=4, **pdl_kwargs(pdl))
         if partial:
             sum_kernel[(triton.cdiv(m * n, 1024),)](dst, out, m * n, SPLIT=cfg.split, BLOCK=1024,
-                                                    num_warps=4)
+                                                    PDL=pdl, num_warps=4, **pdl_kwargs(pdl))
     return out
 
 

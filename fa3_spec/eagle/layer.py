@@ -15,8 +15,8 @@ import torch
 import torch.nn.functional as F
 
 from ..attention import cascade_attention
-from ..attention.kv_store import store_kv
 from .gemm import matmul
+from .rope_kv import rope_and_store
 
 
 @dataclasses.dataclass(frozen=True)
@@ -111,28 +111,16 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     return xf.to(x.dtype) * weight
 
 
-def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """Rotate-half RoPE (Llama) of ``x [T, H, D]`` with the ``[T, D/2]`` rows of
-    `RopeTable.at`: ``(x1, x2) -> (x1 cos - x2 sin, x2 cos + x1 sin)``."""
-    half = x.shape[-1] // 2
-    xf = x.to(cos.dtype)
-    x1, x2 = xf[..., :half], xf[..., half:]
-    c, s = cos.unsqueeze(1), sin.unsqueeze(1)
-    return torch.cat([x1 * c - x2 * s, x2 * c + x1 * s], -1).to(x.dtype)
-
-
-def attention_inputs(shape: LayerShape, w: LayerWeights, x: torch.Tensor, cos: torch.Tensor,
-                     sin: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """``x [T, H_in]`` -> ``q [T, H_q, D]``, ``k, v [T, H_kv, D]`` (RMSNorm unless
-    ``w.attn_norm`` is None, fused QKV, RoPE with the tokens' ``cos, sin [T, D/2]``)."""
-    t = x.shape[0]
-    hq, hkv, d = shape.num_heads, shape.num_kv_heads, shape.head_dim
+def attention_inputs(shape: LayerShape, w: LayerWeights, x: torch.Tensor) -> torch.Tensor:
+    """``x [T, H_in]`` -> ``qkv [T, H_q + 2 H_kv, D]``: RMSNorm (unless
+    ``w.attn_norm`` is None) and the fused QKV projection, viewed per head,
+    before RoPE (`fa3_spec.eagle.rope_kv` rotates it and writes K/V)."""
     h = x if w.attn_norm is None else rms_norm(x, w.attn_norm, shape.rms_eps)
-    # One view of the fused output, then a split along the heads: the strides
-    # of reshaping each part, without a reshape's layout check over T (which
-    # guards a symbolic batch against 1 when T is the batch, a chain's draft).
-    q, k, v = matmul(h, w.wqkv).view(t, hq + 2 * hkv, d).split([hq, hkv, hkv], dim=1)
-    return apply_rope(q, cos, sin), apply_rope(k, cos, sin), v
+    # One view of the fused output (`rope_kv` then splits it along the heads):
+    # the strides of reshaping each part, without a reshape's layout check over
+    # T (which guards a symbolic batch against 1 when T is the batch, a chain's draft).
+    return matmul(h, w.wqkv).view(x.shape[0], shape.num_heads + 2 * shape.num_kv_heads,
+                                  shape.head_dim)
 
 
 def mlp(shape: LayerShape, w: LayerWeights, x: torch.Tensor) -> torch.Tensor:
@@ -166,8 +154,8 @@ def layer_body(shape: LayerShape, w: LayerWeights, x: torch.Tensor,
     """
     for d in deltas:
         x = x + d
-    q, k, v = attention_inputs(shape, w, x if attn_in is None else attn_in, cos, sin)
-    store_kv(k_cache, v_cache, slots, k, v)
+    qkv = attention_inputs(shape, w, x if attn_in is None else attn_in)
+    q = rope_and_store(k_cache, v_cache, slots, qkv, cos, sin, shape.num_heads)
     attn = cascade_attention(q, k_cache, v_cache, metadata, backend=backend,
                              num_splits=num_splits, plans=plans)
     attn_out = matmul(attn.reshape(x.shape[0], -1), w.wo)
