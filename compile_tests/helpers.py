@@ -147,3 +147,14 @@ def trace_only_backend(graphs: list):
         return lambda *args: [torch.empty(0)] * outputs
 
     return backend
+
+
+def cuda_kernel_names(fn) -> list:
+    """The names of the CUDA kernels ``fn()`` launches, in order (the profiler's view)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        fn()
+        torch.cuda.synchronize()
+    return [e.name for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]

@@ -9,6 +9,7 @@ import torch
 
 from fa3_spec.attention import STORE_KV_IMPLS, fused_store_available, store_kv, store_kv_index_copy
 from fa3_spec.graphs import capture
+from helpers import cuda_kernel_names
 
 pytestmark = [
     pytest.mark.gpu,
@@ -28,23 +29,13 @@ def _tensors(t, seed=0):
     return kc, vc, qkv, slots
 
 
-def _kernel_names(fn):
-    from torch.profiler import ProfilerActivity, profile
-
-    torch.cuda.synchronize()
-    with profile(activities=[ProfilerActivity.CUDA]) as prof:
-        fn()
-        torch.cuda.synchronize()
-    return [e.name for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
-
-
 def test_the_op_on_cuda_is_one_triton_launch_and_writes_what_index_copy_writes():
     assert STORE_KV_IMPLS == ("index_copy", "triton")
     kc, vc, qkv, slots = _tensors(37)
     k, v = qkv[:, HQ:HQ + H].contiguous(), qkv[:, HQ + H:]
     want = (kc.clone(), vc.clone())
     store_kv_index_copy(*want, slots, k, v)
-    names = _kernel_names(lambda: store_kv(kc, vc, slots, k, v))
+    names = cuda_kernel_names(lambda: store_kv(kc, vc, slots, k, v))
     assert torch.equal(kc, want[0]) and torch.equal(vc, want[1])
     assert len(names) == 1 and "store_kv_kernel" in names[0], names
 
@@ -78,7 +69,7 @@ def test_the_op_in_a_cuda_graph_and_under_inductor_writes_each_replay_s_rows():
     reference()  # the warm-up's writes (the same rows each time)
     # The compiled op took the fused kernel (a layout it refused would fall
     # back to index_copy_ and still write the right rows).
-    assert any("store_kv_kernel" in n for n in _kernel_names(graph.replay))
+    assert any("store_kv_kernel" in n for n in cuda_kernel_names(graph.replay))
     reference()  # that replay's writes
     g = torch.Generator(device="cuda").manual_seed(1)
     for _ in range(3):

@@ -11,6 +11,7 @@ from fa3_spec.eagle.rope_kv import (fused_rope_kv_applies, rope_and_store, rope_
                                     rope_store_kv_split)
 from fa3_spec.graphs import capture
 from fa3_spec.triton_support import triton_available
+from helpers import cuda_kernel_names
 
 pytestmark = [
     pytest.mark.gpu,
@@ -34,16 +35,6 @@ def _tensors(t, seed=0):
     return kc, vc, slots, qkv, ang.cos(), ang.sin()
 
 
-def _kernel_names(fn):
-    from torch.profiler import ProfilerActivity, profile
-
-    torch.cuda.synchronize()
-    with profile(activities=[ProfilerActivity.CUDA]) as prof:
-        fn()
-        torch.cuda.synchronize()
-    return [e.name for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
-
-
 def _within_one_unit(a, b):
     """Apart by at most one bf16 unit of the larger, plus 1e-6 where a
     rotation cancels to near 0 (FMA contraction moves a float32 sum by about
@@ -60,7 +51,7 @@ def test_the_op_on_cuda_is_one_launch_and_matches_the_default_within_one_unit(t)
     want_k, want_v = kc.clone(), vc.clone()
     q_want = rope_store_kv_split(want_k, want_v, slots, qkv, cos, sin, HQ)
     out = {}
-    names = _kernel_names(lambda: out.setdefault("q", rope_store_kv(kc, vc, slots, qkv, cos, sin, HQ)))
+    names = cuda_kernel_names(lambda: out.setdefault("q", rope_store_kv(kc, vc, slots, qkv, cos, sin, HQ)))
     assert len(names) == 1 and "rope_store_kv_kernel" in names[0], names
     assert _within_one_unit(out["q"], q_want) and _within_one_unit(kc, want_k)
     assert torch.equal(vc, want_v)
@@ -95,7 +86,7 @@ def test_the_layers_call_under_inductor_in_a_cuda_graph_writes_each_replay_s_row
 
     graph, _ = capture(lambda: step(kc, vc, slots, qkv, cos, sin), warmup=2)
     reference()
-    names = _kernel_names(graph.replay)
+    names = cuda_kernel_names(graph.replay)
     assert any("rope_store_kv_kernel" in n for n in names), names
     assert not any("store_kv_kernel" in n and "rope" not in n for n in names), names
     reference()
