@@ -101,30 +101,76 @@ def test_the_layers_call_under_inductor_in_a_cuda_graph_writes_each_replay_s_row
     assert _within_one_unit(kc, ref_k) and torch.equal(vc, ref_v)
 
 
-def test_pdl_is_on_on_hopper_and_changes_no_bit_of_a_captured_layer_chain(monkeypatch):
-    import fa3_spec.triton_support as ts
-    from fa3_spec.eagle.gemm import matmul
+def test_a_cache_the_kernel_refuses_falls_back_to_the_default_on_cuda():
+    kc, vc, slots, qkv, cos, sin = _tensors(8)
+    kt, vt = kc.transpose(0, 1), vc.transpose(0, 1)  # not contiguous: refused by layout
+    assert not fused_rope_kv_applies(kt, vt, slots, qkv, cos, sin, HQ)
+    want_k, want_v = kt.clone(), vt.clone()
+    q_want = rope_store_kv_split(want_k, want_v, slots, qkv, cos, sin, HQ)
+    out = {}
+    names = cuda_kernel_names(lambda: out.setdefault("q", rope_store_kv(kt, vt, slots, qkv, cos, sin, HQ)))
+    assert not any("rope_store_kv_kernel" in n for n in names), names
+    assert torch.equal(out["q"], q_want) and torch.equal(kt, want_k) and torch.equal(vt, want_v)
 
-    kc, vc, slots, qkv, cos, sin = _tensors(4)
+
+# A captured chain of library kernels with inductor's between them: skinny
+# GEMM -> (inductor) -> the op -> (inductor) -> GEMM -> split-K GEMM + sum,
+# replayed on new inputs. Its child runs it with PDL on or off and saves the
+# outputs; the test compares the two processes bitwise.
+PDL_CHAIN = r"""
+import sys
+import torch
+from fa3_spec.eagle.gemm import matmul
+from fa3_spec.eagle.rope_kv import rope_store_kv
+from fa3_spec.graphs import capture
+from fa3_spec.triton_support import pdl_launch
+
+HQ, H, D, T = 32, 8, 128, 4
+g = torch.Generator(device="cuda").manual_seed(3)
+def rnd(*shape, scale=1.0):
+    return torch.randn(*shape, device="cuda", dtype=torch.bfloat16, generator=g) * scale
+x = rnd(T, 4096)
+wqkv, wu, wd = rnd(4096, (HQ + 2 * H) * D, scale=0.02), rnd(HQ * D, 14336, scale=0.02), rnd(14336, 4096, scale=0.02)
+kc, vc = rnd(4, 64, 16, H, D), rnd(4, 64, 16, H, D)
+slots = torch.randperm(4 * 64 * 16, device="cuda", generator=g)[:T]
+ang = torch.rand(T, D // 2, device="cuda", generator=g) * 6.3
+cos, sin = ang.cos(), ang.sin()
+
+@torch.compile(backend="inductor", fullgraph=True)
+def chain(x, kc, vc, slots, cos, sin):
+    qkv = (matmul(x, wqkv) * 1.5).view(T, HQ + 2 * H, D)
+    q = rope_store_kv(kc, vc, slots, qkv, cos, sin, HQ)
+    return matmul(torch.relu(matmul(q.reshape(T, -1) + 1, wu)), wd)
+
+graph, out = capture(lambda: chain(x, kc, vc, slots, cos, sin), warmup=2)
+outs = []
+for i in range(3):
+    x.copy_(rnd(T, 4096))
+    slots.copy_(torch.randperm(4 * 64 * 16, device="cuda", generator=g)[:T])
+    graph.replay()
+    outs.append(out.clone())
+torch.cuda.synchronize()
+torch.save({"pdl": pdl_launch(x), "outs": [o.cpu() for o in outs], "k": kc.cpu(), "v": vc.cpu()}, sys.argv[1])
+"""
+
+
+def test_pdl_is_on_on_hopper_and_changes_no_bit_of_a_captured_chain_with_inductor_between(tmp_path):
+    import os
+    import subprocess
+    import sys
+
     if torch.cuda.get_device_capability()[0] < 9:
         pytest.skip("PDL needs compute capability 9")
-    assert ts.pdl_launch(qkv)
-    g = torch.Generator(device="cuda").manual_seed(3)
-    x = torch.randn(4, 4096, device="cuda", dtype=torch.bfloat16, generator=g)
-    wqkv = torch.randn(4096, (HQ + 2 * H) * D, device="cuda", dtype=torch.bfloat16, generator=g) * 0.02
-    wu = torch.randn(HQ * D, 14336, device="cuda", dtype=torch.bfloat16, generator=g) * 0.02
-    wd = torch.randn(14336, 4096, device="cuda", dtype=torch.bfloat16, generator=g) * 0.02
-
-    def chain(kc, vc):
-        q = rope_store_kv(kc, vc, slots, matmul(x, wqkv).view(4, HQ + 2 * H, D), cos, sin, HQ)
-        return matmul(matmul(q.reshape(4, -1), wu), wd)  # wd: split K, two kernels
-
-    results = []
-    for on in (True, False):
-        monkeypatch.setattr(ts, "_PDL_ON", on)
-        k, v = kc.clone(), vc.clone()
-        graph, out = capture(lambda: chain(k, v), warmup=1)
-        graph.replay()
-        torch.cuda.synchronize()
-        results.append((out.clone(), k, v))
-    assert all(torch.equal(a, b) for a, b in zip(*results))
+    if os.environ.get("FA3_SPEC_PDL") == "off":
+        pytest.skip("FA3_SPEC_PDL=off in the environment")
+    runs = {}
+    for mode in ("on", "off"):
+        path = tmp_path / f"{mode}.pt"
+        subprocess.run([sys.executable, "-c", PDL_CHAIN, str(path)], check=True,
+                       env={**os.environ, "FA3_SPEC_PDL": mode})
+        runs[mode] = torch.load(path)
+    assert runs["on"]["pdl"] and not runs["off"]["pdl"]
+    for a, b in zip(runs["on"]["outs"], runs["off"]["outs"]):
+        assert torch.equal(a, b)
+    assert not torch.equal(runs["on"]["outs"][0], runs["on"]["outs"][1])  # the inputs changed
+    assert torch.equal(runs["on"]["k"], runs["off"]["k"]) and torch.equal(runs["on"]["v"], runs["off"]["v"])

@@ -10,6 +10,7 @@ import contextlib
 import functools
 import importlib.util
 import os
+import sys
 from typing import Sequence
 
 import torch
@@ -53,21 +54,39 @@ PDL_MODES = ("on", "off")
 def pdl_launch(t: torch.Tensor) -> bool:
     """Whether a Triton launch on ``t``'s device uses programmatic dependent
     launch (PDL): CUDA of compute capability 9 or more (Hopper), a Triton
-    with ``gdc_wait``, and ``FA3_SPEC_PDL`` not ``off`` (read at import).
+    with ``gdc_wait``, ``FA3_SPEC_PDL`` not ``off`` (read at import), and
+    inductor's own PDL off (``torch._inductor.config.triton.enable_pdl``,
+    read at each launch; see below).
 
     With PDL the GPU may start a kernel while the one before it in the
     stream is still finishing, so its launch overlaps that kernel's end.
     Every library kernel launched this way calls ``gdc_wait()`` before its
-    first load or store, which waits for the previous kernel to complete
-    and its writes to be visible: the stream's order is kept, for the
-    kernels before it whatever they are. It then calls
-    ``gdc_launch_dependents()``, so the next kernel may start launching in
-    turn. Measured on the H200 in a one-off probe of a decode-shaped chain
-    of 9 kernels per layer x 32 layers in one CUDA graph: 3.63 ms with PDL
-    against 3.76 ms without (``benchmarks/RESULTS.md``). CUDA graphs keep
-    it (stream capture records the launch attribute).
+    first load or store, which waits for the previous kernel to complete and
+    its writes to be visible, so whatever ran before it is ordered. It then
+    calls ``gdc_launch_dependents()``, so that the next kernel may start
+    launching while this one runs. That is safe for the kernels that follow
+    when each of them either is not PDL-launched (cuBLAS, FA3's main and
+    combine kernels, inductor's kernels on torch 2.11) or waits before its
+    first access (the library's). Inductor's PDL breaks that rule: a kernel
+    that reads nothing the previous node wrote skips ``gdc_wait``, so a
+    kernel after it could read this one's output early. Hence the last
+    condition.
+
+    Measured on the H200 in a one-off probe of a decode-shaped chain of 9
+    kernels per layer x 32 layers in one CUDA graph: 3.63 ms with PDL
+    against 3.76 ms without; in the EAGLE loop, where most kernels are not
+    the library's, 0.02 ms of a 7.5 ms iteration (``benchmarks/RESULTS.md``).
+    CUDA graphs keep it (stream capture records the launch attribute).
     """
-    return _PDL_ON and t.device.type == "cuda" and _pdl_device(t.device.index) and _pdl_triton()
+    return (_PDL_ON and t.device.type == "cuda" and not _inductor_pdl()
+            and _pdl_device(t.device.index) and _pdl_triton())
+
+
+def _inductor_pdl() -> bool:
+    """Whether inductor generates PDL kernels (never imports inductor: if it
+    is not imported, it generates nothing)."""
+    config = sys.modules.get("torch._inductor.config")
+    return bool(getattr(getattr(config, "triton", None), "enable_pdl", False))
 
 
 _PDL_ON = impl_from_env("FA3_SPEC_PDL", PDL_MODES, "on") == "on"

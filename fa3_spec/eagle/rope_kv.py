@@ -30,7 +30,9 @@ bitwise (``compile_tests/test_gpu_rope_kv.py`` checks that bound).
 before this op), on CUDA this op. ``FA3_SPEC_ROPE_KV=split`` in the
 environment, read at import, keeps the CPU structure on CUDA too (A/B runs,
 debugging). The kernel writes only inside its tensors whatever ``slots``
-holds: a slot outside the caches writes nothing.
+holds: a slot outside the caches writes nothing. The plain-torch path
+writes with ``index_copy_``, which raises on such a slot (a device assert on
+CUDA); the layers clamp every slot before either.
 """
 
 from __future__ import annotations
@@ -56,18 +58,22 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
 
 
 def _check(k_cache, v_cache, slots, qkv, cos, sin, num_heads) -> None:
+    """Shapes, dtypes and devices (never values); the op, its fake, the
+    fused path and `rope_and_store` all run it."""
     if qkv.dim() != 3:
         raise ValueError(f"rope_store_kv: qkv must be [T, H_q + 2 H_kv, D], got {tuple(qkv.shape)}")
     t, heads, d = qkv.shape
-    hkv = k_cache.shape[-2] if k_cache.dim() >= 2 else -1
     if k_cache.dim() < 2 or k_cache.shape[-1] != d or v_cache.shape[-2:] != k_cache.shape[-2:]:
         raise ValueError(f"rope_store_kv: k_cache and v_cache must end in [H_kv, D] with qkv's D = {d}, "
                          f"got {tuple(k_cache.shape)} and {tuple(v_cache.shape)}")
+    hkv = k_cache.shape[-2]
+    if hkv < 1:
+        raise ValueError(f"rope_store_kv: the caches must have H_kv >= 1 heads, got {tuple(k_cache.shape)}")
     if num_heads < 1 or heads != num_heads + 2 * hkv:
         raise ValueError(f"rope_store_kv: qkv has {heads} heads, not num_heads ({num_heads}) + 2 x "
                          f"the caches' H_kv ({hkv})")
-    if d % 2:
-        raise ValueError(f"rope_store_kv: the head dim must be even, got {d}")
+    if d < 2 or d % 2:
+        raise ValueError(f"rope_store_kv: the head dim must be even and >= 2, got {d}")
     if cos.shape != (t, d // 2) or sin.shape != cos.shape:
         raise ValueError(f"rope_store_kv: cos and sin must be [T, D/2] = {(t, d // 2)}, got "
                          f"{tuple(cos.shape)} and {tuple(sin.shape)}")
@@ -75,6 +81,14 @@ def _check(k_cache, v_cache, slots, qkv, cos, sin, num_heads) -> None:
         raise ValueError(f"rope_store_kv: slots must be [T] = [{t}], got {tuple(slots.shape)}")
     if slots.dtype != torch.int64:
         raise TypeError(f"rope_store_kv: slots must be int64, got {slots.dtype}")
+    if not (k_cache.dtype == v_cache.dtype == qkv.dtype):
+        raise TypeError(f"rope_store_kv: k_cache, v_cache and qkv must share a dtype, got "
+                        f"{k_cache.dtype}, {v_cache.dtype} and {qkv.dtype}")
+    if cos.dtype != sin.dtype or not cos.is_floating_point():
+        raise TypeError(f"rope_store_kv: cos and sin must share a floating dtype, got {cos.dtype} and {sin.dtype}")
+    devices = {x.device for x in (k_cache, v_cache, slots, qkv, cos, sin)}
+    if len(devices) != 1:
+        raise ValueError(f"rope_store_kv: every tensor must be on one device, got {sorted(map(str, devices))}")
 
 
 @torch.library.custom_op("fa3_spec::rope_store_kv", mutates_args=("k_cache", "v_cache"))
@@ -94,41 +108,41 @@ def _rope_store_kv_fake(k_cache, v_cache, slots, qkv, cos, sin, num_heads):
     return qkv.new_empty(qkv.shape[0], num_heads, qkv.shape[2])
 
 
-def _split_heads(qkv: torch.Tensor, num_heads: int):
+def _rotate_and_store(store, k_cache, v_cache, slots, qkv, cos, sin, num_heads) -> torch.Tensor:
+    """`apply_rope` on q and k, ``store(k_cache, v_cache, slots, k, v)``, q back."""
     hkv = (qkv.shape[1] - num_heads) // 2
-    return qkv.split([num_heads, hkv, hkv], dim=1)
+    q, k, v = qkv.split([num_heads, hkv, hkv], dim=1)
+    store(k_cache, v_cache, slots, apply_rope(k, cos, sin), v)
+    return apply_rope(q, cos, sin)
 
 
 def rope_store_kv_split(k_cache: torch.Tensor, v_cache: torch.Tensor, slots: torch.Tensor,
                         qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                         num_heads: int) -> torch.Tensor:
     """The default implementation of `rope_store_kv`: `apply_rope` twice and
-    two ``index_copy_`` (`fa3_spec.attention.store_kv_index_copy`). A plain
-    function, not an op: inside ``torch.compile`` call the op or `rope_and_store`."""
-    q, k, v = _split_heads(qkv, num_heads)
-    store_kv_index_copy(k_cache, v_cache, slots, apply_rope(k, cos, sin), v)
-    return apply_rope(q, cos, sin)
+    two ``index_copy_`` (`fa3_spec.attention.store_kv_index_copy`; a slot
+    outside the caches raises on CPU and trips a device assert on CUDA). A
+    plain function, not an op: inside ``torch.compile`` call the op or
+    `rope_and_store`."""
+    return _rotate_and_store(store_kv_index_copy, k_cache, v_cache, slots, qkv, cos, sin, num_heads)
 
 
 def fused_rope_kv_applies(k_cache: torch.Tensor, v_cache: torch.Tensor, slots: torch.Tensor,
                           qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                           num_heads: int) -> bool:
     """Whether `rope_store_kv_fused` takes these tensors (shapes, layouts and
-    dtypes only, never values): the shapes `rope_store_kv` accepts, contiguous
-    caches of one shape and of ``qkv``'s dtype (bf16, fp16 or fp32), float32
-    ``cos``/``sin`` with unit stride along ``D/2``, ``qkv`` with unit stride
-    along ``D``, all on one device."""
+    dtypes only, never values): what `rope_store_kv` accepts, with contiguous
+    caches of one shape, ``qkv`` in bf16, fp16 or fp32 with unit stride along
+    ``D``, float32 ``cos``/``sin`` with unit stride along ``D/2``, unit-stride
+    ``slots``, and at most 65535 heads (the grid's second dimension)."""
     if not triton_available():
         return False
     try:
         _check(k_cache, v_cache, slots, qkv, cos, sin, num_heads)
     except (ValueError, TypeError):
         return False
-    t, _, d = qkv.shape
-    if qkv.dtype not in (torch.bfloat16, torch.float16, torch.float32):
-        return False
-    if not (k_cache.dtype == v_cache.dtype == qkv.dtype) or cos.dtype != torch.float32 \
-            or sin.dtype != torch.float32:
+    t, heads, d = qkv.shape
+    if qkv.dtype not in (torch.bfloat16, torch.float16, torch.float32) or cos.dtype != torch.float32:
         return False
     if k_cache.shape != v_cache.shape or not (k_cache.is_contiguous() and v_cache.is_contiguous()):
         return False
@@ -136,7 +150,7 @@ def fused_rope_kv_applies(k_cache: torch.Tensor, v_cache: torch.Tensor, slots: t
         return False
     if qkv.stride(2) != 1 or (t > 1 and slots.stride(0) != 1):
         return False
-    return len({x.device for x in (k_cache, v_cache, slots, qkv, cos, sin)}) == 1
+    return heads <= 65535
 
 
 @functools.cache
@@ -192,13 +206,15 @@ def _kernel():
 def rope_store_kv_fused(k_cache: torch.Tensor, v_cache: torch.Tensor, slots: torch.Tensor,
                         qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                         num_heads: int) -> torch.Tensor:
-    """`rope_store_kv` as one Triton launch (``T x (H_q + 2 H_kv)`` programs);
-    the tensors must pass `fused_rope_kv_applies` (``TypeError`` otherwise).
+    """`rope_store_kv` as one Triton launch (``T x (H_q + 2 H_kv)`` programs).
+    Bad shapes raise as the op does; tensors that `fused_rope_kv_applies`
+    refuses for their layout or dtype raise ``TypeError``.
     Slots outside the caches' rows are dropped. Runs wherever Triton does
     (CUDA; CPU tensors under ``TRITON_INTERPRET=1``)."""
+    _check(k_cache, v_cache, slots, qkv, cos, sin, num_heads)
     if not fused_rope_kv_applies(k_cache, v_cache, slots, qkv, cos, sin, num_heads):
-        raise TypeError("rope_store_kv_fused: the tensors' shapes, layouts or dtypes do not fit "
-                        "the fused kernel (see fused_rope_kv_applies)")
+        raise TypeError("rope_store_kv_fused: the tensors' layouts or dtypes do not fit the fused "
+                        "kernel (see fused_rope_kv_applies)")
     return _launch(k_cache, v_cache, slots, qkv, cos, sin, num_heads)
 
 
@@ -242,7 +258,6 @@ def rope_and_store(k_cache: torch.Tensor, v_cache: torch.Tensor, slots: torch.Te
     value.
     """
     if qkv.device.type != "cuda" or _IMPL == "split":
-        q, k, v = _split_heads(qkv, num_heads)
-        store_kv(k_cache, v_cache, slots, apply_rope(k, cos, sin), v)
-        return apply_rope(q, cos, sin)
+        _check(k_cache, v_cache, slots, qkv, cos, sin, num_heads)
+        return _rotate_and_store(store_kv, k_cache, v_cache, slots, qkv, cos, sin, num_heads)
     return rope_store_kv(k_cache, v_cache, slots, qkv, cos, sin, num_heads)
