@@ -84,27 +84,16 @@ def test_the_fused_entry_and_the_layers_call_check_shapes_like_the_op():
             call(kc, vc, slots, qkv, cos, sin, 2)
 
 
-def test_the_op_compiles_whole_under_aot_eager_and_matches_eager():
+@pytest.mark.parametrize("entry", [lambda *a: torch.ops.fa3_spec.rope_store_kv(*a), rope_and_store],
+                         ids=["the op", "the layers' call"])
+def test_it_compiles_whole_under_aot_eager_and_matches_eager(entry):
     kc, vc, slots, qkv, cos, sin = _tensors()
     eager_k, eager_v = kc.clone(), vc.clone()
     want = rope_store_kv_split(eager_k, eager_v, slots, qkv, cos, sin, HQ)
 
     @torch.compile(backend="aot_eager", fullgraph=True)
     def step(kc, vc, slots, qkv, cos, sin):
-        return torch.ops.fa3_spec.rope_store_kv(kc, vc, slots, qkv * 1, cos, sin, HQ)
-
-    got = step(kc, vc, slots, qkv, cos, sin)
-    assert torch.equal(got, want) and torch.equal(kc, eager_k) and torch.equal(vc, eager_v)
-
-
-def test_the_layers_call_compiles_whole_and_matches_eager_on_cpu():
-    kc, vc, slots, qkv, cos, sin = _tensors()
-    eager_k, eager_v = kc.clone(), vc.clone()
-    want = rope_store_kv_split(eager_k, eager_v, slots, qkv, cos, sin, HQ)
-
-    @torch.compile(backend="aot_eager", fullgraph=True)
-    def step(kc, vc, slots, qkv, cos, sin):
-        return rope_and_store(kc, vc, slots, qkv * 1, cos, sin, HQ)
+        return entry(kc, vc, slots, qkv * 1, cos, sin, HQ)
 
     got = step(kc, vc, slots, qkv, cos, sin)
     assert torch.equal(got, want) and torch.equal(kc, eager_k) and torch.equal(vc, eager_v)
@@ -177,28 +166,22 @@ def test_the_fused_kernel_matches_the_default_drops_slots_out_of_range_and_refus
         assert refused and raised.startswith("rope_store_kv"), name
 
 
-def _bad_env_job(tmp):
-    return children.run([sys.executable, "-c", "import fa3_spec.eagle"], check=False,
-                        env_extra={"FA3_SPEC_ROPE_KV": "triton"})
+def _bad_env_job(tmp, variable, value, module, **_):  # the test checks `says`
+    return children.run([sys.executable, "-c", f"import {module}"], check=False,
+                        env_extra={variable: value})
 
 
 @pytest.mark.children(job=_bad_env_job)
-def test_an_unknown_rope_kv_impl_in_the_environment_fails_import_naming_it(child):
+@pytest.mark.parametrize("variable, value, module, says", [
+    ("FA3_SPEC_ROPE_KV", "triton", "fa3_spec.eagle",
+     f"FA3_SPEC_ROPE_KV must be one of {ROPE_KV_IMPLS}, got 'triton'"),
+    ("FA3_SPEC_PDL", "yes", "fa3_spec", "FA3_SPEC_PDL must be one of ('on', 'off'), got 'yes'"),
+])
+def test_an_unknown_switch_value_in_the_environment_fails_import_naming_it(variable, value, module,
+                                                                             says, child):
     done = child.result()
     assert done.returncode != 0
-    assert f"FA3_SPEC_ROPE_KV must be one of {ROPE_KV_IMPLS}, got 'triton'" in done.stderr
-
-
-def _bad_pdl_env_job(tmp):
-    return children.run([sys.executable, "-c", "import fa3_spec"], check=False,
-                        env_extra={"FA3_SPEC_PDL": "yes"})
-
-
-@pytest.mark.children(job=_bad_pdl_env_job)
-def test_an_unknown_pdl_mode_in_the_environment_fails_import_naming_it(child):
-    done = child.result()
-    assert done.returncode != 0
-    assert "FA3_SPEC_PDL must be one of ('on', 'off'), got 'yes'" in done.stderr
+    assert says in done.stderr
 
 
 def test_no_launch_off_cuda_uses_pdl():

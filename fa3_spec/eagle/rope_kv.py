@@ -135,11 +135,17 @@ def fused_rope_kv_applies(k_cache: torch.Tensor, v_cache: torch.Tensor, slots: t
     caches of one shape, ``qkv`` in bf16, fp16 or fp32 with unit stride along
     ``D``, float32 ``cos``/``sin`` with unit stride along ``D/2``, unit-stride
     ``slots``, and at most 65535 heads (the grid's second dimension)."""
-    if not triton_available():
-        return False
     try:
         _check(k_cache, v_cache, slots, qkv, cos, sin, num_heads)
     except (ValueError, TypeError):
+        return False
+    return _fused_layout_ok(k_cache, v_cache, slots, qkv, cos, sin)
+
+
+def _fused_layout_ok(k_cache, v_cache, slots, qkv, cos, sin) -> bool:
+    """`fused_rope_kv_applies` for tensors `_check` already took (so that a
+    call checks its shapes once)."""
+    if not triton_available():
         return False
     t, heads, d = qkv.shape
     if qkv.dtype not in (torch.bfloat16, torch.float16, torch.float32) or cos.dtype != torch.float32:
@@ -212,7 +218,7 @@ def rope_store_kv_fused(k_cache: torch.Tensor, v_cache: torch.Tensor, slots: tor
     Slots outside the caches' rows are dropped. Runs wherever Triton does
     (CUDA; CPU tensors under ``TRITON_INTERPRET=1``)."""
     _check(k_cache, v_cache, slots, qkv, cos, sin, num_heads)
-    if not fused_rope_kv_applies(k_cache, v_cache, slots, qkv, cos, sin, num_heads):
+    if not _fused_layout_ok(k_cache, v_cache, slots, qkv, cos, sin):
         raise TypeError("rope_store_kv_fused: the tensors' layouts or dtypes do not fit the fused "
                         "kernel (see fused_rope_kv_applies)")
     return _launch(k_cache, v_cache, slots, qkv, cos, sin, num_heads)
@@ -241,8 +247,8 @@ if _IMPL == "fused":
 
     @rope_store_kv.register_kernel("cuda")
     def _rope_store_kv_cuda(k_cache, v_cache, slots, qkv, cos, sin, num_heads):
-        _check(k_cache, v_cache, slots, qkv, cos, sin, num_heads)
-        if fused_rope_kv_applies(k_cache, v_cache, slots, qkv, cos, sin, num_heads):
+        _check(k_cache, v_cache, slots, qkv, cos, sin, num_heads)  # once per call
+        if _fused_layout_ok(k_cache, v_cache, slots, qkv, cos, sin):
             return _launch(k_cache, v_cache, slots, qkv, cos, sin, num_heads)
         return rope_store_kv_split(k_cache, v_cache, slots, qkv, cos, sin, num_heads)
 
