@@ -83,28 +83,42 @@ def test_compiles_fullgraph_without_data_dependent_ops(p, k):
 
 
 def test_two_configs_in_one_process_keep_every_config_field_static():
-    """Found in review: compiled with num_steps=5, then called with num_steps=4, the
-    same function recompiled with the config's ints made symbolic by dynamo's
-    automatic dynamic shapes, and the f-string in SpecConfig.check_step failed to
-    trace (BUILD_STRING). Each config now compiles its own graph whose only
-    symbolic size is the batch dimension the caller marked dynamic."""
+    """A user's compiled function takes a MetadataBuilder as an argument and is called
+    with three configurations: each compiles its own graph whose only symbolic size is
+    the batch dimension the caller marked dynamic (a bare SpecConfig argument would get
+    symbolic page sizes and step counts from dynamo's automatic dynamic shapes), and a
+    new builder of an equal configuration, or new values, compile nothing."""
     record = []
-    fn = torch.compile(lambda cfg, kw: fa3_spec.build_draft_iteration_metadata(cfg, **kw),
+    fn = torch.compile(lambda builder, kw: builder.draft_iteration(**kw),
                        fullgraph=True, backend=symbol_recorder(record))
     base = make_world(fa3_spec.SpecConfig(page_size=2, topk=4, num_steps=5, num_draft_tokens=6,
                                           max_bs=8, max_context_len=40), 3, seed=1)
-    for steps, page_size in [(5, 2), (4, 2), (4, 1)]:
+    for steps, page_size in [(5, 2), (4, 2), (4, 1), (5, 2)]:
         cfg = fa3_spec.SpecConfig(page_size=page_size, topk=4, num_steps=steps,
                                   num_draft_tokens=6, max_bs=8, max_context_len=40)
+        builder = fa3_spec.MetadataBuilder(cfg, draft_attention="branch")
         rows = base.req_pool_indices.view(-1, 1, 1)
-        loc = base.req_to_token[rows, fa3_spec.draft_positions(cfg, base.seq_lens)].long()
+        loc = base.req_to_token[rows, builder.draft_positions(base.seq_lens)].long()
         kw = dict(base.batch(), out_cache_loc=loc)
         for t in (kw["req_pool_indices"], kw["seq_lens"], loc):
             torch._dynamo.mark_dynamic(t, 0)
-        got = fn(cfg, kw)
+        got = fn(builder, kw)
         want = fa3_spec.build_draft_iteration_metadata(cfg, **kw)
         assert torch.utils._pytree.tree_flatten(got)[1] == torch.utils._pytree.tree_flatten(want)[1]
         for a, b in zip(torch.utils._pytree.tree_leaves(got), torch.utils._pytree.tree_leaves(want)):
             assert torch.equal(a, b)
-    assert len(record) == 3  # one graph per config
+    assert len(record) == 3  # one graph per config; the fourth call reuses the first
     assert all(found == {"L['kw']['req_pool_indices'].size()[0]"} for found in record), record
+
+
+def test_a_bare_config_argument_is_what_the_builder_exists_for():
+    """The premise of MetadataBuilder, checked on this torch: the same function taking a
+    bare SpecConfig gets its second configuration's ints as symbols."""
+    record = []
+    fn = torch.compile(lambda cfg, seq_lens: fa3_spec.draft_positions(cfg, seq_lens),
+                       fullgraph=True, backend=symbol_recorder(record))
+    for page_size in (2, 4):
+        cfg = fa3_spec.SpecConfig(page_size=page_size, topk=4, num_steps=3, num_draft_tokens=6,
+                                  max_bs=8, max_context_len=40)
+        fn(cfg, torch.tensor([5, 7]))
+    assert record[0] == set() and any("page_size" in s for s in record[1]), record

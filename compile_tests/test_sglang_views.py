@@ -188,7 +188,7 @@ def test_buffers_of_the_wrong_dtype_or_set_are_refused_by_name():
 
 
 def test_two_sglang_configs_compile_in_one_process():
-    """SglangConfig's ints stay compile-time constants too (fa3_spec.config.StaticConfig):
+    """SglangConfig's ints stay compile-time constants too (a fa3_spec.frozen.FrozenModule):
     one compiled fill serves two configurations, each in its own graph."""
     record = []
     fill = torch.compile(sgl.draft_iteration, fullgraph=True, backend=symbol_recorder(record))

@@ -28,6 +28,7 @@ from .builders import (
 from .checks import ErrorFlag, describe_errors, error_flags
 from .config import DRAFT_ATTENTION, SpecConfig
 from .expand import draft_expand_page_table, draft_expand_tables
+from .metadata_builder import MetadataBuilder
 from .metadata import PAGE_SENTINEL, CascadeMetadata, DraftPrefixMetadata, FA3Metadata, Metadata
 from .modes import MODES, Mode, build_metadata
 from .tree import tree_mask_from_flat, tree_mask_from_parents
@@ -46,6 +47,7 @@ __all__ = [
     "DraftPrefixMetadata",
     "FA3Metadata",
     "Metadata",
+    "MetadataBuilder",
     "SpecBatch",
     "SpecConfig",
     "Mode",

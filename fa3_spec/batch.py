@@ -38,7 +38,7 @@ import torch
 import torch.utils._pytree as pytree
 
 from . import _validate
-from .config import SpecConfig, static_config
+from .config import SpecConfig, check_config
 from .paged import BatchView
 
 _TENSORS = ("req_to_token", "req_pool_indices", "seq_lens", "out_cache_loc", "tree_mask",
@@ -79,7 +79,7 @@ class SpecBatch:
         """Validate and canonicalise; the arguments keep the builders' names and meanings."""
         if isinstance(req_to_token, SpecBatch):
             raise TypeError("pass a SpecBatch to fa3_spec.build_metadata, not as req_to_token")
-        cfg = static_config(cfg)
+        cfg = check_config(cfg)
         bs = _validate.request_triple(cfg, req_to_token, req_pool_indices, seq_lens)
         device = dict(seq_lens=seq_lens)
         if out_cache_loc is not None:
@@ -104,7 +104,7 @@ class SpecBatch:
 
     def view(self) -> BatchView:
         """The sanitised views builders read: rows and lengths clamped, padding mask."""
-        return BatchView(self.cfg.static(), self.req_to_token, self.req_pool_indices,
+        return BatchView(self.cfg, self.req_to_token, self.req_pool_indices,
                          self.seq_lens)
 
     def require(self, *names: str, mode: str, condition: str = "") -> None:

@@ -27,7 +27,7 @@ from typing import Optional
 import torch
 
 from . import _validate
-from .config import SpecConfig, static_config
+from .config import SpecConfig, check_config
 from .invariants import ErrorFlag, MESSAGES, flag, row_flags
 from .modes import get_mode
 
@@ -60,7 +60,7 @@ def error_flags(
     sync, static shapes: capture it with the step.
     """
     spec = get_mode(mode)
-    cfg = static_config(cfg)
+    cfg = check_config(cfg)
     batch = spec.batch(cfg, step=step, req_to_token=req_to_token,
                        req_pool_indices=req_pool_indices, seq_lens=seq_lens,
                        out_cache_loc=out_cache_loc, tree_mask=tree_mask,

@@ -21,25 +21,17 @@ field, optional); ``page_table_width`` the columns of a request-level page
 table (derived); sglang's ``max_num_pages`` (`SglangConfig`) is the width of
 *its* request tables, ``ceil(context_len / P)``.
 
-**Static under torch.compile, however many configurations.** Dynamo makes a
-Python int read from a function's argument symbolic as soon as a second call
-of the same code sees another value ("automatic dynamic shapes"): a process
-with two configurations (draft and target, two models) would get symbolic
-page sizes and step counts, and an f-string over one fails to trace. Ints
-read through a module global are specialised instead. So the library reads
-every field through `StaticConfig.static`, a process-wide twin of the
-configuration looked up in a module-level table by a string key (strings are
-always constants to dynamo): each field is a compile-time constant, a new
-configuration compiles a new graph (guarded on its key), and only what a
-caller marks dynamic (the batch dimension) is symbolic.
+Under ``torch.compile`` a configuration's ints are compile-time constants
+when the compiled code reaches them through a `fa3_spec.MetadataBuilder`
+(an ``nn.Module``, whose int attributes dynamo specialises); a bare
+`SpecConfig` passed as an argument of a compiled function is specialised
+on its first configuration only (docs/graphs.md, "Static configuration").
 """
 
 from __future__ import annotations
 
 import dataclasses
-from typing import Dict, Optional
-
-import torch
+from typing import Optional
 
 from ._validate import int_at_least as _require_int, int_in_range
 
@@ -47,41 +39,6 @@ from ._validate import int_at_least as _require_int, int_in_range
 #: decode"): ``"branch"``, the branch's own slots (sglang's semantics, and its
 #: slot layout); ``"ancestors"``, the leaf's true ancestors, from any slots.
 DRAFT_ATTENTION = ("branch", "ancestors")
-
-#: The twin of every configuration built in this process, by its repr (`StaticConfig`).
-_TWINS: Dict[str, "StaticConfig"] = {}
-
-
-class StaticConfig:
-    """Base of the frozen configuration dataclasses whose fields must be
-    compile-time constants under ``torch.compile`` (`SpecConfig`, and the sglang
-    adapter's ``SglangConfig``).
-
-    A subclass calls `_register` at the end of ``__post_init__``. Library code
-    reads fields through ``cfg.static()``: eagerly that is ``cfg`` itself; while
-    dynamo traces it is an equal twin reached through the module global
-    ``_TWINS`` (a twin never handed out eagerly, so no caller holds it), whose
-    ints dynamo specialises. Copies and pickles go through ``__init__``
-    (``__reduce__``), so every instance has its twin.
-    """
-
-    def _register(self) -> None:
-        key = repr(self)
-        object.__setattr__(self, "_key", key)
-        if key not in _TWINS:
-            twin = object.__new__(type(self))
-            twin.__dict__.update(self.__dict__)
-            _TWINS[key] = twin
-
-    def static(self):
-        """This configuration, with every field a constant to dynamo (see above)."""
-        if not torch.compiler.is_compiling():
-            return self
-        return _TWINS[self._key]
-
-    def __reduce__(self):
-        return type(self), tuple(getattr(self, f.name) for f in dataclasses.fields(self))
-
 
 def cdiv(a: int, b: int) -> int:
     """Ceiling division of non-negative Python ints."""
@@ -95,15 +52,15 @@ def check_draft_attention(value: object) -> str:
     return value
 
 
-def static_config(cfg: object) -> "SpecConfig":
-    """``cfg.static()``, after checking that ``cfg`` is a `SpecConfig` (`TypeError` naming it)."""
+def check_config(cfg: object) -> "SpecConfig":
+    """``cfg`` itself, after checking that it is a `SpecConfig` (`TypeError` naming it)."""
     if not isinstance(cfg, SpecConfig):
         raise TypeError(f"cfg must be a SpecConfig, got {type(cfg).__name__}")
-    return cfg.static()
+    return cfg
 
 
 @dataclasses.dataclass(frozen=True)
-class SpecConfig(StaticConfig):
+class SpecConfig:
     """Static shape configuration, validated on construction.
 
     Args:
@@ -155,7 +112,6 @@ class SpecConfig(StaticConfig):
         _require_int("max_context_len", self.max_context_len, 1)
         if self.num_pages is not None:
             _require_int("num_pages", self.num_pages, 1)
-        self._register()
 
     # ------------------------------------------------------------------ bounds
     @property

@@ -36,7 +36,7 @@ import torch.nn.functional as F
 from .. import _validate
 from .._paged import cdiv_tensor, cu_seqlens, exclusive_sums, repeat_rows, uniform_cu_seqlens
 from ..batch import SpecBatch
-from ..config import SpecConfig, check_draft_attention, static_config
+from ..config import SpecConfig, check_draft_attention, check_config
 from ..expand import draft_expand_tables
 from ..invariants import ancestor_flags, draft_layout_flags, page_flags
 from ..metadata import PAGE_SENTINEL, CascadeMetadata, DraftPrefixMetadata, FA3Metadata, Metadata
@@ -94,7 +94,7 @@ def draft_attention_of(batch: SpecBatch, step: Optional[int] = None) -> str:
     ``ancestor_slots``, neither with topk > 1, or (``step`` given)
     ``ancestor_slots`` narrower than ``step + 1`` columns.
     """
-    cfg = batch.cfg.static()
+    cfg = batch.cfg
     refuse_both(batch.out_cache_loc, batch.ancestor_slots)
     if batch.ancestor_slots is None:
         if cfg.topk > 1 and batch.out_cache_loc is None:
@@ -179,7 +179,7 @@ def build_draft_decode_metadata(
     refuse_both(out_cache_loc, ancestor_slots)
     batch = SpecBatch.create(cfg, req_to_token=req_to_token, req_pool_indices=req_pool_indices,
                              seq_lens=seq_lens,
-                             out_cache_loc=out_cache_loc if static_config(cfg).topk > 1 else None,
+                             out_cache_loc=out_cache_loc if check_config(cfg).topk > 1 else None,
                              ancestor_slots=ancestor_slots)
     return draft_decode_metadata(batch, step, prefix=prefix)
 
@@ -187,7 +187,7 @@ def build_draft_decode_metadata(
 def draft_decode_metadata(batch: SpecBatch, step: int, *,
                           prefix: Optional[FA3Metadata] = None) -> Metadata:
     """`build_draft_decode_metadata` on a validated `SpecBatch`."""
-    step = batch.cfg.static().check_step(step)
+    step = batch.cfg.check_step(step)
     attention = draft_attention_of(batch, step)
     if prefix is not None:
         _check_prefix(prefix, batch, attention)
@@ -212,7 +212,7 @@ def _check_prefix(prefix: object, batch: SpecBatch, attention: str) -> None:
 def _draft_path(batch: SpecBatch, step: int) -> torch.Tensor:
     """int64 ``[B*K, d]``: each query's draft path at ``step`` (the branch's first
     ``d`` slots, or the leaf's ancestors), clamped into the pool."""
-    cfg = batch.cfg.static()
+    cfg = batch.cfg
     slots = batch.ancestor_slots if batch.ancestor_slots is not None else batch.out_cache_loc
     return in_pool(slots[:, : cfg.decode_length(step)], cfg.page_size, cfg.num_pages)
 
@@ -243,7 +243,7 @@ def build_draft_iteration_metadata(
     """
     batch = SpecBatch.create(cfg, req_to_token=req_to_token, req_pool_indices=req_pool_indices,
                              seq_lens=seq_lens,
-                             out_cache_loc=out_cache_loc if static_config(cfg).topk > 1 else None)
+                             out_cache_loc=out_cache_loc if check_config(cfg).topk > 1 else None)
     return draft_iteration_metadata(batch)
 
 
@@ -254,7 +254,7 @@ def draft_iteration_metadata(batch: SpecBatch) -> Tuple[Metadata, ...]:
             "build_draft_iteration_metadata cannot prebuild ancestor steps: each step's "
             "ancestors depend on the previous step's selection; build each with "
             "build_draft_decode_metadata(..., ancestor_slots=...)")
-    return _draft_steps(batch, batch.cfg.static().num_draft_decode_steps)
+    return _draft_steps(batch, batch.cfg.num_draft_decode_steps)
 
 
 def _draft_steps(batch: SpecBatch, count: int,
@@ -385,7 +385,7 @@ def draft_positions(cfg: SpecConfig, seq_lens: torch.Tensor,
         >>> draft_positions(cfg, torch.tensor([5]), "ancestors").tolist()  # ok-host: doctest
         [[[5, 7, 9], [6, 8, 10]]]
     """
-    cfg = static_config(cfg)
+    cfg = check_config(cfg)
     p, k, s = cfg.page_size, cfg.topk, cfg.num_steps
     seq = _validate.tensor("seq_lens", seq_lens, ndim=1).to(torch.int64).view(-1, 1, 1)
     t = torch.arange(k, device=seq.device).view(1, k, 1)
@@ -414,7 +414,7 @@ def draft_tail_copy_slots(
 
     For ``P == 1`` or ``topk == 1`` there is no tail: both are empty.
     """
-    cfg = static_config(cfg)
+    cfg = check_config(cfg)
     p, k = cfg.page_size, cfg.topk
     sl = _validate.tensor("seq_lens", seq_lens, ndim=1)
     bs = sl.shape[0]
@@ -459,7 +459,7 @@ class DraftDecodeMode(Mode):
         return super().batch(cfg, step=step, **kwargs)
 
     def check(self, batch: SpecBatch, step: int) -> None:
-        draft_attention_of(batch, batch.cfg.static().check_step(step))
+        draft_attention_of(batch, batch.cfg.check_step(step))
 
     def queries_per_request(self, cfg: SpecConfig) -> int:
         return cfg.topk

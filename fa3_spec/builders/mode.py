@@ -20,7 +20,7 @@ from typing import Optional, Tuple
 import torch
 
 from ..batch import SpecBatch
-from ..config import SpecConfig, static_config
+from ..config import SpecConfig, check_config
 from ..metadata import Metadata
 from ..paged import BatchView
 
@@ -66,7 +66,7 @@ class Mode:
         extra = {k for k, v in kwargs.items() if k not in allowed and v is not None}
         if extra:
             raise TypeError(f"mode {self.name!r} takes no {sorted(extra)}")
-        cfg = static_config(cfg)
+        cfg = check_config(cfg)
         dropped = self.unused(cfg)
         batch = SpecBatch.create(cfg, **{k: v for k, v in kwargs.items()
                                          if k in allowed and k not in dropped})
@@ -75,7 +75,7 @@ class Mode:
 
     def check(self, batch: SpecBatch, step: int) -> None:
         """Raise if ``batch`` lacks a required input or ``step`` is out of range."""
-        cfg = batch.cfg.static()
+        cfg = batch.cfg
         batch.require(*self.required(cfg), mode=self.name, condition=self.required_when)
         if self.per_step:
             cfg.check_step(step)

@@ -36,6 +36,7 @@ import torch
 from ..attention import resolve_backend
 from ..builders.prefill import build_prefill_metadata, extend_query_positions
 from ..config import SpecConfig
+from ..frozen import FrozenModule
 from ..graphs import INDUCTOR_OPTIONS, CUDAGraphRunner, check_buckets
 from ..probes import recording_host_syncs
 from .decode import decode_step
@@ -277,8 +278,12 @@ class EagleEngine:
         #: The models the iteration runs (their layers inline or as compiled regions).
         self.iteration_models = step_models
 
+        # The loop's ints reach the compiled iteration through a module, so
+        # they stay compile-time constants whatever other engines compiled.
+        bound = FrozenModule.holding(lc=lc)
+
         def iteration(**st: torch.Tensor) -> dict:
-            step_in_place(lambda s: eagle_iteration(lc, step_models, self.pool.target_kv,
+            step_in_place(lambda s: eagle_iteration(bound.lc, step_models, self.pool.target_kv,
                                                     self.pool.draft_kv, self.pool.req_to_token, s),
                           st)
             return {}

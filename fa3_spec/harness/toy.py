@@ -36,6 +36,7 @@ from ..builders import (
 )
 from ..builders.verify import draft_token_positions
 from ..config import SpecConfig
+from ..metadata_builder import MetadataBuilder
 
 
 @dataclasses.dataclass
@@ -154,7 +155,6 @@ def draft_iteration(
     Returns:
         ``[B, K, S - 1, hidden]``: each step's output (the next step's input).
     """
-    cfg = cfg.static()  # every field a compile-time constant, however many configs
     bs, k, s = out_cache_loc.shape
     loc = out_cache_loc.reshape(bs * k, s)
     x = hidden.reshape(bs * k, model.hidden)
@@ -185,7 +185,6 @@ def target_verify_step(
 
     ``hidden``: ``[B, N, hidden]``; returns the same shape.
     """
-    cfg = cfg.static()
     bs, n = hidden.shape[0], cfg.num_draft_tokens
     batch = _batch(req_to_token, req_pool_indices, seq_lens)
     md = build_target_verify_metadata(cfg, **batch, tree_mask=tree_mask)
@@ -223,7 +222,6 @@ def draft_extend_step(
     ``seq_len - extend_seq_len + i``. Returns ``[B, N, hidden]``; rows past
     the real tokens are the (unattended) input passed through the layers.
     """
-    cfg = cfg.static()
     bs, n = hidden.shape[0], cfg.num_draft_tokens
     batch = _batch(req_to_token, req_pool_indices, seq_lens)
     md = build_draft_extend_metadata(cfg, **batch, extend_seq_lens=extend_seq_lens)
@@ -277,14 +275,17 @@ def make_step(mode: str, cfg: SpecConfig, model: ToyModel, req_to_token: torch.T
     ``req_to_token`` and ``model`` (weights, KV caches) are closed over, as an
     engine's pools are; the batch holds only batch-major tensors
     (`step_inputs`). ``tree`` selects tree verify (a ``tree_mask`` input).
+    The step reads ``cfg`` through a `fa3_spec.MetadataBuilder`, so its ints
+    are compile-time constants however many configurations a process compiles.
     """
     step_inputs(mode, tree=tree)  # validates the mode
+    plan = MetadataBuilder(cfg, draft_attention="branch")
     common = dict(req_to_token=req_to_token, backend=backend, num_splits=num_splits)
     if mode == "draft_decode":
-        return lambda **b: draft_iteration(cfg, model, **common, **b)
+        return lambda **b: draft_iteration(plan.cfg, model, **common, **b)
     if mode == "target_verify":
-        return lambda **b: target_verify_step(cfg, model, **common, **b)
-    return lambda **b: draft_extend_step(cfg, model, **common, **b)
+        return lambda **b: target_verify_step(plan.cfg, model, **common, **b)
+    return lambda **b: draft_extend_step(plan.cfg, model, **common, **b)
 
 
 def example_batch(mode: str, cfg: SpecConfig, model: ToyModel, bs: int, *, device,

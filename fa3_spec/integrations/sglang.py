@@ -47,7 +47,6 @@ every live request's block.
 
 from __future__ import annotations
 
-import dataclasses
 from typing import Dict, NamedTuple, Optional, Sequence, Tuple, Union
 
 import torch
@@ -61,7 +60,8 @@ from ..builders import (
 from ..builders.verify import attended_slots
 from ..checks import ErrorFlag
 from ..checks import error_flags as _error_flags
-from ..config import SpecConfig, StaticConfig, cdiv
+from ..config import SpecConfig, cdiv
+from ..frozen import FrozenModule
 from ..expand import page_runs
 from ..metadata import CascadeMetadata, FA3Metadata
 from ..paged import BatchView
@@ -81,9 +81,12 @@ DRAFT_EXTEND = "draft_extend_metadata"
 VIEW_MODES = ("draft_decode", "target_verify", "draft_extend")
 
 
-@dataclasses.dataclass(frozen=True)
-class SglangConfig(StaticConfig):
+class SglangConfig(FrozenModule):
     """Static configuration, in the terms of sglang's FA3 backend.
+
+    Immutable, equal by value, and a `fa3_spec.frozen.FrozenModule`, so its
+    ints stay compile-time constants in a compiled fill that takes it as an
+    argument, however many configurations one process compiles.
 
     Args:
         page_size: ``--page-size``.
@@ -102,31 +105,42 @@ class SglangConfig(StaticConfig):
             into the pool (valid inputs unchanged; sglang does not clamp).
     """
 
-    page_size: int
-    topk: int
-    num_steps: int
-    num_draft_tokens: int
-    max_bs: int
-    context_len: int
-    pad_seq_len: int = 1
-    pad_req_pool_index: int = 0
-    num_pages: Optional[int] = None
+    FIELDS = ("page_size", "topk", "num_steps", "num_draft_tokens", "max_bs", "context_len",
+              "pad_seq_len", "pad_req_pool_index", "num_pages")
 
-    def __post_init__(self) -> None:
-        spec = SpecConfig(page_size=self.page_size, topk=self.topk, num_steps=self.num_steps,
-                          num_draft_tokens=self.num_draft_tokens, max_bs=self.max_bs,
-                          max_context_len=self.context_len, num_pages=self.num_pages)
-        object.__setattr__(self, "_spec", spec)  # validates the shared fields
-        for name in ("pad_seq_len", "pad_req_pool_index"):
-            value = getattr(self, name)
+    def __init__(self, page_size: int, topk: int, num_steps: int, num_draft_tokens: int,
+                 max_bs: int, context_len: int, pad_seq_len: int = 1,
+                 pad_req_pool_index: int = 0, num_pages: Optional[int] = None) -> None:
+        super().__init__()
+        spec = SpecConfig(page_size=page_size, topk=topk, num_steps=num_steps,
+                          num_draft_tokens=num_draft_tokens, max_bs=max_bs,
+                          max_context_len=context_len, num_pages=num_pages)  # validates
+        for name, value in (("pad_seq_len", pad_seq_len),
+                            ("pad_req_pool_index", pad_req_pool_index)):
             if isinstance(value, bool) or not isinstance(value, int) or value < 0:
                 raise ValueError(f"{name} must be an int >= 0, got {value!r}")
-        self._register()
+        self.page_size, self.topk, self.num_steps = page_size, topk, num_steps
+        self.num_draft_tokens, self.max_bs, self.context_len = num_draft_tokens, max_bs, context_len
+        self.pad_seq_len, self.pad_req_pool_index = pad_seq_len, pad_req_pool_index
+        self.num_pages = num_pages
+        self._spec = spec
+        self.freeze()
+
+    def _values(self) -> tuple:
+        return tuple(getattr(self, name) for name in self.FIELDS)
+
+    def __eq__(self, other) -> bool:
+        return type(other) is type(self) and other._values() == self._values()
+
+    def __hash__(self) -> int:
+        return hash(self._values())
+
+    def extra_repr(self) -> str:
+        return ", ".join(f"{name}={getattr(self, name)!r}" for name in self.FIELDS)
 
     def spec_config(self) -> SpecConfig:
-        """The fa3_spec configuration the builders run with (built once, static
-        under ``torch.compile``: `fa3_spec.config.StaticConfig`)."""
-        return self._spec.static()
+        """The fa3_spec configuration the builders run with (built once)."""
+        return self._spec
 
     @property
     def max_num_pages(self) -> int:
@@ -160,7 +174,6 @@ def buffer_layout(cfg: SglangConfig, *, step: int = 0) -> Dict[str, Dict[str, Bu
     ``step + 2`` columns wide, and its initial ``cache_seqlens`` and
     ``cu_seqlens_k`` count ``step + 1`` slots a branch).
     """
-    cfg = cfg.static()
     i32, i64 = torch.int32, torch.int64
     bs, k, n, p, c = cfg.max_bs, cfg.topk, cfg.num_draft_tokens, cfg.page_size, cfg.context_len
     w, d = cfg.max_num_pages, step + 1
@@ -227,7 +240,6 @@ def check_buffers(cfg: SglangConfig, buffers: Buffers, mode: str, *, step: int =
     topk > 1 expand table of the wrong width, which FA3 would read past) or
     another configuration, and int64 buffers (FA3 reads int32 tables).
     """
-    cfg = cfg.static()
     if mode not in VIEW_MODES:
         raise ValueError(f"mode must be one of {VIEW_MODES}, got {mode!r}")
     if not isinstance(buffers, dict):
@@ -283,7 +295,6 @@ def draft_decode(cfg: SglangConfig, buffers: Buffers, step: int, *, req_to_token
     ``out_cache_loc``: ``bs * topk * num_steps`` slots (topk > 1 only).
     Buffers of another step or configuration are refused (`check_buffers`).
     """
-    cfg = cfg.static()
     spec = cfg.spec_config()
     spec.check_step(step)
     check_buffers(cfg, buffers, "draft_decode", step=step)
@@ -309,7 +320,6 @@ def draft_iteration(cfg: SglangConfig, step_buffers: Sequence[Buffers], *,
     step's expand table in one fused pass. Same writes as calling
     `draft_decode` per step.
     """
-    cfg = cfg.static()
     if len(step_buffers) != cfg.num_steps - 1:
         raise ValueError(f"step_buffers must hold num_steps - 1 = {cfg.num_steps - 1} sets, "
                          f"got {len(step_buffers)}")
@@ -347,7 +357,6 @@ def target_verify(cfg: SglangConfig, buffers: Buffers, *, req_to_token: torch.Te
     ``live_rows``: bool ``[bs]``, False for padding rows, whose mask sglang
     reads from ``custom_mask[0]``; default `real_rows` (by request index).
     """
-    cfg = cfg.static()
     spec, n = cfg.spec_config(), cfg.num_draft_tokens
     check_buffers(cfg, buffers, "target_verify")
     kwargs = dict(req_to_token=req_to_token, req_pool_indices=req_pool_indices, seq_lens=seq_lens)
@@ -394,7 +403,6 @@ def draft_extend(cfg: SglangConfig, buffers: Buffers, *, req_to_token: torch.Ten
     graph (``draft_extend_set_metadata``), which rewrites the live part with
     equal values and also writes ``cu_seqlens_q[0] = cu_seqlens_k[0] = 0``.
     """
-    cfg = cfg.static()
     check_buffers(cfg, buffers, "draft_extend")
     md = build_draft_extend_metadata(
         cfg.spec_config(), req_to_token=req_to_token, req_pool_indices=req_pool_indices,
@@ -444,7 +452,6 @@ def metadata_views(cfg: SglangConfig, buffers: Buffers, mode: str, *, step: int 
     Returns:
         `FA3Metadata` (topk = 1, and ``draft_extend``) or `CascadeMetadata`.
     """
-    cfg = cfg.static()
     spec, k, n, p, c = cfg.spec_config(), cfg.topk, cfg.num_draft_tokens, cfg.page_size, cfg.context_len
     bs = spec.check_batch_size(cfg.max_bs if bs is None else bs, minimum=1)
     if mode not in VIEW_MODES:
@@ -487,7 +494,6 @@ def real_rows(cfg: SglangConfig, req_pool_indices: torch.Tensor) -> torch.Tensor
     pad_seq_len``; the request index is what tells the rows apart (a real
     request may well have ``seq_len == 1``).
     """
-    cfg = cfg.static()
     return req_pool_indices != cfg.pad_req_pool_index
 
 
@@ -532,7 +538,6 @@ def error_flags(cfg: SglangConfig, mode: str, *, req_to_token: torch.Tensor,
     Also flags (``SEQ_LEN_OUT_OF_RANGE``) a live chain row (topk = 1) whose
     verify or draft keys pass sglang's ``ceil(context_len / P)``-page tables.
     """
-    cfg = cfg.static()
     if live_rows is None:
         live_rows = real_rows(cfg, req_pool_indices)
     spec = cfg.spec_config()
