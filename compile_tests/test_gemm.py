@@ -6,7 +6,6 @@ the interpreter's bf16 ``tl.dot`` is not exact), with the Triton the sglang
 parity tests use when none is installed. The CUDA side: test_gpu_gemm.py.
 """
 
-import sys
 
 import pytest
 import torch
@@ -136,13 +135,24 @@ def test_x_and_w_on_two_devices_raise_naming_them():
         gemm.skinny_mm(torch.empty(2, 8), torch.empty(8, 3, device="meta"))
 
 
-def _bad_env_job(tmp):
-    return children.run([sys.executable, "-c", "import fa3_spec.eagle"], check=False,
-                        env_extra={"FA3_SPEC_GEMM": "cutlass"})
+def test_kernels_are_chosen_by_a_dataclass_and_restored():
+    """Each op's CUDA implementation is chosen by `select_kernels`, never by the
+    environment; a bad choice names its field, and the previous choice restores."""
+    from fa3_spec.eagle.kernels import Kernels, select_kernels, selected_kernels
+    from fa3_spec.triton_support import pdl_launch
 
-
-@pytest.mark.children(job=_bad_env_job)
-def test_an_unknown_gemm_impl_in_the_environment_fails_import_naming_it(child):
-    done = child.result()
-    assert done.returncode != 0
-    assert "FA3_SPEC_GEMM must be one of ('cublas', 'triton'), got 'cutlass'" in done.stderr
+    assert selected_kernels() == Kernels()
+    other = Kernels(gemm="cublas", store_kv="index_copy", rope_kv="split", pdl=False)
+    previous = select_kernels(other)
+    try:
+        assert previous == Kernels() and selected_kernels() == other
+    finally:
+        select_kernels(previous)
+    assert selected_kernels() == Kernels() and not pdl_launch(torch.zeros(1))
+    for field, value in (("gemm", "cutlass"), ("store_kv", "scatter"), ("rope_kv", "triton")):
+        with pytest.raises(ValueError, match=f"{field} must be one of"):
+            Kernels(**{field: value})
+    with pytest.raises(TypeError, match="pdl must be a bool"):
+        Kernels(pdl="off")
+    with pytest.raises(TypeError, match="kernels must be a Kernels"):
+        select_kernels({"gemm": "cublas"})

@@ -115,60 +115,52 @@ def test_a_cache_the_kernel_refuses_falls_back_to_the_default_on_cuda():
 
 # A captured chain of library kernels with inductor's between them: skinny
 # GEMM -> (inductor) -> the op -> (inductor) -> GEMM -> split-K GEMM + sum,
-# replayed on new inputs. Its child runs it with PDL on or off and saves the
-# outputs; the test compares the two processes bitwise.
-PDL_CHAIN = r"""
-import sys
-import torch
-from fa3_spec.eagle.gemm import matmul
-from fa3_spec.eagle.rope_kv import rope_store_kv
-from fa3_spec.graphs import capture
-from fa3_spec.triton_support import pdl_launch
+# replayed on new inputs, once with PDL on and once off, in this process.
+def _pdl_chain(on: bool) -> dict:
+    from fa3_spec.eagle.gemm import matmul
+    from fa3_spec.graphs import capture
+    from fa3_spec.triton_support import pdl_launch, set_pdl
 
-HQ, H, D, T = 32, 8, 128, 4
-g = torch.Generator(device="cuda").manual_seed(3)
-def rnd(*shape, scale=1.0):
-    return torch.randn(*shape, device="cuda", dtype=torch.bfloat16, generator=g) * scale
-x = rnd(T, 4096)
-wqkv, wu, wd = rnd(4096, (HQ + 2 * H) * D, scale=0.02), rnd(HQ * D, 14336, scale=0.02), rnd(14336, 4096, scale=0.02)
-kc, vc = rnd(4, 64, 16, H, D), rnd(4, 64, 16, H, D)
-slots = torch.randperm(4 * 64 * 16, device="cuda", generator=g)[:T]
-ang = torch.rand(T, D // 2, device="cuda", generator=g) * 6.3
-cos, sin = ang.cos(), ang.sin()
+    previous = set_pdl(on)
+    try:
+        torch._dynamo.reset()
+        h, t = 8, 4
+        g = torch.Generator(device="cuda").manual_seed(3)
 
-@torch.compile(backend="inductor", fullgraph=True)
-def chain(x, kc, vc, slots, cos, sin):
-    qkv = (matmul(x, wqkv) * 1.5).view(T, HQ + 2 * H, D)
-    q = rope_store_kv(kc, vc, slots, qkv, cos, sin, HQ)
-    return matmul(torch.relu(matmul(q.reshape(T, -1) + 1, wu)), wd)
+        def rnd(*shape, scale=1.0):
+            return torch.randn(*shape, device="cuda", dtype=torch.bfloat16, generator=g) * scale
 
-graph, out = capture(lambda: chain(x, kc, vc, slots, cos, sin), warmup=2)
-outs = []
-for i in range(3):
-    x.copy_(rnd(T, 4096))
-    slots.copy_(torch.randperm(4 * 64 * 16, device="cuda", generator=g)[:T])
-    graph.replay()
-    outs.append(out.clone())
-torch.cuda.synchronize()
-torch.save({"pdl": pdl_launch(x), "outs": [o.cpu() for o in outs], "k": kc.cpu(), "v": vc.cpu()}, sys.argv[1])
-"""
+        x = rnd(t, 4096)
+        wqkv = rnd(4096, (HQ + 2 * h) * D, scale=0.02)
+        wu, wd = rnd(HQ * D, 14336, scale=0.02), rnd(14336, 4096, scale=0.02)
+        kc, vc = rnd(4, 64, 16, h, D), rnd(4, 64, 16, h, D)
+        slots = torch.randperm(4 * 64 * 16, device="cuda", generator=g)[:t]
+        ang = torch.rand(t, D // 2, device="cuda", generator=g) * 6.3
+        cos, sin = ang.cos(), ang.sin()
+
+        @torch.compile(backend="inductor", fullgraph=True)
+        def chain(x, kc, vc, slots, cos, sin):
+            qkv = (matmul(x, wqkv) * 1.5).view(t, HQ + 2 * h, D)
+            q = rope_store_kv(kc, vc, slots, qkv, cos, sin, HQ)
+            return matmul(torch.relu(matmul(q.reshape(t, -1) + 1, wu)), wd)
+
+        graph, out = capture(lambda: chain(x, kc, vc, slots, cos, sin), warmup=2)
+        outs = []
+        for _ in range(3):
+            x.copy_(rnd(t, 4096))
+            slots.copy_(torch.randperm(4 * 64 * 16, device="cuda", generator=g)[:t])
+            graph.replay()
+            outs.append(out.clone())
+        torch.cuda.synchronize()
+        return {"pdl": pdl_launch(x), "outs": outs, "k": kc, "v": vc}
+    finally:
+        set_pdl(previous)
 
 
-def test_pdl_is_on_on_hopper_and_changes_no_bit_of_a_captured_chain_with_inductor_between(tmp_path):
-    import os
-    import subprocess
-    import sys
-
+def test_pdl_is_on_on_hopper_and_changes_no_bit_of_a_captured_chain_with_inductor_between():
     if torch.cuda.get_device_capability()[0] < 9:
         pytest.skip("PDL needs compute capability 9")
-    if os.environ.get("FA3_SPEC_PDL") == "off":
-        pytest.skip("FA3_SPEC_PDL=off in the environment")
-    runs = {}
-    for mode in ("on", "off"):
-        path = tmp_path / f"{mode}.pt"
-        subprocess.run([sys.executable, "-c", PDL_CHAIN, str(path)], check=True,
-                       env={**os.environ, "FA3_SPEC_PDL": mode})
-        runs[mode] = torch.load(path)
+    runs = {mode: _pdl_chain(mode == "on") for mode in ("on", "off")}
     assert runs["on"]["pdl"] and not runs["off"]["pdl"]
     for a, b in zip(runs["on"]["outs"], runs["off"]["outs"]):
         assert torch.equal(a, b)

@@ -1,7 +1,6 @@
 """What the library's Triton kernels share: whether Triton imports, the
-device guard a launch needs, the environment switch that picks an op's
-CUDA implementation at import, and whether a launch uses programmatic
-dependent launch (`pdl_launch`).
+device guard a launch needs, and whether a launch uses programmatic
+dependent launch (`pdl_launch`, `set_pdl`).
 """
 
 from __future__ import annotations
@@ -9,10 +8,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import importlib.util
-import os
 import sys
-from typing import Sequence
-
 import torch
 
 
@@ -39,22 +35,24 @@ def device_guard(t: torch.Tensor):
     return torch.cuda.device(t.device) if t.device.type == "cuda" else contextlib.nullcontext()
 
 
-def impl_from_env(variable: str, choices: Sequence[str], default: str) -> str:
-    """``os.environ[variable]`` (``default`` when unset), which must be one of
-    ``choices`` (``ValueError`` naming the variable otherwise)."""
-    impl = os.environ.get(variable, default)
-    if impl not in choices:
-        raise ValueError(f"{variable} must be one of {tuple(choices)}, got {impl!r}")
-    return impl
+_PDL = {"enabled": True}
 
 
-PDL_MODES = ("on", "off")
+def set_pdl(enabled: bool) -> bool:
+    """Turn programmatic dependent launch of the library's kernels on or off
+    for this process (`fa3_spec.eagle.kernels.select_kernels` calls it);
+    returns the previous setting. Launches read it, so a CUDA graph keeps
+    the setting it was captured with."""
+    if not isinstance(enabled, bool):
+        raise TypeError(f"enabled must be a bool, got {enabled!r}")
+    previous, _PDL["enabled"] = _PDL["enabled"], enabled
+    return previous
 
 
 def pdl_launch(t: torch.Tensor) -> bool:
     """Whether a Triton launch on ``t``'s device uses programmatic dependent
     launch (PDL): CUDA of compute capability 9 or more (Hopper), a Triton
-    with ``gdc_wait``, ``FA3_SPEC_PDL`` not ``off`` (read at import), and
+    with ``gdc_wait``, PDL not turned off (`set_pdl`), and
     inductor's own PDL off (``torch._inductor.config.triton.enable_pdl``,
     read at each launch; see below).
 
@@ -66,19 +64,17 @@ def pdl_launch(t: torch.Tensor) -> bool:
     calls ``gdc_launch_dependents()``, so that the next kernel may start
     launching while this one runs. That is safe for the kernels that follow
     when each of them either is not PDL-launched (cuBLAS, FA3's main and
-    combine kernels, inductor's kernels on torch 2.11) or waits before its
+    combine kernels, inductor's kernels without its own PDL) or waits before its
     first access (the library's). Inductor's PDL breaks that rule: a kernel
     that reads nothing the previous node wrote skips ``gdc_wait``, so a
     kernel after it could read this one's output early. Hence the last
     condition.
 
-    Measured on the H200 in a one-off probe of a decode-shaped chain of 9
-    kernels per layer x 32 layers in one CUDA graph: 3.63 ms with PDL
-    against 3.76 ms without; in the EAGLE loop, where most kernels are not
-    the library's, 0.02 ms of a 7.5 ms iteration (``benchmarks/RESULTS.md``).
+    The gain is the launch latency of each boundary between two library
+    kernels (``benchmarks/kernels.py`` measures it).
     CUDA graphs keep it (stream capture records the launch attribute).
     """
-    return (_PDL_ON and t.device.type == "cuda" and not _inductor_pdl()
+    return (_PDL["enabled"] and t.device.type == "cuda" and not _inductor_pdl()
             and _pdl_device(t.device.index) and _pdl_triton())
 
 
@@ -87,9 +83,6 @@ def _inductor_pdl() -> bool:
     is not imported, it generates nothing)."""
     config = sys.modules.get("torch._inductor.config")
     return bool(getattr(getattr(config, "triton", None), "enable_pdl", False))
-
-
-_PDL_ON = impl_from_env("FA3_SPEC_PDL", PDL_MODES, "on") == "on"
 
 
 @functools.cache

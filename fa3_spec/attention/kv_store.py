@@ -2,9 +2,8 @@
 
 Why an op and not plain ``index_copy_``: inside ``torch.compile`` an in-place
 write into a cache the graph does not own (a lifted input) is functionalized,
-and inductor (torch 2.11 on the H200, 2.13 on CPU) then materialises a copy of
-the *whole* cache per write: measured ~400 µs per layer-step for a 4K-context
-batch-64 cache on the H200, 116 ms vs 0.2 ms on CPU. A custom op that
+and inductor then materialises a copy of the *whole* cache per write, a cost
+that grows with the cache instead of the tokens written. A custom op that
 declares ``mutates_args`` is re-inplaced by inductor and writes only the
 ``T`` rows. Slots are clamped in plain torch by the callers.
 
@@ -14,15 +13,14 @@ callers clamp every slot, so the loop never passes one outside):
 - the default (CPU, and CUDA without Triton): two ``index_copy_``, one per
   cache. An out-of-range slot raises (CPU) or trips a device assert (CUDA);
 - CUDA with Triton: one kernel writes the K and the V rows of a token
-  together (one launch per layer instead of two; `benchmarks/kv_store_bench.py`
-  measures both in one CUDA graph). A slot outside ``[0, rows)`` writes
+  together (one launch per layer instead of two). A slot outside ``[0, rows)`` writes
   nothing, so whatever ``slots`` holds the kernel stays inside the caches.
   It takes ``k``/``v`` with any row and head strides (``v`` is usually a view
   of the fused QKV output) and needs unit stride along ``D``; anything else
   (a non-contiguous cache, mixed dtypes) goes to the default.
 
-``FA3_SPEC_STORE_KV=index_copy`` in the environment, read at import, keeps
-the default on CUDA too (for A/B runs and debugging).
+`store_kv_cuda` is the op's CUDA kernel; `fa3_spec.eagle.kernels.select_kernels`
+registers `store_kv_index_copy` in its place (a benchmark's other arm).
 """
 
 from __future__ import annotations
@@ -31,8 +29,9 @@ import functools
 
 import torch
 
-from ..triton_support import device_guard, impl_from_env, pdl_kwargs, pdl_launch, triton_available
+from ..triton_support import device_guard, pdl_kwargs, pdl_launch, triton_available
 
+#: The implementations `fa3_spec.eagle.kernels.select_kernels` can register for CUDA.
 STORE_KV_IMPLS = ("index_copy", "triton")
 
 
@@ -62,11 +61,18 @@ def _store_kv_fake(k_cache, v_cache, slots, k, v) -> None:
 
 def store_kv_index_copy(k_cache: torch.Tensor, v_cache: torch.Tensor, slots: torch.Tensor,
                         k: torch.Tensor, v: torch.Tensor) -> None:
-    """The default implementation of `store_kv`: two ``index_copy_``. A plain
-    function, not an op: inside ``torch.compile`` call the op (see the module
-    docstring for why)."""
-    k_cache.view(-1, k.shape[-2], k.shape[-1]).index_copy_(0, slots, k)
-    v_cache.view(-1, v.shape[-2], v.shape[-1]).index_copy_(0, slots, v)
+    """The default implementation of `store_kv`: one ``index_copy_`` per cache
+    over its rows viewed flat, or, for a cache no flat view can alias (a
+    transposed or strided one), an ``index_put_`` at the slots unravelled over
+    its leading dims. A plain function, not an op: inside ``torch.compile``
+    call the op (see the module docstring for why)."""
+    for cache, x in ((k_cache, k), (v_cache, v)):
+        rows = cache.shape[:-2].numel()
+        flat = cache.view(rows, *x.shape[-2:]) if cache.is_contiguous() else None
+        if flat is not None:
+            flat.index_copy_(0, slots, x)
+        else:
+            cache.index_put_(torch.unravel_index(slots, cache.shape[:-2]), x)
 
 
 def fused_store_applies(k_cache: torch.Tensor, v_cache: torch.Tensor, slots: torch.Tensor,
@@ -157,11 +163,12 @@ def _launch_fused(k_cache, v_cache, slots, k, v) -> None:
             PDL=pdl, num_warps=4, **pdl_kwargs(pdl))
 
 
-if impl_from_env("FA3_SPEC_STORE_KV", STORE_KV_IMPLS, "triton") == "triton":
+def store_kv_cuda(k_cache, v_cache, slots, k, v) -> None:
+    """The op's CUDA kernel: the fused Triton write where it applies, else the default."""
+    if fused_store_applies(k_cache, v_cache, slots, k, v):  # checked once per call
+        _launch_fused(k_cache, v_cache, slots, k, v)
+    else:
+        store_kv_index_copy(k_cache, v_cache, slots, k, v)
 
-    @store_kv.register_kernel("cuda")
-    def _store_kv_cuda(k_cache, v_cache, slots, k, v) -> None:
-        if fused_store_applies(k_cache, v_cache, slots, k, v):  # checked once per call
-            _launch_fused(k_cache, v_cache, slots, k, v)
-        else:
-            store_kv_index_copy(k_cache, v_cache, slots, k, v)
+
+store_kv.register_kernel("cuda")(store_kv_cuda)

@@ -1,12 +1,9 @@
 """The model's GEMMs, ``x @ w`` with ``w [in, out]``: a Triton kernel for skinny ``x``.
 
 A decode or draft step at small batch multiplies 1 to 16 rows by weights
-that stream from DRAM once, so its GEMMs are bound by read bandwidth. On the
-H200 cuBLAS leaves some of it behind at these shapes: over the llama3-8b
-target's 32 layers plus lm_head, one CUDA graph on ``[in, out]`` weights,
-cuBLAS reaches 85-86% of the read floor and this kernel 89-91% (1.04-1.06x
-at M = 1, 4, 16); the lm_head alone 1.12-1.13x (``benchmarks/skinny_gemm.py``,
-``benchmarks/results/skinny_gemm_h200.json``).
+that stream from DRAM once, so its GEMMs are bound by read bandwidth, and
+cuBLAS's tiles for large M leave some of it unread at these shapes
+(``benchmarks/kernels.py`` compares the two on the target's shapes).
 
 `matmul` is what the layers call. On CPU it is plain ``x @ w`` (inductor
 and the CPU suite see exactly what they saw before). On CUDA it is the
@@ -26,11 +23,11 @@ kernel sums them in a fixed order: no atomics, so results are
 deterministic run to run. Loads and stores are masked against ``M``,
 ``N`` and ``K`` (the unmasked weight load is taken only when the tiles
 divide the shapes exactly), so no launch reads or writes outside its
-tensors. Tile sizes come from `tile_config`, a rule fitted to the sweep in
-``benchmarks/skinny_gemm.py`` on the H200.
+tensors. Tile sizes come from `tile_config`, a rule fitted to a tile sweep
+at the target's shapes.
 
-``FA3_SPEC_GEMM=cublas`` in the environment, read at import, keeps
-``x @ w`` on CUDA too (for A/B runs and debugging).
+`skinny_mm_cuda` is the op's CUDA kernel; `fa3_spec.eagle.kernels.select_kernels`
+registers `skinny_mm_cublas` in its place (a benchmark's other arm).
 """
 
 from __future__ import annotations
@@ -40,8 +37,9 @@ from typing import NamedTuple, Optional
 
 import torch
 
-from ..triton_support import device_guard, impl_from_env, pdl_kwargs, pdl_launch, triton_available
+from ..triton_support import device_guard, pdl_kwargs, pdl_launch, triton_available
 
+#: The implementations `fa3_spec.eagle.kernels.select_kernels` can register for CUDA.
 GEMM_IMPLS = ("cublas", "triton")
 SKINNY_MAX_M = 16  # the row tile (BLOCK_M): one program row covers every row of x
 _INT32_LIMIT = 2 ** 31
@@ -227,15 +225,22 @@ def _launch(x: torch.Tensor, w: torch.Tensor,
     return out
 
 
-if impl_from_env("FA3_SPEC_GEMM", GEMM_IMPLS, "triton") == "triton":
+def skinny_mm_cuda(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    """The op's CUDA kernel: the Triton kernel where it applies, else cuBLAS."""
+    _check(x, w)
+    config = tile_config(x.shape[1], w.shape[1])  # once: the check and the launch share it
+    if skinny_applies(x, w, config):
+        return _launch(x, w, config)
+    return x @ w
 
-    @skinny_mm.register_kernel("cuda")
-    def _skinny_mm_cuda(x, w):
-        _check(x, w)
-        config = tile_config(x.shape[1], w.shape[1])  # once: the check and the launch share it
-        if skinny_applies(x, w, config):
-            return _launch(x, w, config)
-        return x @ w
+
+def skinny_mm_cublas(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    """The op's other CUDA kernel: cuBLAS at every row count."""
+    _check(x, w)
+    return x @ w
+
+
+skinny_mm.register_kernel("cuda")(skinny_mm_cuda)
 
 
 def matmul(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:

@@ -3,9 +3,8 @@
 Plain torch, no ``nn.Module`` state beyond weight tensors, so a whole
 iteration traces with ``torch.compile(fullgraph=True)``. Every attention goes
 through `fa3_spec.cascade_attention` on fa3_spec metadata, and every K/V
-write through the ``fa3_spec::store_kv`` op (on CUDA, unless
-``FA3_SPEC_ROPE_KV=split``, a layer's write goes through
-``fa3_spec::rope_store_kv``: RoPE and the write in one kernel).
+write through the ``fa3_spec::store_kv`` op (on CUDA a layer's write goes
+through ``fa3_spec::rope_store_kv``: RoPE and the write in one kernel).
 
 * `LlamaTarget`: embedding, ``L`` decoder layers (RMSNorm, RoPE at the
   positions the caller gives, GQA attention, SwiGLU MLP), final RMSNorm,

@@ -27,9 +27,9 @@ bitwise (``compile_tests/test_gpu_rope_kv.py`` checks that bound).
 
 `rope_and_store` is what the layers call: on CPU plain `apply_rope` and the
 ``fa3_spec::store_kv`` op (inductor and the CPU suite see what they saw
-before this op), on CUDA this op. ``FA3_SPEC_ROPE_KV=split`` in the
-environment, read at import, keeps the CPU structure on CUDA too (A/B runs,
-debugging). The kernel writes only inside its tensors whatever ``slots``
+before this op), on CUDA this op, whose CUDA kernel is `rope_store_kv_cuda`
+(`fa3_spec.eagle.kernels.select_kernels` registers the plain-torch
+`rope_store_kv_split` in its place, a benchmark's other arm). The kernel writes only inside its tensors whatever ``slots``
 holds: a slot outside the caches writes nothing. The plain-torch path
 writes with ``index_copy_``, which raises on such a slot (a device assert on
 CUDA); the layers clamp every slot before either.
@@ -42,8 +42,9 @@ import functools
 import torch
 
 from ..attention.kv_store import store_kv, store_kv_index_copy
-from ..triton_support import device_guard, impl_from_env, pdl_kwargs, pdl_launch, triton_available
+from ..triton_support import device_guard, pdl_kwargs, pdl_launch, triton_available
 
+#: The implementations `fa3_spec.eagle.kernels.select_kernels` can register for CUDA.
 ROPE_KV_IMPLS = ("split", "fused")
 
 
@@ -241,16 +242,16 @@ def _launch(k_cache, v_cache, slots, qkv, cos, sin, num_heads) -> torch.Tensor:
     return q
 
 
-_IMPL = impl_from_env("FA3_SPEC_ROPE_KV", ROPE_KV_IMPLS, "fused")
+def rope_store_kv_cuda(k_cache, v_cache, slots, qkv, cos, sin, num_heads):
+    """The op's CUDA kernel: the Triton kernel where its layout rules hold, else
+    `rope_store_kv_split`."""
+    _check(k_cache, v_cache, slots, qkv, cos, sin, num_heads)  # once per call
+    if _fused_layout_ok(k_cache, v_cache, slots, qkv, cos, sin):
+        return _launch(k_cache, v_cache, slots, qkv, cos, sin, num_heads)
+    return rope_store_kv_split(k_cache, v_cache, slots, qkv, cos, sin, num_heads)
 
-if _IMPL == "fused":
 
-    @rope_store_kv.register_kernel("cuda")
-    def _rope_store_kv_cuda(k_cache, v_cache, slots, qkv, cos, sin, num_heads):
-        _check(k_cache, v_cache, slots, qkv, cos, sin, num_heads)  # once per call
-        if _fused_layout_ok(k_cache, v_cache, slots, qkv, cos, sin):
-            return _launch(k_cache, v_cache, slots, qkv, cos, sin, num_heads)
-        return rope_store_kv_split(k_cache, v_cache, slots, qkv, cos, sin, num_heads)
+rope_store_kv.register_kernel("cuda")(rope_store_kv_cuda)
 
 
 def rope_and_store(k_cache: torch.Tensor, v_cache: torch.Tensor, slots: torch.Tensor,
@@ -258,12 +259,12 @@ def rope_and_store(k_cache: torch.Tensor, v_cache: torch.Tensor, slots: torch.Te
                    num_heads: int) -> torch.Tensor:
     """What the layers call (arguments and result as `rope_store_kv`).
 
-    CPU, or ``FA3_SPEC_ROPE_KV=split``: `apply_rope` and the
+    CPU: `apply_rope` and the
     ``fa3_spec::store_kv`` op, which inductor sees through. CUDA: the op
     ``fa3_spec::rope_store_kv``. The branch is on the device, never on a
     value.
     """
-    if qkv.device.type != "cuda" or _IMPL == "split":
+    if qkv.device.type != "cuda":
         _check(k_cache, v_cache, slots, qkv, cos, sin, num_heads)
         return _rotate_and_store(store_kv, k_cache, v_cache, slots, qkv, cos, sin, num_heads)
     return rope_store_kv(k_cache, v_cache, slots, qkv, cos, sin, num_heads)
