@@ -21,7 +21,7 @@ run one after another once the children tests are reached. Beside the tests,
 a first job (`PREFETCH`) fills sglang's cache before any other process reads it.
 
 Children run with the environment the session started with (not what a test
-set in this process since, e.g. ``TRITON_INTERPRET`` from the sglang fixture)
+set in this process since, e.g. ``TRITON_INTERPRET`` from conftest.py)
 and are killed if the session ends first. Each job's own time is listed at the
 end of the run (the children tests' durations are mostly waiting).
 """

@@ -22,9 +22,9 @@ def _cli_audit(tmp):
     out = tmp / "audit.json"
     # eager backend: the CLI and its rows are what is tested here; the same
     # steps and loop compile with aot_eager in test_iteration.py and test_eagle_loop.py.
-    done = children.run([sys.executable, "-m", "fa3_spec.harness.cli", "audit",
+    done = children.run([sys.executable, "-m", "fa3_spec.cli", "audit",
                          "--page-sizes", "2", "--topks", "8", "--json", str(out),
-                         "--device", "cpu", "--backend", "eager"], check=False)
+                         "--device", "cpu", "--compile-backend", "eager"], check=False)
     return done.returncode, done.stdout, json.loads(out.read_text()) if out.exists() else None
 
 

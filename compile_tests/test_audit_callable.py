@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from fa3_spec.audit import audit_callable, format_table, pytree_mismatches
-from fa3_spec.harness import cli
+from fa3_spec import cli
 
 
 def defect_line(fn) -> int:
@@ -266,7 +266,7 @@ def test_cli_loads_from_the_current_directory_audits_generator_variants_and_exit
         tmp_path, monkeypatch):
     """Found in review: a generator of variants was used up before the audit (a false
     "clean"), and the installed command could not import modules of the current directory."""
-    from fa3_spec.harness import cli
+    from fa3_spec import cli
 
     (tmp_path / "gen_variants_mod.py").write_text(
         "import torch\n"

@@ -4,13 +4,13 @@ cycle, and no consumer imports a private module.
 Wings: the *library* (everything an engine imports: config, batch, metadata,
 builders, expand, tree, checks, modes, attention, graphs, probes, audit,
 integrations) and the *harness* (``fa3_spec.harness``: worlds, oracles, the
-upstream-style reference, the toy steps, the self-audit, the CLI) plus the
-reference EAGLE consumer (``fa3_spec.eagle``). Arrows run from harness and
+upstream-style reference, the toy steps, the self-audit), the reference EAGLE
+consumer (``fa3_spec.eagle``) and the ``fa3-spec`` command (``fa3_spec.cli``). Arrows run from harness and
 consumer to the library only. Imports inside functions count too.
 
 Private modules (a ``_`` name, such as ``fa3_spec._validate``) belong to the
 library *core*: ``fa3_spec/*.py``, ``builders/`` and ``attention/``. Everything
-else (``eagle/``, ``integrations/``, ``harness/``, ``benchmarks/``,
+else (``eagle/``, ``integrations/``, ``harness/``, ``cli/``, ``benchmarks/``,
 ``notebooks/``) reaches the library through its public modules only.
 """
 
@@ -21,7 +21,7 @@ import pathlib
 import pytest
 
 ROOT = pathlib.Path(__file__).resolve().parents[1] / "fa3_spec"
-CONSUMERS = ("fa3_spec.harness", "fa3_spec.eagle")
+CONSUMERS = ("fa3_spec.harness", "fa3_spec.eagle", "fa3_spec.cli")
 CORE_PACKAGES = ("builders", "attention")
 
 
@@ -141,8 +141,8 @@ def test_consumers_import_no_private_module():
 
 def test_the_consumer_list_covers_every_wing():
     wings = {m.split("/")[0] if "/" in m else ".".join(m.split(".")[:2]) for m in CONSUMER_IMPORTS}
-    assert wings == {"fa3_spec.eagle", "fa3_spec.integrations", "fa3_spec.harness", "benchmarks",
-                     "notebooks"}
+    assert wings == {"fa3_spec.eagle", "fa3_spec.integrations", "fa3_spec.harness", "fa3_spec.cli",
+                     "benchmarks", "notebooks"}
     assert not any(_is_core(m) for m in CONSUMER_IMPORTS if m.startswith("fa3_spec"))
     assert {"fa3_spec.config", "fa3_spec.builders.draft", "fa3_spec.attention.cascade"} <= {
         m for m in GRAPH if _is_core(m)}

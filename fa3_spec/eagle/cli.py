@@ -52,10 +52,11 @@ import json
 import random
 import sys
 import time
-from typing import List, NoReturn, Optional, Tuple
+from typing import List, Optional, Tuple
 
 import torch
 
+from ..cli.usage import UsageError, at_least, check_writable, usage_exit
 from ..config import DRAFT_ATTENTION, SpecConfig
 from .checkpoint import draft_kind, from_pretrained
 from .engine import COMPILE_BACKENDS, EagleEngine, eos_set, greedy_generate
@@ -72,33 +73,6 @@ DEFAULT_ALPHA = 0.05
 
 DTYPES = {"float64": torch.float64, "float32": torch.float32, "bfloat16": torch.bfloat16,
           "float16": torch.float16}
-
-
-class UsageError(ValueError):
-    """An invalid invocation or configuration: exit status 2, one line, no traceback."""
-
-
-def usage_exit(command: str, problem: object) -> NoReturn:
-    """Print ``fa3-spec COMMAND: error: PROBLEM`` (one line) to stderr and exit
-    with status 2, as argparse does for the errors it finds itself."""
-    text = " ".join(str(problem).split())
-    print(f"fa3-spec {command}: error: {text}", file=sys.stderr)
-    raise SystemExit(2)
-
-
-def at_least(minimum: int):
-    """argparse type: an int >= ``minimum`` (a usage error otherwise, not a crash later)."""
-    def parse(text: str) -> int:
-        try:
-            value = int(text)
-        except ValueError:
-            raise argparse.ArgumentTypeError(f"expected an integer, got {text!r}") from None
-        if value < minimum:
-            raise argparse.ArgumentTypeError(f"must be >= {minimum}, got {value}")
-        return value
-
-    parse.__name__ = f"int >= {minimum}"  # argparse names the type in its message
-    return parse
 
 
 _positive = at_least(1)
@@ -217,11 +191,9 @@ def add_model_arguments(p: argparse.ArgumentParser) -> None:
                    help="apply the checkpoint's chat template (needs transformers)")
 
 
-def add_parser(subparsers) -> argparse.ArgumentParser:
+def add_parser(subparsers, help: Optional[str] = None) -> argparse.ArgumentParser:
     """Register ``eagle`` on the ``fa3-spec`` command's subparsers."""
-    p = subparsers.add_parser("eagle", help="run the EAGLE speculative loop (exact to greedy); "
-                              "exit 0 exact, 1 mismatch, 2 invalid invocation",
-                              description=__doc__,
+    p = subparsers.add_parser("eagle", help=help, description=__doc__,
                               formatter_class=argparse.RawDescriptionHelpFormatter)
     add_arguments(p)
     p.set_defaults(func=run)
@@ -250,7 +222,9 @@ def _resolve_device(name: str) -> str:
     try:
         kind = torch.device(name).type
     except RuntimeError:
-        raise UsageError(f"--device must be cpu, cuda or auto, got {name!r}") from None
+        kind = None
+    if kind not in ("cpu", "cuda"):
+        raise UsageError(f"--device must be cpu, cuda, cuda:N or auto, got {name!r}")
     if kind == "cuda" and not torch.cuda.is_available():
         raise UsageError(f"--device {name}: no CUDA device is available")
     return name
@@ -527,6 +501,11 @@ def run_eagle(args: argparse.Namespace, *, log=print) -> dict:
 
 def usage_error(args: argparse.Namespace) -> Optional[str]:
     """What makes this combination of options meaningless, or None."""
+    if args.json:
+        try:
+            check_writable("--json", args.json)
+        except UsageError as exc:
+            return str(exc)
     if args.buckets is not None and max(args.buckets) != args.batch:
         return (f"--buckets: the largest must be --batch ({args.batch}), none above it, so "
                 f"that every batch has a bucket; got {sorted(set(args.buckets))}")

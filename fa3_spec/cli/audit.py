@@ -1,16 +1,18 @@
-"""Command line: ``fa3-spec audit`` (the self-audit, or any function with ``--callable``) and
-``fa3-spec eagle`` (the reference EAGLE loop)."""
+"""``fa3-spec audit``: the self-audit of every builder, step and iteration, or any
+function with ``--callable``. The EAGLE engine is imported only by the rows that
+audit an EAGLE iteration, when they run."""
 
 from __future__ import annotations
 
 import argparse
 import json
 import sys
+from typing import Optional
 
 import torch
 
-from ..eagle import cli as eagle_cli
 from ..modes import MODES
+from .usage import UsageError, at_least, check_compile_backend, check_writable, usage_exit
 
 AUDIT_HELP = """\
 Audit every metadata builder, whole step and EAGLE iteration (61 rows by
@@ -27,7 +29,7 @@ without CUDA, sizes out of range."""
 
 
 def _usage(problem: object):
-    eagle_cli.usage_exit("audit", problem)
+    usage_exit("audit", problem)
 
 
 def _load(spec: str, flag: str):
@@ -75,9 +77,9 @@ def _audit_callable(args: argparse.Namespace, device: str) -> int:
     except (TypeError, ValueError) as exc:
         _usage(f"{args.inputs}: {exc}")
     print(f"fa3-spec audit: {args.callable}, {len(variants)} variants, torch "
-          f"{torch.__version__}, device {device}, backend {args.backend}", flush=True)
+          f"{torch.__version__}, device {device}, backend {args.compile_backend}", flush=True)
     try:
-        row = audit_callable(fn, example, variants=variants, backend=args.backend,
+        row = audit_callable(fn, example, variants=variants, backend=args.compile_backend,
                              device=device, writable=args.writable, name=args.callable)
     except EagerCallFailed as exc:  # nothing can be measured on a call that does not run
         _usage(exc)
@@ -94,7 +96,7 @@ def _audit_callable(args: argparse.Namespace, device: str) -> int:
 
 def _audit(args: argparse.Namespace) -> int:
     from ..audit import format_table
-    from .selfaudit import audit_case, default_grid, loop_grid, step_grid
+    from ..harness.selfaudit import audit_case, default_grid, loop_grid, step_grid
 
     device = args.device
     if device == "auto":
@@ -103,6 +105,12 @@ def _audit(args: argparse.Namespace) -> int:
         _usage(f"--device must be cpu, cuda or auto, got {device!r}")
     if device == "cuda" and not torch.cuda.is_available():
         _usage("--device cuda: no CUDA device is available")
+    try:
+        check_compile_backend("--compile-backend", args.compile_backend)
+        if args.json:
+            check_writable("--json", args.json)
+    except UsageError as exc:
+        _usage(exc)
     if args.callable:
         return _audit_callable(args, device)
     for flag, value in (("--inputs", args.inputs), ("--writable", args.writable)):
@@ -116,12 +124,12 @@ def _audit(args: argparse.Namespace) -> int:
         cases = [c for c in cases if c.mode in args.modes]
     print(
         f"fa3-spec audit: {len(cases)} cases, torch {torch.__version__}, device {device}, "
-        f"backend {args.backend}",
+        f"backend {args.compile_backend}",
         flush=True,
     )
     rows = []
     for i, case in enumerate(cases, 1):
-        row = audit_case(case, backend=args.backend, device=device)
+        row = audit_case(case, backend=args.compile_backend, device=device)
         rows.append(row)
         if args.verbose:
             print(f"[{i}/{len(cases)}] {case.mode} P={case.cfg.page_size} K={case.cfg.topk} "
@@ -136,16 +144,10 @@ def _audit(args: argparse.Namespace) -> int:
     return 0 if all(r.clean for r in rows) else 1
 
 
-def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(prog="fa3-spec", description=__doc__)
-    sub = parser.add_subparsers(dest="command", required=True)
-    audit = sub.add_parser(
-        "audit",
-        help="trace every metadata builder (or --callable): graph breaks, recompiles, "
-        "data-dependent ops, input mutations, parity, host syncs and CUDA-graph capture (on "
-        "CUDA); exit 0 clean, 1 unclean, 2 invalid invocation",
-        description=AUDIT_HELP, formatter_class=argparse.RawDescriptionHelpFormatter,
-    )
+def add_parser(subparsers, help: Optional[str] = None) -> argparse.ArgumentParser:
+    """Register ``audit`` on the ``fa3-spec`` command's subparsers."""
+    audit = subparsers.add_parser("audit", help=help, description=AUDIT_HELP,
+                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     audit.add_argument("--callable", metavar="MODULE:FUNCTION",
                        help="audit this function instead of fa3_spec's builders")
     audit.add_argument("--inputs", metavar="MODULE:FACTORY",
@@ -154,27 +156,19 @@ def main(argv=None) -> int:
     audit.add_argument("--writable", nargs="+", default=[], metavar="ARG",
                        help="with --callable: arguments the function may write (output buffers)")
     audit.add_argument("--json", metavar="PATH", help="write the rows as JSON")
-    audit.add_argument("--backend", default="aot_eager",
+    audit.add_argument("--compile-backend", default="aot_eager",
                        help="torch.compile backend (aot_eager, inductor, eager)")
     audit.add_argument("--device", default="auto", help="cpu, cuda or auto")
-    audit.add_argument("--page-sizes", type=eagle_cli.at_least(1), nargs="+",
-                       default=[1, 2, 16, 64])
-    audit.add_argument("--topks", type=eagle_cli.at_least(1), nargs="+", default=[1, 8])
-    audit.add_argument("--num-steps", type=eagle_cli.at_least(2), default=5,
+    audit.add_argument("--page-sizes", type=at_least(1), nargs="+", default=[1, 2, 16, 64])
+    audit.add_argument("--topks", type=at_least(1), nargs="+", default=[1, 8])
+    audit.add_argument("--num-steps", type=at_least(2), default=5,
                        help="draft steps S (>= 2: the grid audits draft-decode steps 0 and S-2)")
     audit.add_argument("--modes", nargs="+", choices=list(MODES))
     audit.add_argument("--no-steps", action="store_true",
                        help="skip the whole-step rows (metadata + attention + merge) and the "
                        "EAGLE-iteration rows")
     audit.add_argument("-v", "--verbose", action="store_true")
-    eagle_cli.add_parser(sub)
-    args = parser.parse_args(argv)
-    if args.command == "audit":
-        return _audit(args)
-    if args.command == "eagle":
-        return eagle_cli.run(args)
-    return 2
+    return audit
 
 
-if __name__ == "__main__":
-    sys.exit(main())
+run = _audit
