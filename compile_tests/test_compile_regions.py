@@ -21,6 +21,7 @@ import pytest
 import torch
 
 import fa3_spec
+from fa3_spec.graphs import CompilePolicy
 from fa3_spec.eagle import EagleEngine, LoopConfig, greedy_generate, make_models, regions
 from helpers import model_pool, one_prompt_prefill
 
@@ -253,14 +254,14 @@ def test_a_region_refuses_an_unknown_compiler(models):
                                      None, "cudagraphs")
 
 
-def _engine(models, buckets, backend, dynamic_batch=None, compile_regions=None, max_new=8,
-            topk=4, num_steps=3, num_draft_tokens=6):
+def _engine(models, buckets, backend, max_new=8, topk=4, num_steps=3, num_draft_tokens=6,
+            policy=None):
     spec = fa3_spec.SpecConfig(page_size=2, topk=topk, num_steps=num_steps,
                                num_draft_tokens=num_draft_tokens, max_bs=4, max_context_len=64)
-    spec = dataclasses.replace(spec, num_pages=spec.pool_pages(4))
+    spec = dataclasses.replace(spec, num_pages=spec.pool_pages(4, "ancestors"))
+    kw = dict(policy=policy) if policy is not None else dict(compile_backend=backend)
     return EagleEngine(LoopConfig(spec, max_new_tokens=max_new, backend="torch"), models,
-                       buckets=buckets, compile_backend=backend, dynamic_batch=dynamic_batch,
-                       compile_regions=compile_regions)
+                       buckets=buckets, **kw)
 
 
 @pytest.mark.parametrize("buckets, backend, dynamic", [
@@ -273,51 +274,55 @@ def _engine(models, buckets, backend, dynamic_batch=None, compile_regions=None, 
 def test_the_engine_shares_a_dynamic_frame_when_several_buckets_can(models, buckets, backend,
                                                                    dynamic):
     eng = _engine(models, buckets, backend)
-    assert eng.dynamic_batch is dynamic and eng.runner.dynamic_batch is dynamic
+    assert eng.policy.dynamic_batch is dynamic and eng.runner.dynamic_batch is dynamic
     # Bucket 1 joins the frame (no 0/1 specialisation) where the batch is symbolic,
     # except under inductor (its own frame there).
-    assert eng.runner.size_oblivious is (dynamic and backend in ("aot_eager", "eager"))
-    # The layers are regions under inductor by default, inline otherwise.
+    assert eng.policy.size_oblivious is (dynamic and backend in ("aot_eager", "eager"))
+    # The layers are regions under inductor, inline otherwise.
     regions_on = backend == "inductor"
-    assert eng.compile_regions is regions_on
+    assert eng.policy.regions is regions_on
     assert eng.iteration_models.target.compile_regions == ("inductor" if regions_on else None)
     assert eng.iteration_models.draft.compile_regions == ("inductor" if regions_on else None)
+    assert models.target.compile_regions is None  # the caller's models are left as they were
     options = eng.runner.compile_counter.options
     # Index propagation is off exactly for inductor with a symbolic batch, and
     # combo kernels too when the layers are regions there.
     assert options.get("constant_and_index_propagation", True) is not (
         dynamic and backend == "inductor")
     assert options.get("combo_kernels", False) is not (dynamic and regions_on)
-    inline = _engine(models, buckets, backend, compile_regions=False)
-    assert inline.compile_regions is False
-    assert inline.iteration_models.target.compile_regions is None
 
 
-@pytest.mark.parametrize("backend", ["inductor", "aot_eager", "eager"])
-def test_an_engine_asked_for_regions_compiles_them_with_its_own_backend(models, backend):
-    eng = _engine(models, [4], backend, compile_regions=True)
-    assert eng.compile_regions is True
-    assert eng.iteration_models.target.compile_regions == backend
-    assert eng.iteration_models.draft.compile_regions == backend
-    assert models.target.compile_regions is None  # the caller's models are left as they were
-
-
-def test_the_engine_choices_can_be_forced_and_bad_ones_are_refused(models):
-    assert _engine(models, [1, 2, 4], "inductor", dynamic_batch=False).dynamic_batch is False
-    assert _engine(models, [4], "inductor", dynamic_batch=True).dynamic_batch is True
-    with pytest.raises(ValueError, match="compile_regions=True needs a compile backend"):
-        _engine(models, [4], "none", compile_regions=True)
-    with pytest.raises(TypeError, match="compile_regions must be a bool or None"):
-        _engine(models, [4], "aot_eager", compile_regions="inductor")
-
+def test_models_without_regions_run_inline_under_inductor(models):
     class Plain:  # a SpecModel without with_compile_regions
         def __getattr__(self, name):
             if name == "with_compile_regions":
                 raise AttributeError(name)
             return getattr(models, name)
 
-    with pytest.raises(ValueError, match="needs models with with_compile_regions"):
-        _engine(Plain(), [4], "aot_eager", compile_regions=True)
+    eng = _engine(Plain(), [4], "inductor")
+    assert eng.policy.regions is False and isinstance(eng.iteration_models, Plain)
+    with pytest.raises(ValueError, match="policy.regions needs models with with_compile_regions"):
+        _engine(Plain(), [4], None, policy=CompilePolicy(compile_backend="eager", graphs=False,
+                                                         regions=True))
+    with pytest.raises(ValueError, match="policy.graphs needs a CUDA device"):
+        _engine(models, [4], None, policy=CompilePolicy())
+    with pytest.raises(ValueError, match="not both"):
+        EagleEngine(_engine(models, [4], "none").lc, models, compile_backend="eager",
+                    policy=CompilePolicy.eager())
+
+
+def test_the_compile_policy_refuses_what_cannot_be():
+    with pytest.raises(ValueError, match="compile_backend must be one of"):
+        CompilePolicy.for_loop(device="cpu", compile_backend="inductr", buckets=[4],
+                               regions_available=True)
+    with pytest.raises(ValueError, match="graphs=True needs a CUDA device"):
+        CompilePolicy.for_loop(device="cpu", graphs=True, buckets=[4], regions_available=True)
+    with pytest.raises(TypeError, match="graphs must be a bool or None"):
+        CompilePolicy.for_loop(device="cpu", graphs="yes", buckets=[4], regions_available=True)
+    with pytest.raises(ValueError, match="regions=True compiles each layer"):
+        CompilePolicy(compile_backend=None, regions=True)
+    with pytest.raises(TypeError, match="dynamic_batch must be a bool"):
+        CompilePolicy(dynamic_batch="no")
 
 
 def _assert_alone_then_three_match_greedy(eng, models):
@@ -342,8 +347,10 @@ def test_an_engine_with_regions_under_a_dynamic_frame_is_exact_to_greedy(models)
     stats = torch._dynamo.utils.counters["stats"]
     graphs = stats["unique_graphs"]
     # A small tree (topk 2, 2 steps): the cost is dynamo tracing the symbolic frame.
-    eng = _engine(models, [1, 2, 4], "eager", compile_regions=True, max_new=4, topk=2,
-                  num_steps=2, num_draft_tokens=3)
+    policy = CompilePolicy(compile_backend="eager", graphs=False, size_oblivious=True,
+                           regions=True)
+    eng = _engine(models, [1, 2, 4], None, max_new=4, topk=2, num_steps=2, num_draft_tokens=3,
+                  policy=policy)
     _assert_alone_then_three_match_greedy(eng, models)
     assert eng.runner.compile_counter.frame_count == 1
     assert regions.compiled_programs() >= 2
@@ -370,7 +377,7 @@ def test_a_static_runner_stays_static_after_the_same_step_ran_at_another_batch()
     """Two one-bucket runners of the same step code (as two engines in one process):
     without ``dynamic=False`` dynamo would compile the second one with a symbolic
     batch (automatic dynamic shapes)."""
-    from fa3_spec.graphs import CUDAGraphRunner
+    from fa3_spec.graphs import CompilePolicy, CUDAGraphRunner
     from helpers import symbol_recorder
 
     record = []
@@ -380,8 +387,9 @@ def test_a_static_runner_stays_static_after_the_same_step_ran_at_another_batch()
             return {"y": x * 2}
 
         return CUDAGraphRunner(step, example=lambda bs: {"x": torch.zeros(bs, 3)},
-                               buckets=[bucket], strategy="compile",
-                               backend=symbol_recorder(record), dynamic_batch=dynamic)
+                               buckets=[bucket],
+                               policy=CompilePolicy.compiled(symbol_recorder(record),
+                                                             dynamic_batch=dynamic))
 
     torch._dynamo.reset()
     for bucket in (2, 5):
@@ -400,7 +408,7 @@ def test_a_size_oblivious_runner_compiles_bucket_one_into_the_shared_frame():
     serves buckets 1, 2 and 4, and its results are those of the step. The
     control, without it: bucket 1 is a frame of its own (dynamo's 0/1
     specialisation)."""
-    from fa3_spec.graphs import CUDAGraphRunner
+    from fa3_spec.graphs import CompilePolicy, CUDAGraphRunner
     from helpers import symbol_recorder
 
     def step(x, n):
@@ -412,8 +420,9 @@ def test_a_size_oblivious_runner_compiles_bucket_one_into_the_shared_frame():
     for oblivious, frames in ((True, 1), (False, 2)):
         torch._dynamo.reset()
         record = []
-        runner = CUDAGraphRunner(step, example=example, buckets=[1, 2, 4], strategy="compile",
-                                 backend=symbol_recorder(record), size_oblivious=oblivious)
+        policy = CompilePolicy(compile_backend=symbol_recorder(record), graphs=False,
+                               size_oblivious=oblivious)
+        runner = CUDAGraphRunner(step, example=example, buckets=[1, 2, 4], policy=policy)
         for bs in (4, 1, 2, 1):
             x = torch.arange(bs * 3, dtype=torch.float32).view(bs, 3)
             n = torch.arange(1, bs + 1).view(bs, 1)
@@ -424,17 +433,14 @@ def test_a_size_oblivious_runner_compiles_bucket_one_into_the_shared_frame():
 
 
 def test_size_oblivious_needs_a_dynamic_compiled_step():
-    from fa3_spec.graphs import CUDAGraphRunner
+    from fa3_spec.graphs import CompilePolicy, CUDAGraphRunner
 
-    def example(bs):
-        return {"x": torch.zeros(bs, 3)}
-
-    for kwargs in (dict(dynamic_batch=False, strategy="compile", backend="eager"),
-                   dict(strategy="eager", backend="eager"),
-                   dict(strategy="manual", backend=None)):
+    for kwargs in (dict(dynamic_batch=False, compile_backend="eager"),
+                   dict(compile_backend=None), dict(compile_backend=None, graphs=False)):
         with pytest.raises(ValueError, match="size_oblivious=True needs dynamic_batch=True"):
-            CUDAGraphRunner(lambda x: {"y": x}, example=example, buckets=[1, 2],
-                            size_oblivious=True, **kwargs)
+            CompilePolicy(size_oblivious=True, **kwargs)
     with pytest.raises(TypeError, match="size_oblivious must be a bool, got 'no'"):
-        CUDAGraphRunner(lambda x: {"y": x}, example=example, buckets=[1, 2], strategy="compile",
-                        backend="eager", size_oblivious="no")
+        CompilePolicy(compile_backend="eager", size_oblivious="no")
+    with pytest.raises(TypeError, match="policy must be a CompilePolicy"):
+        CUDAGraphRunner(lambda x: {"y": x}, example=lambda bs: {"x": torch.zeros(bs)},
+                        buckets=[1], policy="compile")

@@ -37,12 +37,12 @@ def models_for(draft="derived"):
     return _MODELS[draft]
 
 
-def make_engine(models, p, k, s, n, *, max_bs=4, max_new=40, max_prompt=40, scripted=None,
+def make_engine(models, p, k, s, n, *, max_bs=4, max_new=40, max_prompt=40,
                 draft_attention="branch", **kw):
     spec = fa3_spec.SpecConfig(page_size=p, topk=k, num_steps=s, num_draft_tokens=n,
                                max_bs=max_bs, max_context_len=max_prompt + max_new + n)
     spec = dataclasses.replace(spec, num_pages=spec.pool_pages(2 * max_bs, draft_attention))
-    lc = LoopConfig(spec, max_new_tokens=max_new, backend="torch", scripted=scripted,
+    lc = LoopConfig(spec, max_new_tokens=max_new, backend="torch",
                     draft_attention=draft_attention)
     return EagleEngine(lc, models, max_reqs=2 * max_bs, **kw)
 
@@ -233,13 +233,23 @@ def test_a_broken_commit_is_caught(monkeypatch):
 
 
 def test_scripted_acceptance_follows_the_sequence():
+    """A random draft accepts almost nothing; the hook forces the script instead, and a
+    sampled request is refused (nothing would be sampled)."""
+    from fa3_spec.eagle.acceptance import scripted_acceptance
+
     models = models_for("random")
     prompts, news = workload(4, 2, max_new=30)
-    eng = make_engine(models, 2, 4, 5, 8, max_new=30, scripted=(3, 4, 2, 5, 3, 4))
+    eng = make_engine(models, 2, 4, 5, 8, max_new=30,
+                      acceptance=scripted_acceptance((3, 4, 2, 5, 3, 4)))
     submit_all(eng, prompts, news)
     eng.run()
     acc = eng.stats["accept_lens"]
     assert set(acc) <= {2, 3, 4, 5} and abs(sum(acc) / len(acc) - 3.5) < 0.4
+    with pytest.raises(ValueError, match="acceptance hook decides every accepted path"):
+        eng.submit([1, 2, 3], 4, temperature=0.5)
+    for bad in ((), (2, 0), "3,4", (2.5,)):
+        with pytest.raises(ValueError, match="emitted must be a non-empty sequence of ints"):
+            scripted_acceptance(bad)
 
 
 def test_iteration_compiles_fullgraph_with_no_data_dependent_ops():
@@ -518,3 +528,19 @@ def test_request_at_names_the_request_of_a_batch_row_until_the_host_reads_its_fi
     for row in (-1, 2):
         with pytest.raises(ValueError, match="row"):
             eng.request_at(row)
+
+
+def test_the_host_sync_probe_wraps_an_engine_from_outside_and_lets_go():
+    """On CPU there is nothing to count: the probe watches no launch, and the engine's
+    own replay is what runs, before, inside and after it (the GPU tests count)."""
+    from fa3_spec.eagle.sync_probe import HostSyncProbe
+
+    models = models_for()
+    prompts, news = workload(2, 2, max_new=6, min_new=6)
+    eng = make_engine(models, 2, 4, 3, 6, max_new=6)
+    submit_all(eng, prompts, news)
+    with HostSyncProbe(eng) as probe:
+        assert "replay" not in vars(eng.runner)
+        eng.run()
+    assert probe.counts == [] and probe.worst is None and "replay" not in vars(eng.runner)
+    assert eng.stats["iterations"] > 0

@@ -250,6 +250,7 @@ def test_cli_help_separates_the_draft_and_workload_flags_from_sampling(capsys):
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_gpu_the_captured_sampled_iteration_makes_no_host_sync_and_keeps_greedy_rows():
     from fa3_spec.attention import fa3_available
+    from fa3_spec.eagle.sync_probe import HostSyncProbe
 
     if not fa3_available():
         pytest.skip("needs CUDA sm90 and an FA3 provider")
@@ -259,19 +260,21 @@ def test_gpu_the_captured_sampled_iteration_makes_no_host_sync_and_keeps_greedy_
 
     def run(sampled_rows):
         eng = make_engine(models, 2, 4, 5, 8, max_bs=8, max_new=24, device="cuda", graphs=True,
-                          count_syncs=True, backend="fa3", buckets=[8])
+                          backend="fa3", buckets=[8])
         eng.capture()
         params = [dict(temperature=1.0, top_p=0.9, seed=i) if i in sampled_rows else {}
                   for i in range(8)]
-        return run_requests(eng, prompts, news, params), eng
+        with HostSyncProbe(eng) as probe:
+            out = run_requests(eng, prompts, news, params)
+        return out, eng, probe
 
-    mixed, eng = run({1, 3, 5, 7})
-    greedy, _ = run(set())
-    assert max(eng.stats["host_syncs"]) == 0
+    mixed, eng, probe = run({1, 3, 5, 7})
+    greedy, _, _ = run(set())
+    assert probe.counts and probe.worst == 0
     # Same bucket, same graph: a greedy row's arithmetic does not depend on its neighbours.
     assert [mixed[i] for i in (0, 2, 4, 6)] == [greedy[i] for i in (0, 2, 4, 6)]
-    again, _ = run({1, 3, 5, 7})
+    again, _, _ = run({1, 3, 5, 7})
     assert again == mixed
     print("EAGLE-GPU-SAMPLING", json.dumps(dict(
-        host_syncs_per_iteration=max(eng.stats["host_syncs"]),
+        host_syncs_per_iteration=probe.worst,
         mean_accept_len=sum(eng.stats["accept_lens"]) / len(eng.stats["accept_lens"]))))

@@ -105,16 +105,12 @@ def test_the_target_makes_one_plan_per_call_and_every_layer_reads_it(models, reg
             assert list(layer.args[names.index("plans")]) == plans
 
 
-@pytest.mark.parametrize("why", ["provider", "asked"])
-def test_without_plans_each_call_plans_for_itself(models, monkeypatch, why):
-    """A provider without ``get_scheduler_metadata``, or a target built with
-    ``share_fa3_plans=False``: no plan op, every FA3 call plans itself."""
+def test_without_plans_each_call_plans_for_itself(models, monkeypatch):
+    """A provider without ``get_scheduler_metadata``: no plan op, every FA3 call plans itself."""
     from fa3_spec.eagle import models as models_module
 
-    monkeypatch.setattr(models_module, "provider_plans", lambda: why == "asked")
+    monkeypatch.setattr(models_module, "provider_plans", lambda: False)
     target = models.target
-    if why == "asked":
-        target = dataclasses.replace(target, share_fa3_plans=False)
     pool, slots, md = one_prompt_prefill(models, 9, page_size=2)
     graph = _graph(lambda: target.forward(torch.arange(3, 12), torch.arange(9), slots, md,
                                           pool.target_kv, backend="fa3"))

@@ -23,6 +23,8 @@ import fa3_spec
 from fa3_spec.attention import fa3_available
 from fa3_spec.eagle import EagleEngine, LoopConfig, greedy_generate, make_models, regions
 from fa3_spec.eagle.cli import workload
+from fa3_spec.eagle.sync_probe import HostSyncProbe
+from fa3_spec.graphs import CompilePolicy
 
 pytestmark = [
     pytest.mark.gpu,
@@ -33,15 +35,22 @@ NEAR_TIE = 0.02
 
 
 def _engine(models, p, k, s, n, *, batch, max_new, prompt_len, buckets, compile_backend,
-            graphs=True, count_syncs=True, draft_attention=LoopConfig.draft_attention,
-            compile_regions=None):
+            graphs=True, draft_attention=LoopConfig.draft_attention, compile_regions=None):
+    """``compile_regions``: None, the engine's own policy; False, a policy resolved as
+    for models without regions; True, one with them (inductor only)."""
     spec = fa3_spec.SpecConfig(page_size=p, topk=k, num_steps=s, num_draft_tokens=n,
                                max_bs=batch, max_context_len=prompt_len + max_new + n)
     spec = dataclasses.replace(spec, num_pages=spec.pool_pages(2 * batch, draft_attention))
     lc = LoopConfig(spec, max_new_tokens=max_new, backend="fa3", draft_attention=draft_attention)
-    return EagleEngine(lc, models, max_reqs=2 * batch, buckets=buckets, graphs=graphs,
-                       compile_backend=compile_backend, device="cuda", count_syncs=count_syncs,
-                       compile_regions=compile_regions)
+    if compile_regions is None:
+        return EagleEngine(lc, models, max_reqs=2 * batch, buckets=buckets, graphs=graphs,
+                           compile_backend=compile_backend, device="cuda")
+    policy = CompilePolicy.for_loop(device="cuda", compile_backend=compile_backend,
+                                    graphs=graphs, buckets=buckets,
+                                    regions_available=compile_regions)
+    assert policy.regions is compile_regions
+    return EagleEngine(lc, models, max_reqs=2 * batch, buckets=buckets, policy=policy,
+                       device="cuda")
 
 
 def check(preset, p, k, s, n, *, batch=4, requests=8, max_new=32, prompt_len=48,
@@ -59,7 +68,8 @@ def check(preset, p, k, s, n, *, batch=4, requests=8, max_new=32, prompt_len=48,
     eng.capture()
     for prompt, m in zip(prompts, news):
         eng.submit(prompt, m)
-    out = eng.run()
+    with HostSyncProbe(eng) as probe:
+        out = eng.run()
     logits = []
     ref = greedy_generate(models, prompts, news, page_size=p, backend="fa3", device="cuda",
                           logits_out=logits)
@@ -83,10 +93,11 @@ def check(preset, p, k, s, n, *, batch=4, requests=8, max_new=32, prompt_len=48,
                   exact_requests=exact, near_tie_divergences=ties,
                   unexplained_divergences=len(unexplained), divergence_gaps=gaps,
                   mean_accept_len=round(sum(acc) / len(acc), 3), iterations=eng.stats["iterations"],
-                  host_syncs_per_iteration=max(eng.stats["host_syncs"]),
-                  compile=compile_backend, buckets=eng.buckets, dynamic_batch=eng.dynamic_batch,
+                  host_syncs_per_iteration=probe.worst,
+                  compile=compile_backend, buckets=eng.buckets,
+                  dynamic_batch=eng.policy.dynamic_batch,
                   frames=eng.runner.compile_counter.frame_count,
-                  compile_regions=eng.compile_regions,
+                  compile_regions=eng.policy.regions,
                   region_programs=regions.compiled_programs(),
                   graphs=torch._dynamo.utils.counters["stats"]["unique_graphs"] - graphs)
     print("EAGLE-GPU " + json.dumps(report))
@@ -182,8 +193,9 @@ def test_eager_iteration_has_zero_host_syncs():
                              vocab=models.vocab_size, seed=1)
     for prompt, m in zip(prompts, news):
         eng.submit(prompt, m)
-    eng.run()
-    syncs = eng.stats["host_syncs"]
+    with HostSyncProbe(eng) as probe:
+        eng.run()
+    syncs = probe.counts
     print("EAGLE-GPU " + json.dumps(dict(test="eager-syncs", iterations=len(syncs),
                                          host_syncs_total=sum(syncs))))
     assert syncs and sum(syncs) == 0

@@ -13,7 +13,7 @@ import fa3_spec
 from fa3_spec.attention import fa3_available
 from gpu_results import rel_err as _rel
 from fa3_spec.config import cdiv
-from fa3_spec.graphs import CUDAGraphRunner
+from fa3_spec.graphs import CompilePolicy, CUDAGraphRunner
 from fa3_spec.graphs import capture
 from fa3_spec.harness.toy import ToyModel, draft_iteration, example_batch
 from fa3_spec.harness.worlds import draft_positions
@@ -88,7 +88,7 @@ def test_captured_draft_loop_at_batch_512_and_128k_context(p):
                                      seq_lens=b["seq_lens"], out_cache_loc=b["out_cache_loc"])
         return out, flags.expand(b["seq_lens"].shape[0])  # batch-major, as the runner wants
 
-    runner = CUDAGraphRunner(step, buckets=[bs], backend="aot_eager",
+    runner = CUDAGraphRunner(step, buckets=[bs], policy=CompilePolicy(compile_backend="aot_eager"),
                              example=lambda n: example_batch("draft_decode", cfg, model, n,
                                                              device="cuda"))
     runner.capture()

@@ -10,7 +10,7 @@ import torch
 import fa3_spec
 from fa3_spec.attention import fa3_available
 from gpu_results import rel_err as _rel
-from fa3_spec.graphs import CUDAGraphRunner
+from fa3_spec.graphs import CompilePolicy, CUDAGraphRunner
 from fa3_spec.harness.toy import STEP_VARIANTS, ToyModel, example_batch, make_step, world_batch
 from fa3_spec.harness.worlds import make_world, rebase_world
 
@@ -20,7 +20,7 @@ pytestmark = [
 ]
 
 
-def _setup(mode, p, k, strategy="manual", backend="aot_eager", buckets=(1, 2, 4, 8), tree=True):
+def _setup(mode, p, k, backend="aot_eager", buckets=(1, 2, 4, 8), tree=True):
     cfg = fa3_spec.SpecConfig(page_size=p, topk=k, num_steps=5,
                               num_draft_tokens=8 if k > 1 else 4, max_bs=8, max_context_len=700)
     base = make_world(cfg, 8, seed=0, device="cuda")
@@ -28,7 +28,8 @@ def _setup(mode, p, k, strategy="manual", backend="aot_eager", buckets=(1, 2, 4,
                             num_kv_heads=2, head_dim=128, dtype=torch.bfloat16, device="cuda")
     tree = tree and k > 1
     step = make_step(mode, cfg, model, base.req_to_token, backend="fa3", tree=tree)
-    runner = CUDAGraphRunner(step, buckets=list(buckets), strategy=strategy, backend=backend,
+    runner = CUDAGraphRunner(step, buckets=list(buckets),
+                             policy=CompilePolicy(compile_backend=backend),
                              example=lambda bs: example_batch(mode, cfg, model, bs, device="cuda",
                                                               tree=tree))
     return cfg, base, model, step, runner
@@ -84,19 +85,6 @@ def test_one_compile_serves_all_buckets_above_one():
     runner.capture()
     # Bucket 1 is specialised by dynamo (sizes 0/1 always are); the rest share one graph.
     assert runner.compile_counter.frame_count <= 2
-
-
-def test_reduce_overhead_strategy():
-    cfg, base, model, step, runner = _setup("target_verify", 2, 8, strategy="reduce-overhead",
-                                            buckets=(2, 4))
-    runner.capture()
-    initial = (model.k_cache.clone(), model.v_cache.clone())
-    for bs, seed in [(4, 1), (3, 2)]:
-        batch = _batch("target_verify", cfg, base, model, bs, seed)
-        model.k_cache.copy_(initial[0]); model.v_cache.copy_(initial[1])
-        got = runner(**batch)
-        model.k_cache.copy_(initial[0]); model.v_cache.copy_(initial[1])
-        assert _rel(got, step(**batch)) <= 1e-2
 
 
 def test_inductor_draft_iteration_capture():

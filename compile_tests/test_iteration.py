@@ -5,7 +5,7 @@ import torch
 
 import fa3_spec
 from fa3_spec.probes import RecordingBackend
-from fa3_spec.graphs import CUDAGraphRunner
+from fa3_spec.graphs import CompilePolicy, CUDAGraphRunner
 from fa3_spec.harness.toy import (
     STEP_VARIANTS,
     ToyModel,
@@ -86,7 +86,7 @@ def test_runner_padding_leaves_real_rows_unchanged(mode, tree):
     world = make_world(cfg, 8, seed=1)
     model = _model(world, 2)
     step = make_step(mode, cfg, model, world.req_to_token, backend="torch", tree=tree)
-    runner = CUDAGraphRunner(step, buckets=[2, 4, 8], strategy="eager",
+    runner = CUDAGraphRunner(step, buckets=[2, 4, 8], policy=CompilePolicy.eager(),
                              example=lambda bs: example_batch(mode, cfg, model, bs, device="cpu",
                                                               tree=tree))
     runner.capture()
@@ -134,8 +134,8 @@ def test_two_configs_share_one_process_through_the_runner():
         cfg = fa3_spec.SpecConfig(page_size=2, topk=2, num_steps=steps, num_draft_tokens=3,
                                   max_bs=4, max_context_len=16)
         step = make_step("draft_decode", cfg, model, base.req_to_token, backend="torch")
-        runner = CUDAGraphRunner(step, buckets=[2, 4], strategy="manual",
-                                 backend=symbol_recorder(record),
+        runner = CUDAGraphRunner(step, buckets=[2, 4],
+                                 policy=CompilePolicy(compile_backend=symbol_recorder(record)),
                                  example=lambda bs: example_batch("draft_decode", cfg, model, bs,
                                                                   device="cpu"))
         rows = base.req_pool_indices.view(-1, 1, 1)

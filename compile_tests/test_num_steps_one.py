@@ -5,7 +5,7 @@ import pytest
 import torch
 
 import fa3_spec
-from fa3_spec.graphs import CUDAGraphRunner
+from fa3_spec.graphs import CompilePolicy, CUDAGraphRunner
 from fa3_spec.harness.toy import ToyModel, example_batch, make_step, world_batch
 from fa3_spec.harness.worlds import make_world
 
@@ -28,7 +28,7 @@ def test_builders_and_runner_with_one_step(p, k):
     model = ToyModel.create(layers=1, num_pages=w.num_pages, page_size=p, num_heads=2,
                             num_kv_heads=1, head_dim=8, dtype=torch.float32)
     step = make_step("draft_decode", cfg, model, w.req_to_token, backend="torch")
-    runner = CUDAGraphRunner(step, buckets=[2, 4], strategy="eager",
+    runner = CUDAGraphRunner(step, buckets=[2, 4], policy=CompilePolicy.eager(),
                              example=lambda bs: example_batch("draft_decode", cfg, model, bs,
                                                               device="cpu"))
     runner.capture()

@@ -10,7 +10,7 @@ import torch
 
 import children
 import fa3_spec
-from fa3_spec.graphs import CUDAGraphRunner, load_compile_cache
+from fa3_spec.graphs import CompilePolicy, CUDAGraphRunner, load_compile_cache
 from fa3_spec.harness.toy import ToyModel, make_step, world_batch
 from fa3_spec.harness.worlds import make_world
 
@@ -37,7 +37,8 @@ def _step(req_pool_indices, out_cache_loc, hidden):
 
 
 def _runner(buckets=(4, 8)):
-    runner = CUDAGraphRunner(_step, example=_example, buckets=list(buckets), strategy="eager")
+    runner = CUDAGraphRunner(_step, example=_example, buckets=list(buckets),
+                             policy=CompilePolicy.eager())
     runner.capture()
     return runner
 
@@ -103,7 +104,7 @@ def test_a_buffer_without_a_byte_view_takes_the_per_dtype_copy():
         return dict(a=torch.zeros(bs, 5, 3).transpose(1, 2))
 
     runner = CUDAGraphRunner(lambda a: a.sum((1, 2)), example=example, buckets=[4],
-                             strategy="eager")
+                             policy=CompilePolicy.eager())
     runner.capture()
     a = torch.randn(3, 3, 5)
     assert torch.allclose(runner(a=a), a.sum((1, 2)))  # summation order follows the layout
@@ -154,7 +155,7 @@ def test_library_steps_do_not_write_their_inputs(mode, tree):
 
 def test_missing_compile_cache_is_not_an_error(tmp_path):
     assert load_compile_cache(str(tmp_path / "absent.bin")) is False
-    runner = CUDAGraphRunner(_step, example=_example, buckets=[4], strategy="eager",
+    runner = CUDAGraphRunner(_step, example=_example, buckets=[4], policy=CompilePolicy.eager(),
                              cache_path=str(tmp_path / "cache.bin"))
     runner.capture()  # eager compiles nothing: no file
     assert not (tmp_path / "cache.bin").exists()
@@ -177,7 +178,7 @@ def _flaky_step(fail):
 def test_a_failed_capture_leaves_the_runner_as_it_was():
     fail = [True]
     runner = CUDAGraphRunner(_flaky_step(fail), example=_example, buckets=[4, 8],
-                             strategy="eager")
+                             policy=CompilePolicy.eager())
     with pytest.raises(RuntimeError, match="failed during capture"):
         runner.capture()
     assert runner.capture_seconds == {}  # no half-filled bucket
@@ -192,9 +193,9 @@ def test_a_failed_capture_leaves_the_runner_as_it_was():
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the CPU-only message")
 def test_manual_capture_without_cuda_says_so_every_time():
-    runner = CUDAGraphRunner(_step, example=_example, buckets=[4, 8])  # strategy="manual"
+    runner = CUDAGraphRunner(_step, example=_example, buckets=[4, 8])  # graphs, the default
     for attempt in (runner.capture, lambda: runner(**_batch(3, 0))):
-        with pytest.raises(RuntimeError, match="manual.*needs CUDA"):
+        with pytest.raises(RuntimeError, match="graphs=True captures CUDA graphs and needs CUDA"):
             attempt()  # was an internal error, then KeyError: 4
     assert runner.capture_seconds == {} and runner.output_buffers(4) is None
 
@@ -232,7 +233,8 @@ def test_compile_cache_round_trip_across_processes(child):
 
 # What the runner refuses, and outputs that are not one row per request
 def _eager_runner(step, example, buckets=(2, 4)):
-    runner = CUDAGraphRunner(step, example=example, buckets=list(buckets), strategy="eager")
+    runner = CUDAGraphRunner(step, example=example, buckets=list(buckets),
+                             policy=CompilePolicy.eager())
     runner.capture()
     return runner
 

@@ -47,6 +47,7 @@ value out of range).
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import json
 import random
@@ -59,7 +60,10 @@ import torch
 from ..cli.usage import UsageError, at_least, check_writable, usage_exit
 from ..config import DRAFT_ATTENTION, SpecConfig
 from .checkpoint import draft_kind, from_pretrained
-from .engine import COMPILE_BACKENDS, EagleEngine, eos_set, greedy_generate
+from ..graphs import COMPILE_BACKENDS
+from .acceptance import scripted_acceptance
+from .engine import EagleEngine, eos_set, greedy_generate
+from .sync_probe import HostSyncProbe
 from .iteration import DEFAULT_SCRIPT, LoopConfig
 from .models import make_models
 from .text import CheckpointTokenizer, checkpoint_eos_ids, read_prompts
@@ -141,18 +145,14 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--buckets", type=_positive, nargs="+", default=None, metavar="B",
                    help="batch sizes to capture, the largest equal to --batch (default: the "
                         "powers of two up to 256 below --batch, plus --batch); a batch runs in "
-                        "the smallest bucket that holds it. Under inductor, leaving 1 out saves "
-                        "bucket 1's frame of compile time and costs batch 1 about 4%% per "
-                        "iteration (benchmarks/RESULTS.md)")
+                        "the smallest bucket that holds it. Under inductor bucket 1 is a frame "
+                        "of its own: leaving it out saves compile time and costs batch 1 some "
+                        "speed")
     p.add_argument("--graphs", action=argparse.BooleanOptionalAction, default=None,
                    help="capture one CUDA graph per bucket (default: on with CUDA)")
     p.add_argument("--compile", default="auto", choices=list(COMPILE_BACKENDS),
                    help="torch.compile backend of the iteration; 'none': no compile (with graphs: "
                         "eager capture, for debugging); default 'auto': inductor on CUDA, none on CPU")
-    p.add_argument("--compile-regions", action=argparse.BooleanOptionalAction, default=None,
-                   help="compile each decoder layer once as a region that every layer reuses "
-                        "(fa3_spec.eagle.regions) instead of tracing the layers inline; needs "
-                        "--compile other than none; default: on under inductor")
     p.add_argument("--compile-cache", metavar="PATH", default=None,
                    help="file of PyTorch's compile caches: loaded before compiling, written after "
                         "capture (a restart skips most of inductor's work)")
@@ -162,7 +162,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--check-greedy", action="store_true",
                    help="also decode greedily without speculation and compare")
     p.add_argument("--count-syncs", action=argparse.BooleanOptionalAction, default=True,
-                   help="count host syncs per iteration launch (CUDA)")
+                   help="count host syncs per iteration launch (CUDA; adds host time to each "
+                        "launch: --no-count-syncs for timings)")
     p.add_argument("--temperature", type=_non_negative(float), default=0.0,
                    help="sampling temperature of every request (0: greedy; > 0: lossless "
                         "speculative sampling)")
@@ -275,12 +276,14 @@ def load_model(args: argparse.Namespace, device: str, dtype) -> LoadedModel:
 
 
 def _scripted(args: argparse.Namespace) -> Optional[tuple]:
-    if not args.scripted:
+    if args.scripted is None:
         return None
     try:
         scripted = tuple(int(x) for x in args.scripted.split(","))
+        if not scripted or min(scripted) < 1:
+            raise ValueError
     except ValueError:
-        raise UsageError(f"--scripted must be comma-separated positive integers, got "
+        raise UsageError(f"--scripted must be comma-separated integers >= 1, got "
                          f"{args.scripted!r}") from None
     if args.check_greedy:
         raise UsageError("--check-greedy cannot check a --scripted run: its emitted tokens "
@@ -377,13 +380,13 @@ def run_eagle(args: argparse.Namespace, *, log=print) -> dict:
         max_reqs = 2 * args.batch
         # Enough pages for every row's largest reservation, plus the reserved page 0.
         spec = dataclasses.replace(spec, num_pages=spec.pool_pages(max_reqs, args.draft_attention))
-        lc = LoopConfig(spec, max_new_tokens=max_new, backend=args.backend, scripted=scripted,
+        lc = LoopConfig(spec, max_new_tokens=max_new, backend=args.backend,
                         max_eos=max(4, len(eos)), sampling=args.temperature > 0,
                         draft_attention=args.draft_attention)
         engine = EagleEngine(lc, models, max_reqs=max_reqs, buckets=args.buckets, graphs=graphs,
                              compile_backend=args.compile, cache_path=args.compile_cache,
-                             compile_regions=args.compile_regions, device=device, seed=args.seed,
-                             count_syncs=args.count_syncs and device == "cuda")
+                             device=device, seed=args.seed,
+                             acceptance=scripted_acceptance(scripted) if scripted else None)
         for i, (prompt, m) in enumerate(zip(prompts, news)):
             seed = None if args.sampling_seed is None else args.sampling_seed + i
             engine.submit(prompt, m, eos_id=eos, temperature=args.temperature,
@@ -400,8 +403,8 @@ def run_eagle(args: argparse.Namespace, *, log=print) -> dict:
                   alpha=None if loaded else DEFAULT_ALPHA if args.alpha is None else args.alpha,
                   noise=args.noise, num_layers=models.num_target_layers, eos=list(eos),
                   backend=args.backend, buckets=engine.buckets, graphs=graphs,
-                  compile=engine.compile_backend,
-                  compile_regions=engine.compile_regions,
+                  compile=engine.policy.compile_backend or "none",
+                  compile_regions=engine.policy.regions,
                   scripted=list(scripted) if scripted else None,
                   temperature=args.temperature, top_p=args.top_p,
                   sampling_top_k=args.sampling_top_k, sampling_seed=args.sampling_seed)
@@ -423,15 +426,17 @@ def run_eagle(args: argparse.Namespace, *, log=print) -> dict:
 
     if device == "cuda":
         torch.cuda.synchronize()
+    probe = HostSyncProbe(engine) if args.count_syncs else contextlib.nullcontext()
     start = time.perf_counter()
-    outputs = engine.run(progress)
+    with probe:
+        outputs = engine.run(progress)
     if device == "cuda":
         torch.cuda.synchronize()
     seconds = time.perf_counter() - start
     got = [outputs[i] for i in range(n_req)]
     tokens = sum(len(o) for o in got)
     acc = engine.stats["accept_lens"]
-    syncs = engine.stats["host_syncs"]
+    syncs = probe.counts if args.count_syncs else []
     result = dict(
         exact=None,
         mismatches=None,

@@ -12,7 +12,7 @@ in static device buffers of ``max_bs`` rows. Between iterations the host
   row (``state[:bucket]``) through a `fa3_spec.graphs.CUDAGraphRunner` over
   caller-owned buffers (the state's bucket views): on CUDA the iteration is
   compiled with inductor (the batch dimension dynamic, so every bucket
-  above 1 shares one compiled frame, `EagleEngine`'s ``dynamic_batch``) and
+  above 1 shares one compiled frame: `fa3_spec.graphs.CompilePolicy`) and
   captured as one CUDA graph per bucket; on CPU it is called, eagerly by default;
 * copies the state's outputs into pinned host memory with a non-blocking
   copy and records an event, then handles the *previous* iteration's copy:
@@ -37,19 +37,14 @@ from ..attention import resolve_backend
 from ..builders.prefill import build_prefill_metadata, extend_query_positions
 from ..config import SpecConfig
 from ..frozen import FrozenModule
-from ..graphs import INDUCTOR_OPTIONS, CUDAGraphRunner, check_buckets
-from ..probes import recording_host_syncs
+from ..graphs import CompilePolicy, CUDAGraphRunner, check_buckets
 from .decode import decode_step
+from .acceptance import AcceptanceHook
 from .iteration import LoopConfig, State, eagle_iteration, empty_state, step_in_place
 from .models import KVCache, SpecModel
 from .pool import KVPool
 from .sampling import RequestSampling, SamplingParams, sample_tokens
 from .vocab import vocab_argmax
-
-#: ``compile_backend`` values: a ``torch.compile`` backend, or ``"none"`` (no
-#: compile; with graphs, eager capture, for debugging); ``"auto"`` is
-#: ``"inductor"`` on CUDA and ``"none"`` elsewhere.
-COMPILE_BACKENDS = ("auto", "inductor", "aot_eager", "eager", "none")
 
 #: State keys the host reads back after every iteration.
 READBACK = ("out_tokens", "out_len", "seq_lens", "accept_len", "tree_tokens", "parents", "path")
@@ -153,54 +148,37 @@ class EagleEngine:
             include ``max_bs`` (`fa3_spec.graphs.check_buckets`; default: the
             powers of two up to 256 below ``max_bs``, plus ``max_bs``). A
             batch runs in the smallest bucket that holds it, the other rows
-            padding. Leaving 1 out trades batch-1 speed for compile time
-            under inductor, where bucket 1 is a frame of its own (see
-            ``dynamic_batch``). On the H200, at ``llama3-8b`` shapes, one
-            request ran 3.9-4.4% slower per iteration in bucket 2 (the
-            shared frame, one padding row) than in bucket 1, and leaving 1
-            out saved 81.5 s of a 181.5 s cold compile + capture and 8.2 s
-            of a 36.2 s restart (``benchmarks/RESULTS.md``).
+            padding. Under inductor bucket 1 is a frame of its own
+            (`fa3_spec.graphs.CompilePolicy.for_loop`): leaving 1 out trades
+            batch-1 speed for compile time.
         graphs: capture one CUDA graph per bucket (CUDA only; default: on
             with CUDA).
-        compile_backend: one of `COMPILE_BACKENDS`: the
+        compile_backend: one of `fa3_spec.graphs.COMPILE_BACKENDS`: the
             ``torch.compile(fullgraph=True)`` backend of the iteration
             (``"auto"``: inductor on CUDA, none on CPU; None means ``"none"``).
         cache_path: a file for PyTorch's compile caches (loaded before the
             first compile, written after `capture`), so a restarted process
             skips most of inductor's work.
-        dynamic_batch: compile one frame, the batch dimension dynamic, for
-            the buckets. Under ``aot_eager`` and ``eager`` bucket 1 shares it
-            (the runner's ``size_oblivious``: no 0/1 specialisation of the
-            batch); under inductor bucket 1 is a frame of its own: at
-            ``llama3-8b`` shapes on the H200, inductor 2.11's lowering of a
-            reshape between ``[B, K]`` and ``[B * K]`` guards the batch
-            against 1 even under size-oblivious sizes, so bucket 1 would
-            recompile the frame anyway, and the size-oblivious programs
-            compile slower (``benchmarks/RESULTS.md``). None (default): dynamic unless the
-            backend is inductor with at most one bucket above 1 (nothing to
-            share, so each frame keeps its batch a constant). The attribute
-            ``dynamic_batch`` says what was chosen.
-        compile_regions: run each decoder layer of the compiled iteration as
-            a compiled region (`fa3_spec.eagle.regions`: one compile of a
-            layer, with the compile backend, serves every layer and bucket)
-            instead of tracing the layers inline, so the compile does not
-            grow with depth. Needs a compile backend and models with
-            ``with_compile_regions``. None (default): regions under inductor
-            (measured on the H200 in ``benchmarks/RESULTS.md``: greedy's
-            tokens in the frames checked, a shorter cold compile, no slower
-            an iteration), inline otherwise. ``iteration_models`` are the
-            models the iteration runs.
         device: where everything lives.
         seed: pool page shuffle.
-        count_syncs: on CUDA, count synchronizing calls during each iteration
-            launch with ``torch.cuda.set_sync_debug_mode`` (adds host time).
+        policy: a `fa3_spec.graphs.CompilePolicy` to use as it is, instead of
+            the one resolved from ``compile_backend`` and ``graphs`` (leave
+            those at their defaults), e.g. regions under a CPU backend.
+        acceptance: an acceptance hook that decides each iteration's accepted
+            path instead of the target (`fa3_spec.eagle.acceptance`; for
+            benchmarks: the outputs are not the model's), or None. With a
+            hook the engine refuses sampled requests.
+
+    Attributes: ``policy``, the `fa3_spec.graphs.CompilePolicy` resolved from
+    those (``policy.regions``: the decoder layers run as compiled regions),
+    and ``iteration_models``, the models the iteration runs.
     """
 
     def __init__(self, lc: LoopConfig, models: SpecModel, *, max_reqs: Optional[int] = None,
                  buckets: Optional[Sequence[int]] = None, graphs: Optional[bool] = None,
                  compile_backend: Optional[str] = "auto", cache_path: Optional[str] = None,
-                 dynamic_batch: Optional[bool] = None, compile_regions: Optional[bool] = None,
-                 device="cpu", seed: int = 0, count_syncs: bool = False):
+                 device="cpu", seed: int = 0, acceptance: Optional[AcceptanceHook] = None,
+                 policy: Optional[CompilePolicy] = None):
         if lc.spec.topk > _draft_vocab_size(models):
             raise ValueError(
                 f"topk={lc.spec.topk} exceeds the draft's vocabulary of "
@@ -218,84 +196,46 @@ class EagleEngine:
             buckets = [b for b in (1, 2, 4, 8, 16, 32, 64, 128, 256) if b < self.max_bs]
             buckets.append(self.max_bs)
         self.buckets = check_buckets(buckets, self.max_bs)
+        regions_available = hasattr(models, "with_compile_regions")
+        if policy is None:
+            policy = CompilePolicy.for_loop(
+                device=self.device, compile_backend=compile_backend, graphs=graphs,
+                buckets=self.buckets, regions_available=regions_available)
+        elif not isinstance(policy, CompilePolicy):
+            raise TypeError(f"policy must be a CompilePolicy, got {type(policy).__name__}")
+        elif compile_backend != "auto" or graphs is not None:
+            raise ValueError("give policy, or compile_backend and graphs, not both")
+        elif policy.regions and not regions_available:
+            raise ValueError(f"policy.regions needs models with with_compile_regions; "
+                             f"{type(models).__name__} has none")
+        elif policy.graphs and self.device.type != "cuda":
+            raise ValueError("policy.graphs needs a CUDA device")
+        self.policy = policy
         self.pool = KVPool(lc.spec, max_reqs=max_reqs or 2 * self.max_bs,
                            target_layers=models.num_target_layers,
                            draft_layers=models.num_draft_layers, num_kv_heads=models.num_kv_heads,
                            head_dim=models.head_dim, dtype=models.dtype, device=device, seed=seed,
                            draft_attention=lc.draft_attention)
         self.state = empty_state(lc, models, self.max_bs, self.device)
-        cuda = self.device.type == "cuda"
-        if graphs is None:
-            graphs = cuda
-        if graphs and not cuda:
-            raise ValueError("graphs=True needs a CUDA device")
-        backend = "none" if compile_backend is None else compile_backend
-        if backend not in COMPILE_BACKENDS:
-            raise ValueError(f"compile_backend must be one of {COMPILE_BACKENDS} or None, "
-                             f"got {compile_backend!r}")
-        if backend == "auto":
-            backend = "inductor" if cuda else "none"
-        self.graphs = graphs
-        self.compile_backend = backend
-        self.count_syncs = count_syncs and cuda
         self._views: Dict[int, State] = {}
-
-        shared = [b for b in self.buckets if b > 1]
-        self.dynamic_batch = (len(shared) > 1 or backend != "inductor") if dynamic_batch is None \
-            else bool(dynamic_batch)
-        if compile_regions is not None and not isinstance(compile_regions, bool):
-            raise TypeError(f"compile_regions must be a bool or None, got {compile_regions!r} "
-                            "(the regions compile with the engine's compile_backend)")
-        if compile_regions and backend == "none":
-            raise ValueError("compile_regions=True needs a compile backend, and this engine "
-                             f"compiles nothing (compile_backend={compile_backend!r} on "
-                             f"{self.device.type})")
-        can_regions = hasattr(models, "with_compile_regions")
-        if compile_regions and not can_regions:
-            raise ValueError(f"compile_regions=True needs models with with_compile_regions; "
-                             f"{type(models).__name__} has none")
-        if compile_regions is None:
-            compile_regions = backend == "inductor" and can_regions
-        self.compile_regions = compile_regions
-        step_models, options = models, None
-        if compile_regions:
-            step_models = models.with_compile_regions(backend)
-        if backend == "inductor" and self.dynamic_batch:
-            # With a symbolic batch index propagation is off: torch 2.13 (CPU)
-            # fails in it on this graph's symbolic loop ranges ("vr must not
-            # be None"). Measured on the H200 (benchmarks/RESULTS.md): the
-            # same ms per iteration either way.
-            options = {**INDUCTOR_OPTIONS, "constant_and_index_propagation": False}
-            if compile_regions:
-                # Around the region ops, inductor 2.11 (H200) groups a
-                # reduction over the symbolic batch into a combo kernel and
-                # fails ("Dynamic shape on reduction dimension is not
-                # supported"). The options are the runner's, so bucket 1's
-                # static frame goes without combo kernels too; the
-                # iteration measured no slower at batch 1 or 8
-                # (benchmarks/RESULTS.md). The regions' own programs keep them.
-                options["combo_kernels"] = False
+        step_models = (models.with_compile_regions(self.policy.compile_backend)
+                       if self.policy.regions else models)
         #: The models the iteration runs (their layers inline or as compiled regions).
         self.iteration_models = step_models
-
         # The loop's ints reach the compiled iteration through a module, so
         # they stay compile-time constants whatever other engines compiled.
         bound = FrozenModule.holding(lc=lc)
+        self.acceptance = acceptance
 
         def iteration(**st: torch.Tensor) -> dict:
             step_in_place(lambda s: eagle_iteration(bound.lc, step_models, self.pool.target_kv,
-                                                    self.pool.draft_kv, self.pool.req_to_token, s),
+                                                    self.pool.draft_kv, self.pool.req_to_token, s,
+                                                    acceptance=acceptance),
                           st)
             return {}
 
-        strategy = "manual" if graphs else ("eager" if backend == "none" else "compile")
-        self.runner = CUDAGraphRunner(
-            iteration, buckets=self.buckets, strategy=strategy,
-            backend=None if backend == "none" else backend, buffers=self.bucket_state,
-            dynamic_batch=self.dynamic_batch,
-            size_oblivious=self.dynamic_batch and backend in ("aot_eager", "eager"), warmup=1,
-            cache_path=cache_path,
-            inductor_options=options)
+        self.runner = CUDAGraphRunner(iteration, buckets=self.buckets, policy=self.policy,
+                                      buffers=self.bucket_state, warmup=1, cache_path=cache_path)
         self._waiting: List[Request] = []
         self._slots: List[Optional[Request]] = [None] * self.max_bs
         self._done: Dict[int, Request] = {}
@@ -304,7 +244,7 @@ class EagleEngine:
         self._pending = None  # (host copy, event, bucket) of the last launched iteration
         self._pinned = [None, None]
         self._parity = 0
-        self.stats = dict(iterations=0, accept_lens=[], host_syncs=[], launch_s=[],
+        self.stats = dict(iterations=0, accept_lens=[], launch_s=[],
                           iteration_s=[], admitted=0, finished=0)
 
     # ------------------------------------------------------------- requests
@@ -327,12 +267,16 @@ class EagleEngine:
                 ids than ``lc.max_eos``, a request that can never fit the
                 configuration (`KVPool.check_request`), a sampling value out
                 of range, or ``temperature > 0`` on a loop built with
-                ``LoopConfig(sampling=False)``.
+                ``LoopConfig(sampling=False)`` or on an engine with an
+                acceptance hook.
         """
         prompt = _check_prompt("prompt", prompt, self.models.vocab_size)
         sampling = RequestSampling.create(temperature, top_k, top_p, seed)
         if sampling.temperature > 0 and not self.lc.sampling:
             raise ValueError("temperature > 0 needs a loop built with LoopConfig(sampling=True)")
+        if sampling.temperature > 0 and self.acceptance is not None:
+            raise ValueError("temperature > 0: this engine's acceptance hook decides every "
+                             "accepted path, so nothing would be sampled")
         if max_new_tokens > self.lc.max_new_tokens:
             raise ValueError(f"max_new_tokens={max_new_tokens} exceeds the loop's "
                              f"max_new_tokens={self.lc.max_new_tokens}")
@@ -485,12 +429,7 @@ class EagleEngine:
         if not self.runner.captured:
             self.capture()
         start = time.perf_counter()
-        if self.count_syncs:
-            with recording_host_syncs() as syncs:
-                self.runner.replay(bucket, bucket)
-            self.stats["host_syncs"].append(len(syncs))
-        else:
-            self.runner.replay(bucket, bucket)
+        self.runner.replay(bucket, bucket)
         self.stats["launch_s"].append(time.perf_counter() - start)
 
     def _readback(self, bucket: int):

@@ -54,16 +54,15 @@ last emitted token, not yet in any cache) at position ``seq_len``:
    at EOS or ``max_new_tokens``; a finished request becomes a padding row
    (``seq_len = 0``) that reads nothing and writes only slot 0.
 
-``scripted`` (benchmarks only): the accepted length of each iteration is
-forced from a fixed sequence instead of decided by the target, and the
-"accepted path" is simply nodes ``0 .. a``: the same work, output that is not
-the model's. Every output produced in this mode must say so.
+An acceptance hook (`fa3_spec.eagle.acceptance`, benchmarks and studies)
+replaces step 4's decision for every row: the same work, output that is not
+the model's.
 """
 
 from __future__ import annotations
 
 import dataclasses
-from typing import Dict, Optional, Tuple
+from typing import Dict, Optional
 
 import torch
 
@@ -86,8 +85,8 @@ from .models import KVCache, SpecModel
 from .sampling import SamplingParams, choose_rows, sample_tree, state_entries, walk_tree
 from .vocab import vocab_argmax
 
-#: Emitted tokens per iteration (accepted drafts + bonus) forced in scripted
-#: mode; mean 3.5.
+#: Emitted tokens per iteration (accepted drafts + bonus) of the benchmarks'
+#: scripted acceptance (`fa3_spec.eagle.acceptance.scripted_acceptance`); mean 3.5.
 DEFAULT_SCRIPT = (3, 4, 2, 5, 3, 4)
 
 State = Dict[str, torch.Tensor]
@@ -103,9 +102,6 @@ class LoopConfig:
             ``max_new_tokens`` of a request).
         backend: attention backend (``"torch"``, ``"fa3"``, ``"auto"``).
         num_splits: FA3 split count (None: fa3_spec's default).
-        scripted: emitted-tokens sequence forced per iteration (benchmarks),
-            or None for real acceptance. Scripted iterations ignore the
-            sampling parameters (argmax bonus).
         max_eos: EOS ids a request may have at most (the state's ``eos``
             set per row is this wide, padded with -1; Llama 3.1 has 3).
         sampling: the iteration also runs the sampled walk and takes it for
@@ -128,7 +124,6 @@ class LoopConfig:
     max_new_tokens: int
     backend: str = "auto"
     num_splits: Optional[int] = None
-    scripted: Optional[Tuple[int, ...]] = None
     max_eos: int = 4
     sampling: bool = True
     draft_attention: str = "ancestors"
@@ -149,8 +144,6 @@ class LoopConfig:
             raise ValueError("max_new_tokens must be >= 1")
         if self.max_eos < 1:
             raise ValueError(f"max_eos must be >= 1, got {self.max_eos}")
-        if self.scripted is not None and (not self.scripted or min(self.scripted) < 1):
-            raise ValueError("scripted must be a non-empty sequence of positive lengths")
 
     @property
     def max_depth(self) -> int:
@@ -278,22 +271,16 @@ def _organize_tree(lc: LoopConfig, root, cand_tokens, cand_scores, cand_parents)
     return tokens, parents
 
 
-def _accept(lc: LoopConfig, tokens, parents, next_tokens, live, iters):
-    """Greedy walk from the root: ``(path [B, D+1], accepted [B], bonus [B])``.
+def _accept(lc: LoopConfig, tokens, parents, next_tokens, live, iters, acceptance=None):
+    """Greedy walk from the root, or ``acceptance``'s decision:
+    ``(path [B, D+1], accepted [B], bonus [B])``.
 
     ``path[:, i]`` is the node at depth ``i`` of the accepted path for
     ``i <= accepted`` (entries past it repeat the last accepted node).
     """
-    bs, n = tokens.shape
     depth_max = lc.max_depth
-    if lc.scripted is not None:
-        turn = torch.remainder(iters, len(lc.scripted))
-        forced = torch.zeros_like(iters)
-        for j, emitted in enumerate(lc.scripted):  # no host-to-device copy (capturable)
-            forced = torch.where(turn == j, emitted - 1, forced)
-        accepted = forced.clamp(0, depth_max)
-        i = torch.arange(depth_max + 1, device=tokens.device)
-        path = torch.minimum(i.unsqueeze(0), accepted.unsqueeze(1))
+    if acceptance is not None:
+        path, accepted = acceptance(tokens, parents, live, iters, depth_max)
     else:
         def argmax_child(cur, child):  # the child whose token is the target's argmax at cur
             return child & (tokens == next_tokens.gather(1, cur.unsqueeze(1)))
@@ -319,9 +306,11 @@ def draft_phase(lc: LoopConfig, models: SpecModel, draft_kv: KVCache,
 
 
 def verify_phase(lc: LoopConfig, models: SpecModel, target_kv: KVCache,
-                 req_to_token: torch.Tensor, st: State, tree: State, metadata=None) -> State:
-    """Steps 3-5: verify, acceptance (greedy, or sampled), commit. ``metadata``: the verify
-    metadata, or None to build it here (`build_target_verify_metadata`)."""
+                 req_to_token: torch.Tensor, st: State, tree: State, metadata=None,
+                 acceptance=None) -> State:
+    """Steps 3-5: verify, acceptance (greedy, or sampled, or ``acceptance``'s), commit.
+    ``metadata``: the verify metadata, or None to build it here
+    (`build_target_verify_metadata`)."""
     cfg = lc.spec
     n, dmax = cfg.num_draft_tokens, lc.max_depth
     seq_lens = st["seq_lens"]
@@ -349,8 +338,9 @@ def verify_phase(lc: LoopConfig, models: SpecModel, target_kv: KVCache,
     next_tokens = vocab_argmax(logits)
 
     # 4. Greedy acceptance; sampled rows: the lossless walk (its counter: tokens emitted).
-    path, accepted, bonus = _accept(lc, tokens, parents, next_tokens, live, st["iters"])
-    if lc.sampling and lc.scripted is None:
+    path, accepted, bonus = _accept(lc, tokens, parents, next_tokens, live, st["iters"],
+                                    acceptance)
+    if lc.sampling and acceptance is None:
         sampled = sample_tree(logits, tokens, parents, live, SamplingParams.from_state(st),
                               st["out_len"], dmax)
         path, accepted, bonus = choose_rows(st["temperature"] > 0, sampled, (path, accepted, bonus))
@@ -444,7 +434,7 @@ def extend_phase(lc: LoopConfig, models: SpecModel, draft_kv: KVCache,
 
 
 def eagle_iteration(lc: LoopConfig, models: SpecModel, target_kv: KVCache, draft_kv: KVCache,
-                    req_to_token: torch.Tensor, st: State) -> State:
+                    req_to_token: torch.Tensor, st: State, acceptance=None) -> State:
     """One speculative iteration over the batch state ``st`` (see the module docstring).
 
     Args:
@@ -454,6 +444,8 @@ def eagle_iteration(lc: LoopConfig, models: SpecModel, target_kv: KVCache, draft
         req_to_token: int32 ``[max_reqs, >= spec.draft_row_len_for(lc.draft_attention)]``.
         st: batch state from `empty_state` (rows ``[B]``; padding rows have
             ``seq_lens == 0``).
+        acceptance: an acceptance hook (`fa3_spec.eagle.acceptance`) that
+            decides the accepted path instead of the target, or None.
 
     Returns:
         The new state (same keys and shapes). Only the K/V caches are
@@ -464,7 +456,8 @@ def eagle_iteration(lc: LoopConfig, models: SpecModel, target_kv: KVCache, draft
         host-built baseline).
     """
     tree = draft_phase(lc, models, draft_kv, req_to_token, st)
-    verified = verify_phase(lc, models, target_kv, req_to_token, st, tree)
+    verified = verify_phase(lc, models, target_kv, req_to_token, st, tree,
+                            acceptance=acceptance)
     return extend_phase(lc, models, draft_kv, req_to_token, st, tree, verified)
 
 

@@ -251,10 +251,6 @@ class LlamaTarget:
     lm_head: torch.Tensor  # [H, V]
     rope: RopeTable
     compile_regions: Optional[str] = None  # `decoder_layer`'s ``regions``: None = inline
-    #: On FA3, one scheduler plan per call of a forward shared by the layers
-    #: (`fa3_spec.attention.fa3_plans`), where the provider plans; False:
-    #: each call plans for itself (the outputs are the same bit for bit).
-    share_fa3_plans: bool = True
 
     @classmethod
     def random(cls, shape: ModelShape, *, seed: int = 0, dtype=torch.float32,
@@ -286,9 +282,10 @@ class LlamaTarget:
         cos, sin = self.rope.at(positions)
         slots = _layer_slots(kv, slots)
         plans = None
-        if (self.share_fa3_plans and len(self.layers) > 1
-                and resolve_backend(backend, x.device) == "fa3" and provider_plans()):
-            # One FA3 scheduler plan per call, for every layer (fa3_plans).
+        if (len(self.layers) > 1 and resolve_backend(backend, x.device) == "fa3"
+                and provider_plans()):
+            # On FA3, one scheduler plan per call shared by the layers, where the
+            # provider plans (fa3_plans): the outputs are the same bit for bit.
             plans = fa3_plans(metadata, num_heads=self.shape.num_heads,
                               head_dim=self.shape.head_dim, k_cache=kv.k[0], v_cache=kv.v[0],
                               num_splits=num_splits)

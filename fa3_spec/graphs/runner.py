@@ -1,4 +1,4 @@
-"""A CUDA-graph runner: one captured step per batch-size bucket.
+"""`CUDAGraphRunner`: one captured step per batch-size bucket.
 
 The runner owns static, batch-major input buffers per bucket. A call checks
 each batch tensor against its buffer (trailing shape, dtype, device: the
@@ -40,25 +40,18 @@ is refused at capture, as is one whose leading dimension is not affine in it.
 Engine-owned tensors (``req_to_token``, KV caches, weights) are not runner
 inputs: the step closes over them and the graph bakes in their addresses.
 
-Two capture strategies:
+How the step is compiled and captured is one `fa3_spec.graphs.CompilePolicy`:
 
-* ``"manual"`` (recommended): ``torch.compile(step, fullgraph=True)`` once,
-  with the batch dimension marked dynamic so all buckets above 1 share one
-  compiled graph (bucket 1 too with ``size_oblivious=True``), then
-  ``torch.cuda.graph`` capture per bucket into one shared memory pool.
-  Buffers and outputs have fixed addresses; metadata, FA3 and the merge
-  replay with zero host work. Capture is explicit and
-  happens once, at start-up.
-* ``"reduce-overhead"``: ``torch.compile(mode="reduce-overhead")`` and let
-  CUDA-graph trees record each bucket on first use. Less code, but recording
-  happens lazily on the serving path, and outputs are overwritten by the next
-  replay (the runner clones them).
-* ``"compile"``: ``torch.compile(step, fullgraph=True)``, called directly
-  (no graph): what a CPU test of a compiled step needs.
-* ``"eager"``: no compile, no graph: the same padding logic, for CPU tests.
-
-``backend=None`` with ``"manual"`` captures the step uncompiled (eager
-capture, for debugging a compiled step).
+* graphs (the default, inductor): ``torch.compile(step, fullgraph=True)``
+  once, with the batch dimension marked dynamic so that the buckets above 1
+  share one compiled graph, then ``torch.cuda.graph`` capture per bucket into
+  one shared memory pool. Buffers and outputs have fixed addresses;
+  metadata, FA3 and the merge replay with zero host work. Capture is
+  explicit and happens once, at start-up. With ``compile_backend=None`` the
+  step is captured uncompiled (for debugging a compiled step);
+* `CompilePolicy.compiled`: compiled and called directly (no graph), what a
+  CPU test of a compiled step needs;
+* `CompilePolicy.eager`: no compile, no graph: the same padding logic.
 
 Caller-owned buffers (``buffers=``): an engine whose step updates its own
 state in place (the EAGLE loop's `fa3_spec.eagle.step_in_place`) hands the
@@ -72,9 +65,9 @@ aside and keeps them only when all succeeded, so a failed capture (a step
 that raises while warming up, ``"manual"`` without CUDA) leaves the runner as
 it was, and the next call raises the same error or captures again.
 
-Cold start: ``cache_path=`` (or `save_compile_cache` / `load_compile_cache`)
-keeps PyTorch's compile caches (``torch.compiler.save_cache_artifacts``) in
-one file, loaded before the first compile and written after `capture`.
+Cold start: ``cache_path=`` keeps PyTorch's compile caches in one file
+(`fa3_spec.graphs.cache`), loaded before the first compile and written after
+`capture`.
 
 `capture` (one call warmed up on a side stream, then captured) is the
 building block, for any step an engine captures itself.
@@ -82,18 +75,16 @@ building block, for any step an engine captures itself.
 
 from __future__ import annotations
 
-import functools
 import operator
-import os
 import time
 from typing import Callable, Dict, List, NamedTuple, Optional, Sequence, Tuple
 
 import torch
 import torch.utils._pytree as pytree
 
-from .probes import RecordingBackend
-
-STRATEGIES = ("manual", "reduce-overhead", "compile", "eager")
+from ..probes import RecordingBackend
+from .cache import load_compile_cache, save_compile_cache
+from .policy import CompilePolicy, size_oblivious
 
 
 def check_buckets(buckets, largest: Optional[int] = None) -> List[int]:
@@ -174,54 +165,6 @@ class Route(NamedTuple):
     copy: Callable[[Dict[str, torch.Tensor]], None]  # copy(batch): the live rows into the buffers
     plan: LivePlan
 
-#: Inductor settings for a compiled step that builds this library's metadata
-#: (the runner's default; `compile_fullgraph` applies them too).
-#: ``combo_kernels`` turns on inductor's *horizontal* fusion: kernels with no
-#: data dependence between them (each draft step's page table, lengths,
-#: offsets and expand table are such kernels: they differ in size, so
-#: inductor's ordinary vertical fusion keeps them apart) are launched as one
-#: kernel. Without it a draft iteration's metadata is about 11 launches;
-#: with it, the dependence depth of the graph (`benchmarks/RESULTS.md`).
-INDUCTOR_OPTIONS: Dict[str, object] = {"combo_kernels": True}
-
-
-def compile_fullgraph(fn: Callable, *, backend="inductor", options: Optional[dict] = None,
-                      **kwargs) -> Callable:
-    """``torch.compile(fn, fullgraph=True, backend=backend, **kwargs)`` with
-    `INDUCTOR_OPTIONS` (or ``options``) when the backend is inductor.
-
-    The way to compile an engine step that calls the builders, so its
-    metadata kernels fuse as the benchmarks measure them. ``mode=`` is
-    accepted (turned into its options). Any other backend (``"aot_eager"``,
-    a callable, including a `RecordingBackend` wrapping inductor, which takes
-    its own ``options=``) is passed through untouched.
-    """
-    if backend == "inductor":
-        merged = dict(INDUCTOR_OPTIONS if options is None else options)
-        mode = kwargs.pop("mode", None)
-        if mode is not None:  # torch.compile takes mode or options, not both: spell mode as options
-            from torch._inductor import list_mode_options
-
-            merged = {**list_mode_options(mode), **merged}
-        kwargs["options"] = merged
-    return torch.compile(fn, fullgraph=True, backend=backend, **kwargs)
-
-
-def _size_oblivious(compiled: Callable) -> Callable:
-    """``compiled`` called under ``backed_size_oblivious``: what dynamo traces
-    (and what the compiles nested in it trace) gets no 0/1 specialisation of
-    the sizes it marks dynamic. A config, so it acts while a call compiles;
-    a call that finds its frame compiled only runs the guards."""
-    from torch.fx.experimental import _config as shape_config
-
-    @functools.wraps(compiled)
-    def call(*args, **kwargs):
-        with shape_config.patch(backed_size_oblivious=True):
-            return compiled(*args, **kwargs)
-
-    return call
-
-
 class CUDAGraphRunner:
     """Capture ``step(**batch)`` per bucket; replay it with fresh batches.
 
@@ -232,76 +175,43 @@ class CUDAGraphRunner:
             ``bs`` (values do not matter; shapes, dtypes and device do).
         buckets: batch sizes to capture (a call with ``bs`` uses the
             smallest bucket ``>= bs``).
-        strategy: ``"manual"``, ``"reduce-overhead"``, ``"compile"`` or ``"eager"``.
-        backend: ``torch.compile`` backend (``"inductor"`` on GPU); None
-            with ``"manual"``: capture the step uncompiled.
-        dynamic_batch: mark the batch dimension dynamic so buckets share a
-            compiled graph (``"manual"``, ``"compile"``); False compiles with
-            ``dynamic=False``: one static frame per bucket, whatever was
-            compiled before in the process.
-        size_oblivious: with ``dynamic_batch``, compile under PyTorch's
-            size-oblivious reasoning for backed sizes
-            (``torch.fx.experimental._config.backed_size_oblivious``, an
-            experimental PyTorch config): a batch of 1 gets the batch symbol
-            instead of dynamo's 0/1 specialisation, so bucket 1 shares the
-            frame with the others and the step is compiled once for every
-            bucket. The step is then traced as if no batch were 1: a step
-            that broadcasts its batch dimension against another, or branches
-            on the batch being 1, would run its batch >= 2 code at batch 1,
-            and nothing checks that at run time (none of the library's steps
-            does either). Only the calls of ``compiled_step`` run under the
-            config; in PyTorch versions whose config overrides are
-            process-wide, another thread compiling at the same time would
-            see it too.
+        policy: how the step is compiled and captured (`CompilePolicy`;
+            default: inductor, the batch dynamic, one CUDA graph per bucket).
         warmup: eager-compiled runs before each capture.
         cache_path: a file for PyTorch's compile caches: loaded (if it
             exists) before the first compile, written after `capture`, so a
             second process skips most of inductor's work (`load_compile_cache`).
-        inductor_options: inductor config applied while compiling the step
-            (default `INDUCTOR_OPTIONS`; ``{}`` for inductor's defaults).
-            Ignored by other backends.
         buffers: ``buffers(bucket) -> dict`` of caller-owned input tensors
             for the bucket (see the module docstring); ``example`` may then
             be omitted. The step may update them in place; the runner never
             zero-fills them.
 
-    Attributes: ``compiled_step`` (the step as the strategy compiles it; what
-    each bucket captures). After `capture`: ``capture_seconds`` per bucket and
+    Attributes: ``compiled_step`` (the step as the policy compiles it; what
+    each bucket captures), ``strategy`` (`CompilePolicy.strategy`). After
+    `capture`: ``capture_seconds`` per bucket and
     ``compile_counter`` (a `fa3_spec.probes.RecordingBackend`: compiled frames
     and data-dependent ops seen).
     """
 
     def __init__(self, step: Callable, *,
                  example: Optional[Callable[[int], Dict[str, torch.Tensor]]] = None,
-                 buckets: Sequence[int], strategy: str = "manual",
-                 backend: Optional[str] = "inductor", dynamic_batch: bool = True,
-                 size_oblivious: bool = False, warmup: int = 2,
-                 cache_path: Optional[str] = None, inductor_options: Optional[dict] = None,
+                 buckets: Sequence[int], policy: Optional[CompilePolicy] = None,
+                 warmup: int = 2, cache_path: Optional[str] = None,
                  buffers: Optional[Callable[[int], Dict[str, torch.Tensor]]] = None):
-        if strategy not in STRATEGIES:
-            raise ValueError(f"strategy must be one of {STRATEGIES}, got {strategy!r}")
+        policy = CompilePolicy() if policy is None else policy
+        if not isinstance(policy, CompilePolicy):
+            raise TypeError(f"policy must be a CompilePolicy, got {type(policy).__name__}")
         if example is None and buffers is None:
             raise ValueError("give example= (runner-owned buffers) or buffers= (caller-owned)")
-        if backend is None and strategy in ("reduce-overhead", "compile"):
-            raise ValueError(f"strategy={strategy!r} compiles the step: backend must be given")
-        if not isinstance(size_oblivious, bool):
-            raise TypeError(f"size_oblivious must be a bool, got {size_oblivious!r}")
-        if size_oblivious and not (dynamic_batch and strategy in ("manual", "compile")
-                                   and backend is not None):
-            raise ValueError("size_oblivious=True needs dynamic_batch=True and a compiled "
-                             f"step (strategy 'manual' or 'compile' with a backend), got "
-                             f"dynamic_batch={dynamic_batch!r}, strategy={strategy!r}, "
-                             f"backend={backend!r}")
         self.step = step
         self.example = example if example is not None else buffers
         self.buffers = buffers
         self.buckets = check_buckets(buckets)
-        self.strategy = strategy
-        self.dynamic_batch = dynamic_batch
-        self.size_oblivious = size_oblivious
+        self.policy = policy
+        self.strategy = policy.strategy
+        self.dynamic_batch = policy.dynamic_batch
         self.warmup = warmup
-        options = dict(INDUCTOR_OPTIONS if inductor_options is None else inductor_options)
-        self.compile_counter = RecordingBackend(backend, options=options)
+        self.compile_counter = RecordingBackend(policy.compile_backend, options=policy.options)
         self.capture_seconds: Dict[int, float] = {}
         self._static: Dict[int, Dict[str, torch.Tensor]] = {}
         self._outputs: Dict[int, object] = {}
@@ -312,20 +222,15 @@ class CUDAGraphRunner:
         self._routes: Dict[tuple, Route] = {}  # batch signature -> its checked route
         self._dirty: Dict[int, int] = {}  # bucket -> rows [mark:] of its inputs are known zero
         self._live: Dict[Tuple[int, int], LivePlan] = {}  # (bucket, bs) -> its plan
-        if strategy == "eager" or backend is None:
+        if policy.compile_backend is None:
             self.compiled_step = step
-        elif strategy == "reduce-overhead":
-            # mode="reduce-overhead" is inductor with cudagraph trees on; spelled as
-            # options so that the inductor options can join it.
-            self.compiled_step = torch.compile(step, fullgraph=True, backend="inductor",
-                                               options={"triton.cudagraphs": True, **options})
-        else:  # manual, compile
+        else:
             # A static runner says so (dynamic=False): dynamo would otherwise make
             # the batch symbolic by itself when the same step code was compiled
             # before at another batch, e.g. by an earlier runner of one bucket.
             compiled = torch.compile(step, fullgraph=True, backend=self.compile_counter,
-                                     dynamic=None if dynamic_batch else False)
-            self.compiled_step = _size_oblivious(compiled) if size_oblivious else compiled
+                                     dynamic=None if policy.dynamic_batch else False)
+            self.compiled_step = size_oblivious(compiled) if policy.size_oblivious else compiled
 
     @property
     def captured(self) -> bool:
@@ -341,11 +246,11 @@ class CUDAGraphRunner:
         error the runner is left as it was and the error propagates.
 
         Raises:
-            RuntimeError: ``strategy="manual"`` without CUDA.
+            RuntimeError: a policy with graphs without CUDA.
         """
         if self.strategy == "manual" and not torch.cuda.is_available():
-            raise RuntimeError("strategy='manual' captures CUDA graphs and needs CUDA; "
-                               "use strategy='eager' on a machine without CUDA")
+            raise RuntimeError("a policy with graphs=True captures CUDA graphs and needs CUDA; "
+                               "use CompilePolicy.eager() or .compiled() without CUDA")
         if self.cache_path is not None and self.strategy != "eager":
             load_compile_cache(self.cache_path)
         statics: Dict[int, Dict[str, torch.Tensor]] = {}
@@ -367,10 +272,6 @@ class CUDAGraphRunner:
                 pool = pool if pool is not None else torch.cuda.graph_pool_handle()
                 graphs[bucket], outputs[bucket] = capture(
                     self.compiled_step, warmup=self.warmup, pool=pool, **static)
-            elif self.strategy == "reduce-overhead":
-                for _ in range(max(self.warmup, 2)):  # cudagraph trees record on the 2nd+ call
-                    torch.compiler.cudagraph_mark_step_begin()
-                    self.compiled_step(**static)
             if torch.cuda.is_available() and self.strategy != "eager":
                 torch.cuda.synchronize()
             seconds[bucket] = time.perf_counter() - start
@@ -571,12 +472,7 @@ class CUDAGraphRunner:
         if self.strategy == "manual":
             self._graphs[bucket].replay()
             return plan.outputs
-        static = self._static[bucket]
-        if self.strategy == "reduce-overhead":
-            torch.compiler.cudagraph_mark_step_begin()
-            out = pytree.tree_map(torch.clone, self.compiled_step(**static))
-        else:
-            out = self.compiled_step(**static)
+        out = self.compiled_step(**self._static[bucket])
         return self._live_outputs(out, bs)
 
     def __call__(self, **batch: torch.Tensor):
@@ -631,37 +527,3 @@ class CUDAGraphRunner:
     def output_buffers(self, bucket: int) -> Optional[object]:
         """The captured outputs of ``bucket`` (manual strategy)."""
         return self._outputs.get(bucket)
-
-
-# ------------------------------------------------------------------ cold start
-def save_compile_cache(path: str) -> bool:
-    """Write this process's compile-cache artifacts (inductor FX graphs,
-    AOTAutograd, autotuning: ``torch.compiler.save_cache_artifacts``) to
-    ``path``; False (nothing written) when there are none, e.g. with a
-    non-inductor backend."""
-    saved = torch.compiler.save_cache_artifacts()
-    if saved is None:
-        return False
-    artifacts, _info = saved
-    tmp = f"{path}.tmp"
-    with open(tmp, "wb") as fh:
-        fh.write(artifacts)
-    os.replace(tmp, path)  # a reader never sees half a file
-    return True
-
-
-def load_compile_cache(path: str) -> bool:
-    """Load artifacts written by `save_compile_cache` into PyTorch's caches
-    (``torch.compiler.load_cache_artifacts``) before compiling.
-
-    Returns True when artifacts were loaded; False when ``path`` does not
-    exist or holds no artifacts torch can read (an empty, truncated or
-    foreign file: torch logs why; `CUDAGraphRunner.capture` then compiles
-    from scratch and overwrites the file). Artifacts from another torch
-    version, device or configuration load but are simply not hit.
-    """
-    if not os.path.exists(path):
-        return False
-    with open(path, "rb") as fh:
-        data = fh.read()
-    return torch.compiler.load_cache_artifacts(data) is not None

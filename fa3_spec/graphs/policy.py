@@ -1,0 +1,190 @@
+"""How a step is compiled and captured: `CompilePolicy`, resolved once.
+
+A `fa3_spec.graphs.CUDAGraphRunner` reads one policy; the EAGLE engine
+resolves its own with `CompilePolicy.for_loop` from the device, the compile
+backend it was given, whether graphs were asked for, its buckets and whether
+its models can run their layers as compiled regions. Every workaround the
+compilers need lives here, each with its reason, and nowhere else.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+from typing import Callable, Dict, Optional, Sequence, Tuple
+
+import torch
+
+#: ``compile_backend`` values an engine takes: a ``torch.compile`` backend, or
+#: ``"none"`` (no compile; with graphs, eager capture, for debugging);
+#: ``"auto"`` is ``"inductor"`` on CUDA and ``"none"`` elsewhere.
+COMPILE_BACKENDS = ("auto", "inductor", "aot_eager", "eager", "none")
+
+#: Inductor settings for a compiled step that builds this library's metadata
+#: (every policy's default; `compile_fullgraph` applies them too).
+#: ``combo_kernels`` turns on inductor's *horizontal* fusion: kernels with no
+#: data dependence between them (each draft step's page table, lengths,
+#: offsets and expand table are such kernels: they differ in size, so
+#: inductor's ordinary vertical fusion keeps them apart) are launched as one
+#: kernel, so a draft iteration's metadata costs the dependence depth of its
+#: graph in launches rather than one launch per table.
+INDUCTOR_OPTIONS: Dict[str, object] = {"combo_kernels": True}
+
+
+def compile_fullgraph(fn: Callable, *, backend="inductor", options: Optional[dict] = None,
+                      **kwargs) -> Callable:
+    """``torch.compile(fn, fullgraph=True, backend=backend, **kwargs)`` with
+    `INDUCTOR_OPTIONS` (or ``options``) when the backend is inductor.
+
+    The way to compile an engine step that calls the builders, so that its
+    metadata kernels fuse. ``mode=`` is accepted (turned into its options).
+    Any other backend (``"aot_eager"``, a callable, including a
+    `fa3_spec.probes.RecordingBackend` wrapping inductor, which takes its own
+    ``options=``) is passed through untouched.
+    """
+    if backend == "inductor":
+        merged = dict(INDUCTOR_OPTIONS if options is None else options)
+        mode = kwargs.pop("mode", None)
+        if mode is not None:  # torch.compile takes mode or options, not both: spell mode as options
+            from torch._inductor import list_mode_options
+
+            merged = {**list_mode_options(mode), **merged}
+        kwargs["options"] = merged
+    return torch.compile(fn, fullgraph=True, backend=backend, **kwargs)
+
+
+def size_oblivious(compiled: Callable) -> Callable:
+    """``compiled`` called under ``backed_size_oblivious``: what dynamo traces
+    (and what the compiles nested in it trace) gets no 0/1 specialisation of
+    the sizes it marks dynamic. A config, so it acts while a call compiles;
+    a call that finds its frame compiled only runs the guards."""
+    from torch.fx.experimental import _config as shape_config
+
+    @functools.wraps(compiled)
+    def call(*args, **kwargs):
+        with shape_config.patch(backed_size_oblivious=True):
+            return compiled(*args, **kwargs)
+
+    return call
+
+
+@dataclasses.dataclass(frozen=True)
+class CompilePolicy:
+    """How a runner compiles and captures its step.
+
+    Attributes:
+        compile_backend: the ``torch.compile(fullgraph=True)`` backend, or None
+            (the step runs as written; with ``graphs``, eager capture).
+        graphs: capture one CUDA graph per bucket (CUDA only).
+        dynamic_batch: mark the batch dimension dynamic so that the buckets
+            share one compiled frame; False compiles each bucket as a static
+            frame (``dynamic=False``), whatever was compiled before.
+        size_oblivious: with ``dynamic_batch``, trace under PyTorch's
+            size-oblivious reasoning for backed sizes, so that a batch of 1
+            gets the batch symbol instead of dynamo's 0/1 specialisation and
+            bucket 1 shares the frame. The step is then traced as if no batch
+            were 1: a step that broadcasts its batch against another, or
+            branches on it being 1, would run its batch >= 2 code at batch 1
+            (none of the library's steps does).
+        regions: the step's model runs each decoder layer as a compiled
+            region (`fa3_spec.eagle.regions`), so the compile does not grow
+            with depth.
+        inductor_options: inductor config while compiling the step, as
+            ``(name, value)`` pairs (default `INDUCTOR_OPTIONS`).
+    """
+
+    compile_backend: Optional[str] = "inductor"
+    graphs: bool = True
+    dynamic_batch: bool = True
+    size_oblivious: bool = False
+    regions: bool = False
+    inductor_options: Tuple[Tuple[str, object], ...] = tuple(INDUCTOR_OPTIONS.items())
+
+    def __post_init__(self) -> None:
+        for name in ("graphs", "dynamic_batch", "size_oblivious", "regions"):
+            if not isinstance(getattr(self, name), bool):
+                raise TypeError(f"{name} must be a bool, got {getattr(self, name)!r}")
+        if self.compile_backend is not None and not isinstance(self.compile_backend, str) \
+                and not callable(self.compile_backend):
+            raise TypeError(f"compile_backend must be a backend name, a callable or None, "
+                            f"got {self.compile_backend!r}")
+        if self.size_oblivious and not (self.dynamic_batch and self.compile_backend is not None):
+            raise ValueError("size_oblivious=True needs dynamic_batch=True and a compile_backend, "
+                             f"got dynamic_batch={self.dynamic_batch!r}, "
+                             f"compile_backend={self.compile_backend!r}")
+        if self.regions and self.compile_backend is None:
+            raise ValueError("regions=True compiles each layer and needs a compile_backend")
+
+    @classmethod
+    def eager(cls) -> "CompilePolicy":
+        """No compile, no graph: the runner's padding and routing around the step as written."""
+        return cls(compile_backend=None, graphs=False)
+
+    @classmethod
+    def compiled(cls, compile_backend: str = "inductor", *,
+                 dynamic_batch: bool = True) -> "CompilePolicy":
+        """Compiled, called directly (no graph): what a CPU run of a compiled step needs."""
+        return cls(compile_backend=compile_backend, graphs=False, dynamic_batch=dynamic_batch)
+
+    @property
+    def strategy(self) -> str:
+        """``"manual"`` (graphs), ``"compile"`` (compiled, no graph) or ``"eager"``."""
+        if self.graphs:
+            return "manual"
+        return "eager" if self.compile_backend is None else "compile"
+
+    @property
+    def options(self) -> Dict[str, object]:
+        """`inductor_options` as a dict."""
+        return dict(self.inductor_options)
+
+    @classmethod
+    def for_loop(cls, *, device, compile_backend: Optional[str] = "auto",
+                 graphs: Optional[bool] = None, buckets: Sequence[int],
+                 regions_available: bool) -> "CompilePolicy":
+        """The EAGLE engine's policy on ``device``.
+
+        * ``compile_backend``: one of `COMPILE_BACKENDS` (None is ``"none"``);
+          ``"auto"`` is inductor on CUDA and no compile elsewhere.
+        * ``graphs``: default on with CUDA; refused without it.
+        * The batch is dynamic unless the backend is inductor with at most one
+          bucket above 1 (nothing to share: each frame keeps its batch a
+          constant). Under ``aot_eager`` and ``eager`` bucket 1 shares the
+          frame (``size_oblivious``); under inductor it is a frame of its
+          own, because inductor's lowering of a reshape between ``[B, K]``
+          and ``[B * K]`` guards the batch against 1 even then.
+        * Decoder layers run as compiled regions under inductor when the
+          models offer them: one compile of a layer serves every layer.
+        * Inductor with a symbolic batch: index propagation off (it fails on
+          the iteration's symbolic loop ranges), and with regions also combo
+          kernels off (it groups a reduction over the symbolic batch around
+          the region ops into one kernel, which it cannot compile). The
+          regions' own programs keep the default options.
+        """
+        device = torch.device(device)
+        backend = "none" if compile_backend is None else compile_backend
+        if backend not in COMPILE_BACKENDS:
+            raise ValueError(f"compile_backend must be one of {COMPILE_BACKENDS} or None, "
+                             f"got {compile_backend!r}")
+        cuda = device.type == "cuda"
+        if backend == "auto":
+            backend = "inductor" if cuda else "none"
+        if graphs is None:
+            graphs = cuda
+        if not isinstance(graphs, bool):
+            raise TypeError(f"graphs must be a bool or None, got {graphs!r}")
+        if graphs and not cuda:
+            raise ValueError("graphs=True needs a CUDA device")
+        inductor = backend == "inductor"
+        dynamic = len([b for b in buckets if b > 1]) > 1 or not inductor
+        regions = inductor and regions_available
+        options = dict(INDUCTOR_OPTIONS)
+        if inductor and dynamic:
+            options["constant_and_index_propagation"] = False
+            if regions:
+                options["combo_kernels"] = False
+        compiled = backend != "none"
+        return cls(compile_backend=backend if compiled else None, graphs=graphs,
+                   dynamic_batch=dynamic,
+                   size_oblivious=dynamic and backend in ("aot_eager", "eager"),
+                   regions=regions, inductor_options=tuple(options.items()))
