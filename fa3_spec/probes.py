@@ -7,7 +7,7 @@ Each answers one question about a function, with torch's own machinery:
   frames (a second frame for one call site is a recompile) and lists every
   data-dependent node (``item``/``tolist`` and values with unbacked
   symbols): each is a host sync on CUDA, even when ``fullgraph=True``
-  accepted it (torch 2.13 captures ``Tensor.item`` as an unbacked symbol).
+  accepted it (dynamo may capture ``Tensor.item`` as an unbacked symbol).
 * `host_sync_sites`: synchronising CUDA calls, via
   ``torch.cuda.set_sync_debug_mode``, each with the user frame that made it.
 * `recompile_reasons`: the guards that failed when dynamo recompiled.

@@ -271,9 +271,8 @@ def attention_call(
     Queries that no row owns, or that see no key, get output 0 and LSE
     ``-inf`` whatever the backend. FA3 leaves unowned queries unwritten and
     gives an empty row (``cache_seqlens = 0``, or a window with no key) a
-    non-finite LSE: ``-inf`` on tokenspeed-fa3 3.0.0.post20260810 (recorded
-    on the H200 by `compile_tests/test_gpu_attention_args.py` for 1, 4 and 16
-    splits, causal or not); its output there is not guaranteed finite. Any
+    non-finite LSE (``compile_tests/test_gpu_attention_args.py`` records
+    which); its output there is not guaranteed finite. Any
     non-finite LSE (``+inf``, ``-inf``, NaN) is mapped to ``-inf`` and its
     output to 0; every finite LSE is kept.
     """
@@ -327,13 +326,10 @@ def fa3_plans(metadata: Union[FA3Metadata, CascadeMetadata], *, num_heads: int, 
     Each FA3 call plans its work in a small kernel of its own before it runs
     (``prepare_varlen_num_blocks``). The plan depends only on the call's
     metadata, split count, window and head shapes, which the layers of one
-    forward share: made once here, the 32 layers of an 8B target launch 1
-    planning kernel per call instead of 32. Measured on the H200: the same
-    outputs bit for bit; 1.7-1.8 us less per call for 32 decode calls in one
-    graph (``benchmarks/results/fa3_decode_calls_h200.json``); an EAGLE
-    iteration 1.1% shorter at batch 1 (an A/B in one session, one run each,
-    ``benchmarks/RESULTS.md``): less than the planning kernels' time, which
-    mostly overlapped other kernels, and FA3 then launches a small fill
+    forward share: made once here, the layers of a deep target launch one
+    planning kernel per call instead of one per layer, with the same outputs
+    bit for bit. The gain is smaller than the planning kernels' time, because
+    they mostly overlap other kernels and FA3 then launches a small fill
     kernel per layer.
 
     Args: the forward's ``metadata``; its layers' query heads ``num_heads``

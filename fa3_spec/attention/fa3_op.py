@@ -114,13 +114,9 @@ def plan_entries(num_rows, *, causal: bool, max_seqlen_q: int, max_seqlen_k: int
     right window is 0; causal means no left window and a right window of 0,
     local any other window.
 
-    This is FA3's internal layout, not an API. Measured on tokenspeed-fa3
-    3.0.0.post20260810 on the H200 at head_dim 128 without a window, 1-64
-    rows, 1 and 16 queries per row, 0, 1 and 8 splits
-    (``benchmarks/results/fa3_decode_calls_h200.json``,
-    ``compile_tests/test_gpu_attention.py``); the head-dim and window rules,
-    read from FA3's source, were measured after (head_dim 64, 128 and 256,
-    four windows, 1-64 rows: ``compile_tests/GPU_RESULTS.md``). A wrong size fails loudly
+    This is FA3's internal layout, not an API: the GPU tests check it against
+    the installed build (``compile_tests/test_gpu_attention.py``, head dims,
+    windows, row and split counts). A wrong size fails loudly
     under inductor, which asserts a custom op's output size; eagerly FA3
     gets its own plan whatever this says. ``num_rows`` may be symbolic
     (integer arithmetic only); the other arguments are static.
@@ -200,12 +196,9 @@ def default_num_splits(num_rows, num_kv_heads: int, max_seqlen_k: int, num_sms: 
 
     Split the keys only when the call has too few (row, KV head) work items to
     fill the GPU and enough keys to split; from ``items >= sms`` on it is 1
-    (``sms // items <= 1``). Measured on the H200: a topk > 1 prefix call at
-    batch 1 ran in 110 µs unsplit and 83 µs at 16 splits; at batch 64
-    splitting moved little. A decode call at batch 1 (8 KV heads, 1024 keys,
-    page size 16 or 2; `benchmarks/model_roofline.py`) ran in 33.4 / 29.4 /
-    26.5 / 25.3 µs at 1 / 2 / 4 / 8 splits (with the output normalisation),
-    hence splits of at least 128 keys (`KEYS_PER_SPLIT`).
+    (``sms // items <= 1``). A split shorter than `KEYS_PER_SPLIT` keys costs
+    more in its combine than it saves (the kernel benchmark compares split
+    counts at decode and prefix shapes).
 
     Written without a comparison (`_min_static`, `_at_least_one`: integer
     floor divisions only), so that with a batch dimension marked dynamic

@@ -136,10 +136,10 @@ def scheduler_planner() -> Callable:
 #: Per-layer features fa3_spec may ask a provider about.
 FEATURES = ("softcap", "fp8_kv")
 
-#: Measured support of known builds, by the distribution that ships the module
-#: (tokenspeed-fa3 3.0.0.post20260810 on an H200: softcap refused with "This
-#: flash attention build does not support tanh softcapping"; FP8 KV with
-#: ``[B, H_kv]`` descales accepted). A build not listed here is probed once.
+#: Support of known builds, by the distribution that ships the module, as
+#: recorded by the GPU tests (compile_tests/GPU_RESULTS.md): tokenspeed-fa3
+#: refuses softcap and accepts FP8 KV with ``[B, H_kv]`` descales. A build not
+#: listed here is probed once.
 KNOWN_FEATURES = {
     "tokenspeed-fa3": frozenset({"fp8_kv"}),
 }

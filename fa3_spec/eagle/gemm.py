@@ -54,8 +54,8 @@ class TileConfig(NamedTuple):
 
 
 def tile_config(k: int, n: int) -> TileConfig:
-    """The tiles for ``[M, k] @ [k, n]``, fitted to the H200 sweep of
-    ``benchmarks/skinny_gemm.py`` (llama3-8b shapes, M = 1-16):
+    """The tiles for ``[M, k] @ [k, n]``, a rule fitted to a tile sweep at
+    llama3-8b's shapes for M = 1-16 (the kernel benchmark has the sweep):
 
     >>> tile_config(14336, 4096)   # down: K >> N, split K in four
     TileConfig(block_n=128, block_k=64, split=4)

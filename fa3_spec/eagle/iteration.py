@@ -113,11 +113,9 @@ class LoopConfig:
             the sglang-parity paths use). Output is exact either way; the
             draft's proposals, and so acceptance, differ. The default is
             ``"ancestors"``: EAGLE-2's own semantics, any allocator's slots,
-            and on the H200 the same ms per iteration as ``"branch"`` at
-            batch 1, 8 and 32 (within 0.5%); with derived drafts the two
-            accept the same (benchmarks/RESULTS.md), so parity with sglang
-            is no reason to keep a leaf reading keys that are not its
-            ancestors.
+            and no slower an iteration (the loop benchmark compares the
+            two), so parity with sglang is no reason to keep a leaf reading
+            keys that are not its ancestors.
     """
 
     spec: SpecConfig
@@ -216,9 +214,8 @@ def _draft_steps(lc: LoopConfig, models: SpecModel, draft_kv: KVCache, view: Bat
     # request (``owner``) and branch (``branch``), not reshaped from [B, K]
     # views; likewise each child's parent leaf (``child_parent``) from a
     # [B, K, K] view. Under size-oblivious sizes such reshapes guard the batch
-    # against 1 (in inductor's lowering on the H200; in the view's layout
-    # check for chains, k = 1), which gives bucket 1 a frame of its own
-    # (benchmarks/RESULTS.md).
+    # against 1 (in inductor's lowering; in the view's layout check for
+    # chains, k = 1), which gives bucket 1 a frame of its own.
     owner = torch.arange(bs * k, device=tokens.device) // k  # request of each leaf
     branch = torch.arange(bs * k, device=tokens.device) % k  # its branch in the request
     hidden = st["draft_hidden"][owner]

@@ -39,9 +39,9 @@ class LayerWeights:
     ``wqkv`` columns: the ``H_q`` query heads, then the ``H_kv`` key heads,
     then the ``H_kv`` value heads (``D`` columns each). ``w_gate_up``
     columns: the ``I`` gate columns, then the ``I`` up columns. Why ``[in,
-    out]``: on the H200 the 8B shapes' GEMMs stream 1.5% (M = 1) to 4%
-    (M = 64) faster as ``x @ w`` than as ``F.linear`` on ``[out, in]``
-    (``benchmarks/model_roofline.py``); on CUDA the layers multiply through
+    out]``: cuBLAS streams the target's GEMMs a little faster as ``x @ w``
+    than as ``F.linear`` on ``[out, in]`` (the kernel benchmark compares
+    them); on CUDA the layers multiply through
     `fa3_spec.eagle.gemm.matmul`, a Triton kernel at up to 16 rows.
     Build one with `from_projections`,
     the one conversion from Hugging Face's separate ``[out, in]``

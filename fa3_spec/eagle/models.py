@@ -224,7 +224,7 @@ def normed_rows(hidden: torch.Tensor, norm: Optional[torch.Tensor], eps: float,
     other way round: the norm is row-wise, so the numbers are those of
     ``rms_norm(hidden[rows])``, but a gather read inside the norm's reduction
     kernel is what inductor failed to compile with a size-oblivious batch
-    (``CantSplit``, ``benchmarks/RESULTS.md``). The extra rows cost one
+    (``CantSplit``). The extra rows cost one
     pass over ``[T, H]``.
     """
     out = hidden if norm is None else rms_norm(hidden, norm, eps)

@@ -1,9 +1,8 @@
 """Decoder layers as compiled regions: one compile of a layer serves every layer.
 
 Traced inline, the 32 layers of an 8B target make one large graph, and
-inductor's work grows with it: a cold compile of one EAGLE iteration took
-124 s on the H200, 46 s of it in the scheduler's construction and fusion
-and 29 s in its code generation (``benchmarks/RESULTS.md``). Here, while an
+inductor's work (its scheduler's fusion and its code generation above all)
+grows with it. Here, while an
 enclosing function is being compiled, each layer call is one custom op
 instead, ``fa3_spec_eagle::decoder_layer_first`` for a layer whose input is
 given whole (a forward's first layer, a draft layer) and
@@ -23,8 +22,8 @@ previous layer's three parts):
   token and row dimensions are marked dynamic, so a program serves every
   batch bucket above 1; bucket 1 (one row, a dimension of size 1, which
   dynamo specialises) compiles each program once more, unless it is called
-  under size-oblivious sizes (`fa3_spec.graphs.CUDAGraphRunner`'s
-  ``size_oblivious``, which the engine uses under ``aot_eager`` and
+  under size-oblivious sizes (`fa3_spec.graphs.CompilePolicy`'s
+  ``size_oblivious``, which the engine's policy uses under ``aot_eager`` and
   ``eager``);
 * under CUDA-graph capture the op's kernels are captured with the rest (the
   engine's warm-up call compiles every program before its capture), so a
@@ -35,9 +34,9 @@ Called eagerly (no enclosing compile), a region is a plain call of
 eager prefill must not compile a program per prompt length.
 
 Why a custom op and not ``torch.compiler.nested_compile_region``: with those
-regions inductor (torch 2.11) emitted wrong tokens on the H200 and could not
-compile them with a symbolic batch (``benchmarks/RESULTS.md``); this op is
-an ordinary inductor compile of an ordinary function.
+regions inductor emitted wrong tokens on the GPU and could not compile them
+with a symbolic batch; this op is an ordinary inductor compile of an
+ordinary function.
 
 The residual stream is carried as ``x`` plus two unsummed deltas: a layer
 returns its input ``x_in``, its attention branch ``attn_out`` and its MLP
@@ -46,8 +45,8 @@ first, so inductor fuses those adds into the next layer's RMSNorm as it
 does inline (one kernel per layer boundary). No region returns a sum with a
 matmul's result: inductor turns ``x + a @ w`` whose sum leaves the graph
 into an ``addmm``, and cuBLAS's addmm copies ``x`` into the output before
-the GEMM (one device-to-device copy per layer, found on the H200 with
-``(x_mid, mlp_out)`` returned). The caller sums the last three
+the GEMM (one device-to-device copy per layer, with ``(x_mid, mlp_out)``
+returned). The caller sums the last three
 (`fa3_spec.eagle.layer.layer_output`).
 
 The op mutates the layer's K/V cache (``mutates_args``), like
@@ -258,7 +257,7 @@ def _dynamic_rows(t: Optional[torch.Tensor], ndim: int = 1) -> Optional[torch.Te
     The metadata's tensors are marked in every dimension: the draft steps
     share a program on FA3, and their expand call's page table grows by one
     column a step (one column per draft token), so a static width would
-    compile the program once per step (measured: 3 extra compiles at 5 steps).
+    compile the program once per step.
     A width of 1 (the first step under ``ancestors``) is still specialised by
     dynamo: one extra."""
     if t is None:

@@ -2,14 +2,9 @@
 
 A decode step reduces ``[R, V]`` logits with ``R`` as small as 1 and ``V``
 around 128K. Done in one stage, such a reduction has ``R`` rows of work for
-a GPU of 132 SMs, and the compilers do not split it for us (measured on the
-H200, torch 2.11, inductor, CUDA graph, ``benchmarks/idle_breakdown.py``):
-
-* ``logits.argmax(-1)`` at ``[1, 128256]`` bf16: one Triton reduction of
-  29 µs, 0.6% of a whole 32-layer decode step;
-* ``torch.topk(log_probs, 8)`` at ``[8, 128256]``: aten's multi-block radix
-  select, 17 launches per call (4 passes of memset + 3 kernels, then a
-  gather), 60 µs of kernel time per call (301 µs over an iteration's 5).
+a GPU of over a hundred SMs, and the compilers do not split it: ``argmax``
+becomes one long Triton reduction, and ``torch.topk`` aten's multi-block radix
+select, several passes of launches per call.
 
 Here each one is a reduction inside blocks of ``block`` entries (``R * V /
 block`` independent pieces of work), then a short one over the blocks'
@@ -126,10 +121,9 @@ def vocab_cumsum(x: torch.Tensor, block: int = VOCAB_BLOCK) -> torch.Tensor:
     ``x [..., V]`` (``V > block``; a shorter one is one plain scan) is
     zero-padded to ``nb * block`` and viewed as ``[..., nb, block]``: an
     inclusive scan inside each block, plus the exclusive scan of the ``nb``
-    block totals. Same values up to summation order. Why: inductor
-    (torch 2.11, CUDA) turns one scan of 128K elements over few rows into a
-    split scan whose code generation fails ("list indices must be integers or
-    slices, not NoneType"); scans of ``block`` and ``nb`` elements are not split.
+    block totals. Same values up to summation order. Why: inductor on CUDA
+    turns one scan of a vocabulary over few rows into a split scan whose code
+    generation fails; scans of ``block`` and ``nb`` elements are not split.
 
     Example: ``vocab_cumsum(torch.ones(5), block=2)`` pads to ``[[1, 1], [1, 1],
     [1, 0]]``: inner ``[[1, 2], [1, 2], [1, 1]]``, block offsets ``[0, 2, 4]``,
