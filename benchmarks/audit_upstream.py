@@ -17,8 +17,8 @@ are not output buffers and parity, and on CUDA host syncs and capture +
 replay, each finding with its file and line (sglang's lines are those of
 its wheel's ``flashattention_backend.py``).
 
-    python3 benchmarks/audit_upstream.py --json results/audit_upstream_h200.json   # H200
-    python3 benchmarks/audit_upstream.py --device cpu                              # CPU: no syncs/capture
+    python3 benchmarks/audit_upstream.py --device cuda --json audit_upstream.json   # GPU
+    TRITON_INTERPRET=1 python3 benchmarks/audit_upstream.py --device cpu           # CPU: no syncs/capture
 
 Exits 2 when sglang's code cannot be had (the reason is printed), else 0: the
 rows are a report, whatever they say.
@@ -31,7 +31,7 @@ import sys
 
 import torch
 
-import timing
+import runs
 
 
 def _subjects(upstream, cfg, device, bs: int):
@@ -170,8 +170,8 @@ def main(argv=None) -> int:
                     torch=torch.__version__, sglang=SGLANG_VERSION, backend=args.backend,
                     config=dict(page_size=2, topk=8, num_steps=5, bs=args.bs,
                                 context_len=args.context_len),
-                    command=" ".join(["python3"] + sys.argv))
-        timing.write_json(args.json, dict(meta=meta, rows=[r.to_json() for r in rows]))
+                    command=runs.command_line("audit_upstream.py", argv))
+        runs.write_json(args.json, dict(meta=meta, rows=[r.to_json() for r in rows]))
         print(f"wrote {args.json}")
     return 0
 

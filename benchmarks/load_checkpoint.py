@@ -1,6 +1,6 @@
 """Loading a Llama-3-8B-shaped checkpoint: load time against reading its files, then the loop.
 
-    python3 benchmarks/load_checkpoint.py --dir /tmp/ckpt --json benchmarks/results/load_checkpoint_h200.json
+    python3 benchmarks/load_checkpoint.py --reps 2 --json load_checkpoint.json   # GPU
     python3 benchmarks/load_checkpoint.py --smoke --json /tmp/load_smoke.json     # CPU, tiny
 
 1. **Build** (skipped when ``--dir`` already holds them): transformers'
@@ -40,10 +40,10 @@ import time
 
 import torch
 
-from fa3_spec.eagle import DEFAULT_SCRIPT, EagleEngine, from_pretrained, make_models
-from fa3_spec.eagle.models import PRESETS
+from fa3_spec.eagle import PRESETS, from_pretrained, make_models
 
-from loop_setup import loop_config, random_prompts
+import runs
+import workload
 
 
 def hf_config(shape, num_layers: int, max_positions: int) -> dict:
@@ -173,25 +173,28 @@ def _load_child(target_dir: str, device: str) -> None:
 
 
 def load(target_dir: pathlib.Path, device, reps: int) -> dict:
-    runs = []
+    """The best of ``reps`` loads, each in a fresh process (`_load_child`)."""
+    done = []
     for _ in range(reps):
         out = subprocess.run([sys.executable, __file__, "--_load-child", str(target_dir),
                               "--device", str(device)], check=True, capture_output=True,
                              text=True, env=dict(os.environ, PYTHONPATH=os.pathsep.join(sys.path)))
-        runs.append(json.loads(out.stdout.strip().splitlines()[-1]))
-    best = min(runs, key=lambda r: r["load_s"])
-    return dict(best, load_s_all=[r["load_s"] for r in runs])
+        done.append(json.loads(out.stdout.strip().splitlines()[-1]))
+    best = min(done, key=lambda r: r["load_s"])
+    return dict(best, load_s_all=[r["load_s"] for r in done])
 
 
 def loop(models, args, label: str) -> dict:
-    lc = loop_config(args.config, batch=args.batch, context=args.context, max_new=args.new,
-                     pool_rows=2 * args.batch, backend=args.backend, scripted=DEFAULT_SCRIPT)
+    """Tokens/s of `EagleEngine.run` over ``models`` with scripted acceptance (one bucket)."""
+    lc = workload.loop_config(args.config, batch=args.batch, context=args.context,
+                              max_new=args.new, pool_rows=2 * args.batch, backend=args.backend)
     cuda = torch.device(args.device).type == "cuda"
-    eng = EagleEngine(lc, models, max_reqs=2 * args.batch, buckets=[args.batch], graphs=cuda,
-                      compile_backend=args.compile, device=args.device)
+    eng = workload.engine(lc, models, scripted=True, max_reqs=2 * args.batch,
+                          buckets=[args.batch], graphs=cuda, compile_backend=args.compile,
+                          device=args.device)
     if cuda:
         eng.capture()
-    for prompt in random_prompts(args.batch, args.context, models.vocab_size, seed=0):
+    for prompt in workload.random_prompts(args.batch, args.context, models.vocab_size, seed=0):
         eng.submit(prompt, args.new)
     eng.step()  # admission (prefill) and the first iteration: not timed
     if cuda:
@@ -205,7 +208,7 @@ def loop(models, args, label: str) -> dict:
     return dict(models=label, draft_attention=lc.draft_attention, tokens=tokens,
                 iterations=eng.stats["iterations"] - iters,
                 seconds=seconds, tokens_per_s=tokens / seconds,
-                acceptance="SCRIPTED " + ",".join(map(str, DEFAULT_SCRIPT)))
+                acceptance=workload.SCRIPTED)
 
 
 def main(argv=None) -> int:
@@ -240,14 +243,13 @@ def main(argv=None) -> int:
         preset, dtype = "llama3-8b", torch.bfloat16
         args.device = args.device or "cuda"
         args.backend = "fa3" if args.device == "cuda" else "torch"
-    args.config = tuple(int(x) for x in args.config.split(","))
+    args.config = workload.parse_config(args.config)
     shape = PRESETS[preset]
     layers = args.num_layers or shape.num_layers
     root = pathlib.Path(args.dir or f"/tmp/fa3_spec_load_{preset}_{layers}")
     target_dir, head_dir = root / "target", root / "eagle3"
-    out = dict(command="python3 benchmarks/load_checkpoint.py " + " ".join(
-        sys.argv[1:] if argv is None else argv), torch=torch.__version__,
-        device=torch.cuda.get_device_name() if args.device == "cuda" else "cpu",
+    out = dict(command=runs.command_line("load_checkpoint.py", argv), torch=torch.__version__,
+               device=runs.device_name(args.device),
         preset=preset, num_layers=layers, dtype=str(dtype))
     if args.rebuild or not (target_dir / "config.json").is_file():
         out["build_s"] = build(target_dir, head_dir, shape, layers, dtype=dtype,
@@ -256,9 +258,7 @@ def main(argv=None) -> int:
 
     def save():  # after every stage, so that a run cut short keeps what it measured
         if args.json:
-            path = pathlib.Path(args.json)
-            path.parent.mkdir(parents=True, exist_ok=True)
-            path.write_text(json.dumps(out, indent=1))
+            runs.write_json(args.json, out)
 
     out["read"] = read_files(target_dir, args.device, args.reps)
     out["load"] = load(target_dir, args.device, args.reps)
@@ -272,13 +272,14 @@ def main(argv=None) -> int:
     save()
 
     rows = out["loop"] = []
-    runs = [("preset random", lambda: make_models(preset, draft="random", dtype=dtype,
-                                                  device=args.device, num_layers=layers)),
-            ("loaded + random draft", lambda: from_pretrained(target_dir, draft="random",
-                                                              device=args.device)),
-            ("loaded + EAGLE-3 head", lambda: from_pretrained(target_dir, head_dir,
-                                                              device=args.device))]
-    for label, make in runs:
+    models_of = [
+        ("preset random", lambda: make_models(preset, draft="random", dtype=dtype,
+                                              device=args.device, num_layers=layers)),
+        ("loaded + random draft", lambda: from_pretrained(target_dir, draft="random",
+                                                          device=args.device)),
+        ("loaded + EAGLE-3 head", lambda: from_pretrained(target_dir, head_dir,
+                                                          device=args.device))]
+    for label, make in models_of:
         models = make()
         rows.append(loop(models, args, label))
         del models

@@ -1,28 +1,22 @@
-"""Timing and results helpers shared by the benchmark scripts.
+"""Timers shared by the benchmarks (medians in microseconds or milliseconds).
 
-The scripts run as ``python3 benchmarks/NAME.py`` from the repository root,
-with fa3_spec installed; Python puts ``benchmarks/`` first on ``sys.path``,
-so ``import timing`` finds this module.
-
-Three times, each a median in microseconds over ``iters`` calls of ``fn``
-after ``warmup`` calls, the device drained before every timed call (``sync``
-is ``torch.cuda.synchronize`` on CUDA, `no_sync` on CPU; `synchronizer`
-picks it):
+Three times of a call ``fn``, each a median over ``iters`` calls after
+``warmup`` calls, the device drained before every timed call (``sync`` is
+``torch.cuda.synchronize`` on CUDA, `no_sync` on CPU; `synchronizer` picks it):
 
 * host: the Python call alone, no sync inside the timed region: what the
   call costs the host (launches, staging);
 * wall: the call plus ``sync()``: what a caller waits for;
 * device: CUDA events recorded around the call (CUDA only).
 
-Report ratios within one run, not absolute numbers across runs.
+`replay_ms` times a callable captured as one CUDA graph (device time per call)
+and `kernels_per_call` counts the kernels one replay launches. Report ratios
+within one run, not absolute numbers across runs.
 """
 
 from __future__ import annotations
 
-import json
-import os
 import statistics
-import subprocess
 import time
 
 import torch
@@ -102,26 +96,34 @@ def event_us(fn, iters, *, warmup=3):
     return median_iqr_us(launch), median_iqr_us(device)
 
 
+def graph_of(fn, inner: int = 1):
+    """``fn`` called ``inner`` times, captured as one CUDA graph after a side-stream warm-up."""
+    from fa3_spec.graphs import capture
+
+    graph, _ = capture(lambda: [fn() for _ in range(inner)], warmup=2)
+    return graph
+
+
+def replay_ms(fn, reps: int = 50, inner: int = 1) -> float:
+    """Median device ms of one ``fn()`` captured as a CUDA graph (``inner`` calls per graph)."""
+    _, device = event_samples(graph_of(fn, inner).replay, reps, warmup=3)
+    return statistics.median(device) * 1e3 / inner
+
+
+def kernels_per_call(fn) -> int:
+    """CUDA kernels, copies and memsets one replay of ``fn`` captured as a graph launches."""
+    from torch.profiler import ProfilerActivity, profile
+
+    graph = graph_of(fn)
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        graph.replay()
+        torch.cuda.synchronize()
+    return sum(1 for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA)
+
+
 def copy_leaves(static, fresh):
-    """Copy ``fresh`` into the captured buffers ``static`` (the same pytree of tensors)."""
+    """Copy ``fresh`` into the captured buffers ``static`` (the same pytree of
+    tensors): the host half of a timed host-metadata path."""
     for dst, src in zip(pytree.tree_leaves(static), pytree.tree_leaves(fresh)):
         dst.copy_(src)
-
-
-def fresh_process_row(cmd, inductor_cache_dir: str, what: str) -> dict:
-    """Run ``cmd`` (a child benchmark process) with ``inductor_cache_dir`` as
-    its inductor cache (a new folder: a cold compile) and return its last
-    stdout line parsed as JSON. A child that fails ends this process (exit 1)
-    with ``what`` and the tail of the child's stderr."""
-    env = dict(os.environ, TORCHINDUCTOR_CACHE_DIR=inductor_cache_dir)
-    done = subprocess.run(cmd, env=env, capture_output=True, text=True)
-    if done.returncode:
-        raise SystemExit(f"{what} failed:\n{done.stderr[-3000:]}")
-    return json.loads(done.stdout.strip().splitlines()[-1])
-
-
-def write_json(path, doc):
-    """Write ``doc`` to ``path`` (its folder made if missing), one-space indent."""
-    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
-    with open(path, "w") as fh:
-        json.dump(doc, fh, indent=1)

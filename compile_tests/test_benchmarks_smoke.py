@@ -1,10 +1,16 @@
-"""The benchmark entry points run end to end in their CPU smoke modes.
+"""The benchmarks' layout, and their entry points end to end in CPU smoke modes.
+
+Layout: a fixed set of entry points (``benchmarks/NAME.py``, the only files
+with a ``__main__`` block), each a table of subcommand modules; every other
+file a helper; no import cycle among them; each entry point named in
+``benchmarks/README.md``.
 
 Smoke runs exercise every code path at tiny sizes; their timings mean nothing.
 Each runs as a script in a child process, side by side with the others
 (children.py).
 """
 
+import ast
 import json
 import pathlib
 import sys
@@ -14,21 +20,103 @@ import pytest
 import children
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
+BENCH = ROOT / "benchmarks"
+ENTRY_POINTS = {"loop.py", "compile.py", "kernel_bench.py", "metadata.py", "audit_upstream.py",
+                "load_checkpoint.py"}
 
 
-def smoke(script, *extra, out="rows.json"):
-    """A job: ``benchmarks/SCRIPT --smoke --json TMP/OUT EXTRA...``; the JSON it wrote.
+def _has_main_block(tree: ast.Module) -> bool:
+    return any(isinstance(node, ast.If) and "__main__" in ast.unparse(node.test)
+               for node in tree.body)
+
+
+def _local_imports(tree: ast.Module) -> set:
+    names = {p.stem for p in BENCH.glob("*.py")}
+    found = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            found |= {a.name for a in node.names}
+        elif isinstance(node, ast.ImportFrom) and node.module and not node.level:
+            found.add(node.module)
+    return found & names
+
+
+TREES = {p.name: ast.parse(p.read_text()) for p in sorted(BENCH.glob("*.py"))}
+
+
+def test_only_the_entry_points_run_as_scripts():
+    assert {name for name, tree in TREES.items() if _has_main_block(tree)} == ENTRY_POINTS
+
+
+def test_every_subcommand_module_has_its_prog_help_and_main():
+    sys.path.insert(0, str(BENCH))
+    try:
+        import compile as compile_entry
+        import kernel_bench
+        import loop
+        import metadata
+    finally:
+        sys.path.remove(str(BENCH))
+    for entry in (loop, compile_entry, kernel_bench, metadata):
+        name = pathlib.Path(entry.__file__).name
+        for sub, module in entry.COMMANDS.items():
+            assert module.PROG == f"{name} {sub}", (name, sub)
+            assert module.HELP and callable(module.main)
+
+
+def test_the_benchmarks_import_each_other_without_a_cycle():
+    edges = {name[:-3]: _local_imports(tree) for name, tree in TREES.items()}
+    state = {}
+
+    def visit(module, path):
+        state[module] = "open"
+        for target in sorted(edges[module]):
+            assert state.get(target) != "open", "import cycle: " + " -> ".join(path + [target])
+            if target not in state:
+                visit(target, path + [target])
+        state[module] = "done"
+
+    for module in sorted(edges):
+        if module not in state:
+            visit(module, [module])
+    entries = {e[:-3] for e in ENTRY_POINTS}
+    assert not any(edges[m] & entries for m in edges), "a module imports an entry point"
+
+
+def test_the_readme_names_every_entry_point_and_subcommand():
+    text = (BENCH / "README.md").read_text()
+    assert all(f"benchmarks/{name}" in text for name in ENTRY_POINTS)
+    sys.path.insert(0, str(BENCH))
+    try:
+        import compile as compile_entry
+        import kernel_bench
+        import loop
+        import metadata
+    finally:
+        sys.path.remove(str(BENCH))
+    for entry in (loop, compile_entry, kernel_bench, metadata):
+        for sub in entry.COMMANDS:
+            assert f"{pathlib.Path(entry.__file__).name} {sub}" in text, sub
+
+
+def smoke(script, *extra, out="rows.json", env=None):
+    """A job: ``benchmarks/SCRIPT EXTRA... --smoke --json TMP/OUT``; the JSON it
+    wrote, or None when the script exits 2 (a dependency it names is missing).
     ``{tmp}`` in EXTRA is the job's directory."""
     def job(tmp):
         path = tmp / out
-        children.run([sys.executable, str(ROOT / "benchmarks" / script), "--smoke", "--json",
-                      str(path), *(a.format(tmp=tmp) for a in extra)], cwd=ROOT)
+        done = children.run([sys.executable, str(BENCH / script),
+                             *(a.format(tmp=tmp) for a in extra), "--smoke", "--json", str(path)],
+                            cwd=ROOT, check=False, env_extra=env)
+        if done.returncode == 2:
+            return None
+        assert done.returncode == 0, done.stderr[-3000:]
         return json.loads(path.read_text())
     return job
 
 
-@pytest.mark.children(job=smoke("bench.py"))
-def test_bench_smoke(child):
+@pytest.mark.children(job=smoke("metadata.py", "scenarios"))
+def test_metadata_scenarios_smoke(child):
     rows = child.result()["rows"]
     assert {r["kind"] for r in rows} == {"metadata", "draft_loop", "verify"}
     assert all(r["upstream_host_us"] > 0 for r in rows if r["kind"] == "metadata")
@@ -37,49 +125,64 @@ def test_bench_smoke(child):
                if r["kind"] == "draft_loop" and r["upstream_baseline"] == "model")
 
 
-@pytest.mark.children(job=smoke("perf.py", out="perf.json"))
-def test_perf_smoke_writes_the_issue_schema(child):
+@pytest.mark.children(job=smoke("metadata.py", "perf", out="perf.json"))
+def test_metadata_perf_smoke(child):
     doc = child.result()
     assert doc["cold_capture_s"] > 0 and doc["warm_capture_s"] > 0
     keys = {"scenario", "batch", "page_size", "topk", "runner_staging_us", "metadata_device_us",
             "metadata_kernels_per_step", "loop_over_floor_device_pct", "upstream_baseline"}
     assert doc["rows"] and all(keys <= set(r) for r in doc["rows"])
     assert all(r["upstream_baseline"] in ("sglang-0.5.23", "model") for r in doc["rows"])
-    # perf.py's cold/warm capture is compile_capture.py --smoke in a child: its rows.
+    # The capture rows are `compile.py runner --smoke` in a child: every step mode.
     rows = doc["compile_rows"]
     assert len(rows) == 4 and all(r["replay_rel_err"] < 1e-4 for r in rows)
 
 
-@pytest.mark.children(job=smoke("region_compile.py"))
-def test_region_compile_smoke(child):
+@pytest.mark.children(job=smoke("metadata.py", "staging"))
+def test_metadata_staging_smoke(child):
+    rows = child.result()["rows"]
+    assert [r["batch"] for r in rows] == [1, 8, 64] and all(r["call_host_us"] > 0 for r in rows)
+
+
+@pytest.mark.children(job=smoke("metadata.py", "adapter", env={"TRITON_INTERPRET": "1"}))
+def test_metadata_adapter_smoke(child):
+    doc = child.result()
+    if doc is None:
+        pytest.skip("sglang's code is unavailable here")
+    assert [r["bs"] for r in doc["rows"]] == [1, 3] and all(r["parity"] for r in doc["rows"])
+
+
+@pytest.mark.children(job=smoke("compile.py", "regions"))
+def test_compile_regions_smoke(child):
     rows = child.result()["rows"]
     assert [(r["layers"], r["mode"], r["region_programs"]) for r in rows] == [
         (2, "regions", 2)]  # layer 0, and the rest
     assert rows[0]["max_abs_diff_vs_eager"] == 0  # eager backend: the same ops
 
 
-@pytest.mark.children(job=smoke("runner_staging.py"))
-def test_runner_staging_smoke(child):
-    rows = child.result()["rows"]
-    assert [r["batch"] for r in rows] == [1, 8, 64] and all(r["call_host_us"] > 0 for r in rows)
-
-
-@pytest.mark.children(job=smoke("load_checkpoint.py", "--dir", "{tmp}/ckpt",
-                                 out="load.json"))
+@pytest.mark.children(job=smoke("load_checkpoint.py", "--dir", "{tmp}/ckpt", out="load.json"))
 def test_load_checkpoint_smoke(child):
     pytest.importorskip("transformers")
     doc = child.result()
     assert doc["read"]["bytes"] > 0 and doc["load"]["load_s"] > 0
     assert [r["models"] for r in doc["loop"]] == ["preset random", "loaded + random draft",
                                                   "loaded + EAGLE-3 head"]
-    assert all(r["tokens"] > 0 and r["acceptance"].startswith("SCRIPTED") for r in doc["loop"])
+    assert all(r["tokens"] > 0 and r["acceptance"].startswith("scripted") for r in doc["loop"])
 
 
-@pytest.mark.children(job=smoke("ancestors_bench.py", out="ancestors.json"))
-def test_ancestors_bench_smoke(child):
+@pytest.mark.children(job=smoke("loop.py", "ancestors", out="ancestors.json"))
+def test_loop_ancestors_smoke(child):
     doc = child.result()
     [row] = doc["acceptance_rows"]
     assert row["same_tokens"] is True and row["branch"] >= 1 and row["ancestors"] >= 1
     assert [r["draft_attention"] for r in doc["cost_rows"]] == ["branch", "ancestors"]
     assert all(r["ms_per_iteration"] > 0 and r["acceptance"].startswith("scripted")
                for r in doc["cost_rows"])
+
+
+@pytest.mark.children(job=smoke("loop.py", "sampling", out="sampling.json"))
+def test_loop_sampling_smoke(child):
+    rows = child.result()["rows"]
+    assert [r["variant"] for r in rows] == ["greedy", "greedy_rows", "sampled"]
+    assert all(r["ms_per_iteration"] > 0 and r["mean_accept_len"] >= 1 for r in rows)
+    assert rows[0]["mean_accept_len"] == rows[1]["mean_accept_len"]  # temperature 0 is greedy

@@ -1,10 +1,10 @@
-"""benchmarks/compile_modes.py: the timing of a batch in two buckets."""
+"""benchmarks/compile_engine.py (``compile.py engine``): the timing of a batch in two buckets."""
 
 import pathlib
 import sys
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1] / "benchmarks"))
-import compile_modes  # noqa: E402
+import compile_engine  # noqa: E402
 
 
 class _ClockedEngine:
@@ -15,8 +15,8 @@ class _ClockedEngine:
         self.now = 0.0
         self.step = 0
         self.launched = []
-        monkeypatch.setattr(compile_modes.time, "perf_counter", lambda: self.now)
-        monkeypatch.setattr(compile_modes.torch.cuda, "synchronize", lambda: None)
+        monkeypatch.setattr(compile_engine.time, "perf_counter", lambda: self.now)
+        monkeypatch.setattr(compile_engine.torch.cuda, "synchronize", lambda: None)
 
     def launch(self, bucket):
         self.step += 1
@@ -24,11 +24,16 @@ class _ClockedEngine:
         self.launched.append(bucket)
 
 
-def test_compile_modes_times_two_buckets_in_blocks_that_cancel_a_drift(monkeypatch):
+def test_two_buckets_are_timed_in_blocks_that_cancel_a_drift(monkeypatch):
     eng = _ClockedEngine(monkeypatch)
-    a, b = compile_modes._ms_per_iteration(eng, [1, 2], warmup=3, iters=20)
+    a, b = compile_engine.ms_per_iteration(eng, [1, 2], warmup=3, iters=20)
     assert a == b  # a linear drift weighs both buckets alike in A, B, B, A
     timed = eng.launched[6:]
     assert eng.launched[:6] == [1] * 3 + [2] * 3 and timed == [1] * 10 + [2] * 20 + [1] * 10
     one = _ClockedEngine(monkeypatch)  # one bucket: replays 4-23 timed, 4..23 ms each
-    assert compile_modes._ms_per_iteration(one, [4], warmup=3, iters=20) == [13.5]
+    assert compile_engine.ms_per_iteration(one, [4], warmup=3, iters=20) == [13.5]
+
+
+def test_the_engine_run_refuses_a_timed_batch_no_bucket_holds(capsys):
+    assert compile_engine.main(["--buckets", "1", "2", "--time-batches", "4"]) == 2
+    assert "must fit a bucket" in capsys.readouterr().err

@@ -1,4 +1,5 @@
-"""benchmarks/eagle_bench.py runs end to end in its CPU smoke mode.
+"""``benchmarks/loop.py compare`` end to end in its CPU smoke mode, and the
+FLOP count its compute floor rests on.
 
 The smoke run's timings mean nothing; what it checks is that every variant
 runs and that (a) metadata built in the iteration and (b) host-filled
@@ -21,13 +22,15 @@ from fa3_spec.harness.sglang_upstream import SGLANG_VERSION
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 SGLANG = f"sglang-{SGLANG_VERSION} replay functions"
 MODEL = "fa3_spec upstream-style model"
+#: sglang's kernels run on CPU in Triton's interpreter, fixed before Triton's first import.
+INTERPRET = {"TRITON_INTERPRET": "1"}
 
 
 def _smoke(tmp, *extra):
     """A job's run: the smoke's rows (each child runs side by side with the others: children.py)."""
-    out = tmp / "eagle.json"
-    children.run([sys.executable, str(ROOT / "benchmarks" / "eagle_bench.py"), "--smoke",
-                  "--json", str(out), *extra], cwd=ROOT)
+    out = tmp / "loop.json"
+    children.run([sys.executable, str(ROOT / "benchmarks" / "loop.py"), "compare", "--smoke",
+                  "--json", str(out), *extra], cwd=ROOT, env_extra=INTERPRET)
     return json.loads(out.read_text())["rows"]
 
 
@@ -36,6 +39,7 @@ def _check(rows):
     for row in rows:
         assert row["acceptance"] == "scripted:3,4,2,5,3,4"
         assert row["compile"] == "none"  # the CPU default
+        assert row["kernels"]["gemm"] == "triton"  # the library's default kernels, recorded
         for field in ("a_ms_per_iteration", "a_tokens_per_s", "c_ms_per_token", "c_tokens_per_s"):
             assert row[field] > 0
         # (b)'s flat fields exist only where (b) ran sglang's own code.
@@ -54,12 +58,12 @@ def _auto(tmp):
     probe = children.run(
         [sys.executable, "-c", "from fa3_spec.harness.sglang_upstream import "
          "load_upstream_or_reason as l; import sys; sys.exit(l(fetch=False)[0] is None)"],
-        cwd=ROOT, timeout=300, check=False)
+        cwd=ROOT, timeout=300, check=False, env_extra=INTERPRET)
     return probe.returncode == 0, _smoke(tmp)
 
 
 @pytest.mark.children(job=_auto)
-def test_eagle_bench_smoke_auto(child):
+def test_loop_compare_smoke_auto(child):
     """auto: sglang's own functions when they load here, else the model, labelled so."""
     loads, rows = child.result()
     _check(rows)
@@ -70,42 +74,40 @@ def test_eagle_bench_smoke_auto(child):
 
 
 @pytest.mark.children(job=lambda tmp: _smoke(tmp, "--upstream", "model"))
-def test_eagle_bench_smoke_model(child):
+def test_loop_compare_smoke_model(child):
     rows = _check(child.result())
     assert {row["b_metadata_source"] for row in rows} == {MODEL}
 
 
 @pytest.mark.parametrize("p, k, s, n, mode", [(2, 8, 5, 16, "branch"), (16, 1, 5, 6, "ancestors")])
 def test_the_flop_count_of_the_compute_floor_is_what_torch_counts(p, k, s, n, mode):
-    """`forward_flops`' matmul FLOPs equal `FlopCounterMode`'s ``aten.mm`` count
-    of one eager (a) iteration and of one (c) decode step (the attention's
+    """`floors.forward_flops`' matmul FLOPs equal `FlopCounterMode`'s ``aten.mm``
+    count of one eager (a) iteration and of one (c) decode step (the attention's
     FLOPs are not compared: the reference attention computes over padded keys)."""
-    import dataclasses
-
     import torch
     from torch.utils.flop_counter import FlopCounterMode
 
-    import fa3_spec
-    from fa3_spec.eagle import DEFAULT_SCRIPT, EagleEngine, LoopConfig, make_models
+    from fa3_spec.eagle import make_models
 
     sys.path.insert(0, str(ROOT / "benchmarks"))
-    import eagle_bench
+    import floors
+    import workload
+    from loop_variants import greedy_segment
 
     models = make_models("tiny", draft="random")
     batch, context = 3, 40
-    spec = fa3_spec.SpecConfig(page_size=p, topk=k, num_steps=s, num_draft_tokens=n,
-                               max_bs=batch, max_context_len=context + 64 + n)
-    spec = dataclasses.replace(spec, num_pages=spec.pool_pages(batch, mode))
-    lc = LoopConfig(spec, max_new_tokens=64, backend="torch", scripted=DEFAULT_SCRIPT,
-                    draft_attention=mode)
-    eng = EagleEngine(lc, models, max_reqs=batch, buckets=[batch], compile_backend="none")
+    lc = workload.loop_config((p, k, s, n), batch=batch, context=context, max_new=64,
+                              max_context_len=context + 64 + n, draft_attention=mode,
+                              backend="torch")
+    eng = workload.engine(lc, models, scripted=True, max_reqs=batch, buckets=[batch],
+                          compile_backend="none")
     for _ in range(batch):
         eng.submit(list(range(1, context + 1)), 64)
     eng.admit()
-    want = eagle_bench.forward_flops(models, spec, batch, context)
+    want = floors.forward_flops(models, lc.spec, batch, context)
     with FlopCounterMode(display=False) as a:
         eng.launch(batch)
-    seg, _ = eagle_bench.greedy_segment(eng, batch, graphs=False)
+    seg, _ = greedy_segment(eng, batch, graphs=False)
     with FlopCounterMode(display=False) as c:
         seg.run()
     mm = torch.ops.aten.mm

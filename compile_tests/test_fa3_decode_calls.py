@@ -1,4 +1,5 @@
-"""benchmarks/fa3_decode_calls.py refuses bad input and a machine without CUDA (exit 2)."""
+"""benchmarks/kernel_bench.py: each kernel benchmark refuses bad input and a
+machine without CUDA (exit 2), before it touches the device."""
 
 import pathlib
 import sys
@@ -7,12 +8,22 @@ import pytest
 import torch
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1] / "benchmarks"))
-import fa3_decode_calls  # noqa: E402
+import kernel_bench  # noqa: E402
 
 
-@pytest.mark.parametrize("argv, says", [([], "needs CUDA"), (["--splits", "0"], "must be >= 1"),
-                                        (["--batches", "-1"], "must be >= 1")])
-def test_the_script_exits_2_without_cuda_or_with_a_bad_count(argv, says, monkeypatch, capsys):
+@pytest.mark.parametrize("argv, says", [
+    (["fa3-decode"], "needs CUDA"),
+    (["fa3-decode", "--splits", "0"], "must be >= 1"),
+    (["fa3-decode", "--batches", "-1"], "must be >= 1"),
+    (["kv-store"], "needs CUDA and Triton"),
+    (["kv-store", "--tokens", "0"], "--tokens must be >= 1"),
+    (["kv-store", "--num-pages", "2"], "holds fewer slots"),
+    (["gemm"], "needs a CUDA GPU"),
+    (["gemm", "--m", "17"], "must lie in [1, 16]"),
+    (["no-such"], "unknown subcommand"),
+])
+def test_a_kernel_benchmark_exits_2_without_cuda_or_with_a_bad_count(argv, says, monkeypatch,
+                                                                       capsys):
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
-    assert fa3_decode_calls.main(argv) == 2
+    assert kernel_bench.main(argv) == 2
     assert says in capsys.readouterr().err

@@ -1,7 +1,7 @@
-"""benchmarks/idle_breakdown.py: the split of a trace's GPU span, on synthetic traces.
+"""benchmarks/gpu_trace.py: the split of a trace's GPU span, on synthetic traces.
 
-The profile itself needs CUDA; on CPU the script exits 2. What is checked
-here is the accounting every GPU figure of the script rests on: busy time is
+The profile (``loop.py idle``) needs CUDA; on CPU it exits 2. What is checked
+here is the accounting every GPU figure of the profile rests on: busy time is
 the union of the ops (overlaps counted once), a gap between two ops of one
 ``cudaGraphLaunch`` is idle inside the graph, any other gap is idle between
 launches, and the three add up to the span.
@@ -16,7 +16,8 @@ import torch
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "benchmarks"))
 
-import idle_breakdown  # noqa: E402
+import gpu_trace  # noqa: E402
+import loop  # noqa: E402
 
 
 def _launch(corr, name="cudaGraphLaunch"):
@@ -37,7 +38,7 @@ def test_gaps_inside_a_graph_and_between_launches_add_up_to_the_span():
         _op("nvjet_tst_gemm", 200, 30, 2),          # 16 us: the next launch
         _op("elementwise_kernel", 240, 5, 3),       # 10 us: an eager op
     ]
-    r = idle_breakdown.breakdown(events, top=2)
+    r = gpu_trace.breakdown(events, top=2)
     assert r["span_us"] == 145.0
     assert r["busy_us"] == 60 + 10 + 4 + 30 + 5
     assert r["idle_in_graph_us"] == 10.0
@@ -56,7 +57,7 @@ def test_gaps_inside_a_graph_and_between_launches_add_up_to_the_span():
 
 
 def test_kernel_names_keep_only_their_leading_template_names():
-    name = idle_breakdown.kernel_name
+    name = gpu_trace.kernel_name
     assert name("void flash::FlashAttnFwdSm90<Shape<_64>, true>(Params)") == \
         "void flash::FlashAttnFwdSm90<Shape<_64>>"
     assert name("void cutlass::device_kernel<flash::FlashAttnFwdCombine<X<1>>>(P)") != \
@@ -74,18 +75,18 @@ def test_kernel_names_keep_only_their_leading_template_names():
 
 def test_a_gap_between_two_eager_launches_of_one_correlation_is_not_a_graphs():
     events = [_launch(7, "cudaLaunchKernel"), _op("a", 0, 5, 7), _op("b", 8, 2, 7)]
-    r = idle_breakdown.breakdown(events)
+    r = gpu_trace.breakdown(events)
     assert r["idle_in_graph_us"] == 0.0 and r["idle_between_launches_us"] == 3.0
 
 
 def test_a_trace_without_gpu_ops_is_all_zeros():
-    r = idle_breakdown.breakdown([_launch(1), dict(cat="cpu_op", name="aten::mm", ts=0, dur=9)])
+    r = gpu_trace.breakdown([_launch(1), dict(cat="cpu_op", name="aten::mm", ts=0, dur=9)])
     assert r["span_us"] == 0.0 and r["ops"] == 0 and r["largest_gaps"] == []
 
 
 @pytest.mark.parametrize("argv", [[], ["--configs", "2,8,5"]])
-def test_the_script_exits_2_without_cuda_or_with_a_bad_config(argv, monkeypatch, capsys):
+def test_the_profile_exits_2_without_cuda_or_with_a_bad_config(argv, monkeypatch, capsys):
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
-    assert idle_breakdown.main(argv) == 2
+    assert loop.main(["idle", *argv]) == 2
     err = capsys.readouterr().err
     assert ("--configs" in err) if argv else ("needs CUDA" in err)
