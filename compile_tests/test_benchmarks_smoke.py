@@ -99,6 +99,37 @@ def test_the_readme_names_every_entry_point_and_subcommand():
             assert f"{pathlib.Path(entry.__file__).name} {sub}" in text, sub
 
 
+RESULTS = BENCH / "results"
+REPORTS = [BENCH / "RESULTS.md", BENCH / "README.md", ROOT / "compile_tests" / "GPU_RESULTS.md"]
+#: Words about how the results were made, which the reports do not carry.
+HISTORY = [r"\bsessions?\b", r"machine start", r"device tool", r"\bissue #?\d+", r"\(before\)"]
+
+
+def _keys(doc) -> set:
+    if isinstance(doc, dict):
+        return set(doc) | {k for v in doc.values() for k in _keys(v)}
+    if isinstance(doc, list):
+        return {k for v in doc for k in _keys(v)}
+    return set()
+
+
+def test_every_result_file_is_cited_holds_no_prose_and_names_its_commit():
+    import re
+
+    cited = "\n".join(p.read_text() for p in REPORTS)
+    files = sorted(p.name for p in RESULTS.iterdir())
+    assert [f for f in files if f not in cited] == []
+    named = set(re.findall(r"`(\w+_(?:h200|cpu)\w*\.json)`", cited))
+    assert named - set(files) == set()
+    for f in files:
+        doc = json.loads((RESULTS / f).read_text())
+        assert not {k for k in _keys(doc) if k in ("note", "notes") or k.endswith("_note")}, f
+        assert "commit" in _keys(doc), f
+    for page in REPORTS:
+        text = page.read_text()
+        assert not [m.group(0) for p in HISTORY for m in re.finditer(p, text, re.I)], page.name
+
+
 def smoke(script, *extra, out="rows.json", env=None):
     """A job: ``benchmarks/SCRIPT EXTRA... --smoke --json TMP/OUT``; the JSON it
     wrote, or None when the script exits 2 (a dependency it names is missing).
