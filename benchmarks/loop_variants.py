@@ -145,11 +145,13 @@ class HostMetadataLoop:
                     spec, **batch, extend_seq_lens=torch.ones_like(st["seq_lens"]))))
 
     def fill_draft(self, batch, loc):
+        """Every draft step's metadata for ``batch`` and slots ``loc``, into the static buffers."""
         fresh = [self.ref.draft_decode(i, **batch, out_cache_loc=loc)
                  for i in range(self.spec.num_steps - 1)]
         timing.copy_leaves(self.md_draft, tuple(fresh))
 
     def fill_verify(self, batch, tree_mask):
+        """The verify metadata for the drafted ``[B, N, N]`` ``tree_mask``."""
         if self.spec.topk == 1:
             verify = self.ref.target_verify(**batch)
         else:
@@ -158,12 +160,14 @@ class HostMetadataLoop:
         timing.copy_leaves(self.md_verify, verify)
 
     def fill_extend(self, batch, new_seq_lens, extend_seq_lens):
+        """The draft extend's metadata over the accepted lengths."""
         ext = self.ref.draft_extend(req_to_token=batch["req_to_token"],
                                     req_pool_indices=batch["req_pool_indices"],
                                     seq_lens=new_seq_lens, extend_seq_lens=extend_seq_lens)
         timing.copy_leaves(self.md_extend, ext)
 
     def iteration(self):
+        """One iteration of (b): each phase's metadata filled on the host, then its replay."""
         batch = self.live_batch()
         self.fill_draft(batch, self.draft_slot_table())
         self.a.run()

@@ -1,6 +1,6 @@
 """The metadata's own cost inside the draft loop, per scenario point: one
 draft iteration's metadata on the device, its kernels, the runner's staging,
-and the loop over its floor (H200 + FA3; ``--smoke``: CPU, tiny).
+and the loop over its floor (CUDA + FA3; ``--smoke``: CPU, tiny).
 
 One row per point (1-layer draft loop, FA3, 32/8 heads, D = 128):
 

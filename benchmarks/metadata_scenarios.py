@@ -1,5 +1,5 @@
 """Metadata cost, the draft loop and verify: fa3_spec against the
-upstream-style host path, over named scenarios (H200 + FA3; ``--smoke`` is a
+upstream-style host path, over named scenarios (CUDA + FA3; ``--smoke`` is a
 tiny CPU run of every code path).
 
 Per scenario point (config x batch), in one process:
