@@ -53,10 +53,11 @@ def child(layers: int, mode: str, tokens: int, backend: str, device: str) -> dic
         models = models.with_compile_regions(backend)
     spec = fa3_spec.SpecConfig(page_size=2, topk=1, num_steps=2, num_draft_tokens=2, max_bs=1,
                                max_context_len=tokens + 4)
-    spec = dataclasses.replace(spec, num_pages=spec.pool_pages(1))
+    spec = dataclasses.replace(spec, num_pages=spec.pool_pages(1, "branch"))
     pools = [KVPool(spec, max_reqs=1, target_layers=layers, draft_layers=1,
                     num_kv_heads=models.num_kv_heads, head_dim=models.head_dim,
-                    dtype=models.dtype, device=device) for _ in range(2)]
+                    dtype=models.dtype, device=device, draft_attention="branch")
+             for _ in range(2)]
     row = pools[0].allocate(tokens, 1)
     pools[1].allocate(tokens, 1)
     lens = torch.tensor([tokens], device=device)

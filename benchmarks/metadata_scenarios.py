@@ -231,7 +231,8 @@ def draft_loop_row(cfg, world, bs, args):
         return lambda q, k, v: fa3_spec.cascade_attention(q, k, v, md, backend=backend_attn)
 
     # c: floor, same attention with precomputed metadata.
-    prefix = builders.build_draft_prefix_metadata(cfg, **kw) if cfg.topk > 1 else None
+    prefix = (builders.build_draft_prefix_metadata(cfg, **kw, draft_attention="branch")
+              if cfg.topk > 1 else None)
     mds = [builders.build_draft_decode_metadata(cfg, s, **kw, out_cache_loc=loc, prefix=prefix)
            for s in range(cfg.num_steps - 1)]
     tails = fa3_spec.draft_tail_copy_slots(cfg, seq_lens=world.seq_lens, out_cache_loc=loc)

@@ -56,14 +56,14 @@ def assert_builder_matches(world, mode, step, tree=True, *, spec_slots=True):
     FA3 reads, keeps dead columns at the sentinel, and (``spec_slots``) makes
     each query read exactly the key slots of docs/semantics.md. Returns the metadata."""
     cfg = world.cfg
-    kwargs = world.mode_kwargs(mode, tree=tree)
+    kwargs = world.mode_kwargs(mode, tree=tree, draft_attention="branch")
     got = build(mode, cfg, step=step, **kwargs)
     want = UpstreamStyleBuilder(cfg).build(mode, step=step, **kwargs)
     assert metadata_mismatches(got, want) == []
     assert dead_columns_clean(got)
     if spec_slots:
         read = key_slots_read(got, num_queries(world, mode))
-        expected = expected_key_slots(world, mode, step=step, tree=tree)
+        expected = expected_key_slots(world, mode, step=step, tree=tree, draft_attention="branch")
         assert read == expected + [[]] * (len(read) - len(expected))
     return got
 
@@ -115,7 +115,7 @@ def model_pool(models, spec, max_reqs: int):
 
     return KVPool(spec, max_reqs=max_reqs, target_layers=models.num_target_layers,
                   draft_layers=1, num_kv_heads=models.num_kv_heads, head_dim=models.head_dim,
-                  dtype=models.dtype, device="cpu")
+                  dtype=models.dtype, device="cpu", draft_attention="branch")
 
 
 def one_prompt_prefill(models, t: int, page_size: int = 1, bound: Optional[int] = None):
@@ -126,7 +126,7 @@ def one_prompt_prefill(models, t: int, page_size: int = 1, bound: Optional[int] 
     bound = t if bound is None else bound
     spec = fa3_spec.SpecConfig(page_size=page_size, topk=1, num_steps=2, num_draft_tokens=2,
                                max_bs=1, max_context_len=bound + 4)
-    spec = dataclasses.replace(spec, num_pages=spec.pool_pages(1))
+    spec = dataclasses.replace(spec, num_pages=spec.pool_pages(1, "branch"))
     pool = model_pool(models, spec, 1)
     row = pool.allocate(t, 1)
     lens = torch.tensor([t])

@@ -77,7 +77,7 @@ def fixed():
 def _pre_fix(scatter=None):
     world = make_world(CFG, CFG.max_bs, seed=0, device="cuda")  # full batch: last row is last
     builder = UpstreamStyleBuilder(CFG, "cuda", revert_pr_27360=True, scatter=scatter)
-    builder.draft_decode(0, **world.mode_kwargs("draft_decode"))
+    builder.draft_decode(0, **world.mode_kwargs("draft_decode", draft_attention="branch"))
     torch.cuda.synchronize()
 
 

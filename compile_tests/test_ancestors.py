@@ -56,7 +56,7 @@ def test_each_leaf_reads_the_prefix_and_exactly_its_ancestors(p, k):
         assert md.prefix.draft_attention == "ancestors" and md.prefix.page_size == p
         assert md.expand.page_size == 1 and md.expand.page_table.shape == (world.batch_size * k,
                                                                            step + 1)
-        branch = expected_key_slots(world, "draft_decode", step=step)  # sglang's semantics
+        branch = expected_key_slots(world, "draft_decode", step=step, draft_attention="branch")  # sglang's semantics
         moved += sum(a != b for a, b in zip(read, branch))
     assert moved > 0  # the two semantics read different keys here
 
@@ -172,7 +172,7 @@ def test_every_boundary_error_names_its_argument():
         (dict(ancestor_slots=anc[:, :, :2]), ValueError, "fewer than the 3 depths"),
         (dict(ancestor_slots=anc, out_cache_loc=world.out_cache_loc), ValueError, "not both"),
         ({}, ValueError, "needs out_cache_loc .* or ancestor_slots"),
-        (dict(ancestor_slots=anc, prefix=fa3_spec.build_draft_prefix_metadata(cfg, **kw)),
+        (dict(ancestor_slots=anc, prefix=fa3_spec.build_draft_prefix_metadata(cfg, **kw, draft_attention="branch")),
          ValueError, "prefix was built for draft_attention='branch'"),
         (dict(out_cache_loc=world.out_cache_loc, prefix=fa3_spec.build_draft_prefix_metadata(
             cfg, **kw, draft_attention="ancestors")), ValueError, "built for draft_attention='ancestors'"),
@@ -251,7 +251,7 @@ def test_the_prefix_call_reads_the_whole_prefix_and_is_a_labelled_pytree():
     world = _world(16, 4)
     prefix = fa3_spec.build_draft_prefix_metadata(world.cfg, **world.batch(),
                                                   draft_attention="ancestors")
-    branch = fa3_spec.build_draft_prefix_metadata(world.cfg, **world.batch())
+    branch = fa3_spec.build_draft_prefix_metadata(world.cfg, **world.batch(), draft_attention="branch")
     assert torch.equal(prefix.cache_seqlens.long(), world.seq_lens)
     assert torch.equal(branch.cache_seqlens.long(), world.seq_lens - world.seq_lens % 16)
     leaves, spec = pytree.tree_flatten(prefix)

@@ -23,10 +23,10 @@ def test_torch_backend_matches_dense_oracle(p, k, mode):
     g = torch.Generator().manual_seed(0)
     for tree in ([True, False] if mode == "target_verify" else [True]):
         for step in (range(cfg.num_steps - 1) if mode == "draft_decode" else [0]):
-            md = build(mode, cfg, step=step, **world.mode_kwargs(mode, tree=tree))
+            md = build(mode, cfg, step=step, **world.mode_kwargs(mode, tree=tree, draft_attention="branch"))
             q = torch.randn(num_queries(world, mode), 4, 16, generator=g)
             out = fa3_spec.cascade_attention(q, kc, vc, md, backend="torch")
-            ref = dense_attention(q, kc, vc, expected_key_slots(world, mode, step=step, tree=tree))
+            ref = dense_attention(q, kc, vc, expected_key_slots(world, mode, step=step, tree=tree, draft_attention="branch"))
             torch.testing.assert_close(out, ref, atol=1e-5, rtol=1e-5)
 
 
@@ -84,7 +84,7 @@ def test_auto_backend_is_torch_without_cuda():
                               max_context_len=8)
     world = make_world(cfg, 2)
     kc, vc = fill_kv_cache(world, num_kv_heads=1, head_dim=8)
-    md = build("decode", cfg, **world.mode_kwargs("decode"))
+    md = build("decode", cfg, **world.mode_kwargs("decode", draft_attention="branch"))
     q = torch.randn(2, 2, 8)
     torch.testing.assert_close(fa3_spec.cascade_attention(q, kc, vc, md),
                                fa3_spec.cascade_attention(q, kc, vc, md, backend="torch"))
@@ -100,7 +100,7 @@ def test_attention_boundary_errors(bad, match):
                               max_context_len=8)
     world = make_world(cfg, 2)
     kc, vc = fill_kv_cache(world, num_kv_heads=2, head_dim=8)
-    md = build("decode", cfg, **world.mode_kwargs("decode"))
+    md = build("decode", cfg, **world.mode_kwargs("decode", draft_attention="branch"))
     kw = dict(q=torch.zeros(2, 4, 8), backend="torch")
     kw.update(bad)
     with pytest.raises(ValueError, match=match):

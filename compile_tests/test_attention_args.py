@@ -48,7 +48,7 @@ def _steps(world, mode):
 
 
 def _metadata(world, mode, step, tree):
-    return fa3_spec.build_metadata(mode, world.cfg, step=step, **world.mode_kwargs(mode, tree=tree))
+    return fa3_spec.build_metadata(mode, world.cfg, step=step, **world.mode_kwargs(mode, tree=tree, draft_attention="branch"))
 
 
 def _query_requests(world, mode):
@@ -140,7 +140,7 @@ def _check_case(mode, p, k, tree, name, single):
             q = q.to(FP8)
         kw, ref_kw = _args(name, world, single, g)
         out, lse = fa3_spec.cascade_attention(q, kc, vc, md, backend="torch", return_lse=True, **kw)
-        slots = expected_key_slots(world, mode, step=step, tree=tree)
+        slots = expected_key_slots(world, mode, step=step, tree=tree, draft_attention="branch")
         requests = _query_requests(world, mode)
         want, want_lse = oracle(q, kc, vc, slots, requests, **ref_kw)
         assert out.dtype == (torch.bfloat16 if fp8 else torch.float32)
@@ -174,7 +174,7 @@ def test_sink_enters_the_denominator_once_not_once_per_call():
     q = torch.randn(num_queries(world, "draft_decode"), HQ, DIM)
     sinks = torch.full((HQ,), 3.0)
     ours = fa3_spec.cascade_attention(q, kc, vc, md, backend="torch", sinks=sinks)
-    slots = expected_key_slots(world, "draft_decode", step=1)
+    slots = expected_key_slots(world, "draft_decode", step=1, draft_attention="branch")
     want, _ = oracle(q, kc, vc, slots, _query_requests(world, "draft_decode"), sinks=sinks)
     torch.testing.assert_close(ours.double(), want, atol=2e-5, rtol=2e-5)
     # Each call's own (out, lse) with the sink, then merged: the upstream way.
@@ -271,7 +271,7 @@ def test_metadata_and_attention_with_every_argument_compile_fullgraph(mode, p, k
     """aot_eager, fullgraph, no recompile on new values; equal to eager."""
     worlds = [_world(p, k, seed=s) for s in range(2)]
     g = torch.Generator().manual_seed(2)
-    names = [n for n, v in worlds[0].mode_kwargs(mode).items() if v is not None]
+    names = [n for n, v in worlds[0].mode_kwargs(mode, draft_attention="branch").items() if v is not None]
     cfg = worlds[0].cfg
 
     def step(q, kc, vc, sinks, kd, vd, *tensors):
@@ -289,7 +289,7 @@ def test_metadata_and_attention_with_every_argument_compile_fullgraph(mode, p, k
                 kc, vc = kc.to(FP8), vc.to(FP8)
                 kd, vd = (torch.rand(w.batch_size, HKV, generator=g) + 0.5 for _ in range(2))
             q = torch.randn(num_queries(w, mode), HQ, DIM, generator=g).to(torch.bfloat16)
-            args = [q, kc, vc, torch.randn(HQ, generator=g), kd, vd] + [w.mode_kwargs(mode)[n] for n in names]
+            args = [q, kc, vc, torch.randn(HQ, generator=g), kd, vd] + [w.mode_kwargs(mode, draft_attention="branch")[n] for n in names]
             (got, got_lse), (want, want_lse) = compiled(*args), step(*args)
             torch.testing.assert_close(got, want, atol=1e-2, rtol=1e-2)
             torch.testing.assert_close(got_lse, want_lse, atol=1e-5, rtol=1e-5)
@@ -570,7 +570,7 @@ def test_a_window_on_a_non_causal_multi_query_call_is_refused():
     cfg = fa3_spec.SpecConfig(page_size=1, topk=4, num_steps=3, num_draft_tokens=4, max_bs=4,
                               max_context_len=16)
     w = make_world(cfg, 1, seq_lens=[10])
-    prefix = fa3_spec.build_draft_prefix_metadata(cfg, **w.batch())
+    prefix = fa3_spec.build_draft_prefix_metadata(cfg, **w.batch(), draft_attention="branch")
     kv = torch.randn(w.num_pages, 1, 1, 8)
     with pytest.raises(ValueError, match="non-causal"):
         fa3_spec.cascade_attention(torch.randn(4, 1, 8), kv, kv, prefix, backend="torch",
@@ -629,7 +629,7 @@ def test_a_window_past_the_key_bound_reaches_fa3_as_unbounded(monkeypatch):
     kv = torch.zeros(w.num_pages, 2, 1, 8)
     q = torch.zeros(2, 1, 8)
     for window, md in [((2**40, 0), fa3_spec.build_decode_metadata(cfg, **w.batch())),
-                       (None, fa3_spec.build_metadata("decode", cfg, **w.mode_kwargs("decode"),
+                       (None, fa3_spec.build_metadata("decode", cfg, **w.mode_kwargs("decode", draft_attention="branch"),
                                                       window_left=2**40)),
                        ((3, 0), fa3_spec.build_decode_metadata(cfg, **w.batch()))]:
         kw = {} if window is None else dict(window_size=window)

@@ -151,7 +151,7 @@ def test_weights_load_in_the_checkpoint_dtype_or_the_one_asked(tmp_path, dtype):
 def make_engine(models, *, p=2, k=4, s=3, n=6, max_bs=2, max_new=12, max_prompt=16):
     spec = fa3_spec.SpecConfig(page_size=p, topk=k, num_steps=s, num_draft_tokens=n,
                                max_bs=max_bs, max_context_len=max_prompt + max_new + n)
-    spec = dataclasses.replace(spec, num_pages=spec.pool_pages(2 * max_bs))
+    spec = dataclasses.replace(spec, num_pages=spec.pool_pages(2 * max_bs, "branch"))
     return EagleEngine(LoopConfig(spec, max_new_tokens=max_new, backend="torch"), models,
                        max_reqs=2 * max_bs)
 

@@ -15,7 +15,7 @@ CFG = fa3_spec.SpecConfig(page_size=4, topk=3, num_steps=4, num_draft_tokens=5, 
 
 
 def _flags(world, mode, step=2, **over):
-    kw = world.mode_kwargs(mode)
+    kw = world.mode_kwargs(mode, draft_attention="branch")
     kw.update(over)
     num_pages = kw.pop("num_pages", world.num_pages)
     return int(error_flags(world.cfg, mode, step=step, num_pages=num_pages, **kw))
@@ -44,14 +44,14 @@ def test_draft_positions_is_the_layout_checked_mode_accepts(p, k):
                               max_context_len=40)
     seq = torch.tensor([1, 7, 40, 0, 13])
     rows = torch.randperm(5, generator=torch.Generator().manual_seed(p * k))
-    pages = torch.randperm(cfg.pool_pages(5) - 1, generator=torch.Generator().manual_seed(k)) + 1
+    pages = torch.randperm(cfg.pool_pages(5, "branch") - 1, generator=torch.Generator().manual_seed(k)) + 1
     width = -(-cfg.draft_row_len // p) * p  # whole pages per row: page aligned
     pos = torch.arange(5 * width)
     r2t = (pages[pos // p] * p + pos % p).view(5, width).to(torch.int32)
-    loc = r2t[rows.view(5, 1, 1), fa3_spec.draft_positions(cfg, seq)]
+    loc = r2t[rows.view(5, 1, 1), fa3_spec.draft_positions(cfg, seq, "branch")]
     kw = dict(req_to_token=r2t, req_pool_indices=rows, seq_lens=seq, out_cache_loc=loc)
     for step in range(cfg.num_steps - 1):
-        assert int(error_flags(cfg, "draft_decode", step=step, num_pages=cfg.pool_pages(5), **kw)) == 0
+        assert int(error_flags(cfg, "draft_decode", step=step, num_pages=cfg.pool_pages(5, "branch"), **kw)) == 0
 
 
 def test_request_index_out_of_range():
@@ -201,7 +201,7 @@ def _planted():
 def test_each_planted_violation_eager_and_compiled(index):
     w, cases = _planted()
     name, mode, step, over, bit = cases[index]
-    kw = w.mode_kwargs(mode)
+    kw = w.mode_kwargs(mode, draft_attention="branch")
     num_pages = over.pop("num_pages", w.num_pages)
     kw.update(over)
     names = list(kw)

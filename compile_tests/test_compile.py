@@ -23,7 +23,7 @@ def _fn(mode, cfg, step, names):
 
 
 def _args(world, mode):
-    kw = {k: v for k, v in world.mode_kwargs(mode).items() if v is not None}
+    kw = {k: v for k, v in world.mode_kwargs(mode, draft_attention="branch").items() if v is not None}
     return list(kw), list(kw.values())
 
 

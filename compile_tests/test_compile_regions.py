@@ -80,7 +80,7 @@ def _decode_inputs(models, batch, context=6):
     statics do not depend on the batch. ``(tokens, positions, slots, md, pool)``."""
     spec = fa3_spec.SpecConfig(page_size=2, topk=1, num_steps=2, num_draft_tokens=2, max_bs=4,
                                max_context_len=16)
-    spec = dataclasses.replace(spec, num_pages=spec.pool_pages(4))
+    spec = dataclasses.replace(spec, num_pages=spec.pool_pages(4, "branch"))
     pool = model_pool(models, spec, 4)
     rows = torch.tensor([pool.allocate(context, 4) for _ in range(batch)])
     md = fa3_spec.build_decode_metadata(spec, req_to_token=pool.req_to_token,

@@ -25,10 +25,10 @@ def test_static_bounds_of_the_spec_example():
 def test_pool_pages_gives_every_request_its_whole_row_plus_the_sentinel_page(p, k):
     c = cfg(page_size=p, topk=k)
     for reqs in (1, 3, 64):
-        assert c.pool_pages(reqs) == 1 + reqs * -(-c.draft_row_len // p)
-        assert (c.pool_pages(reqs) - 1) * p >= reqs * c.draft_row_len
+        assert c.pool_pages(reqs, "branch") == 1 + reqs * -(-c.draft_row_len // p)
+        assert (c.pool_pages(reqs, "branch") - 1) * p >= reqs * c.draft_row_len
     with pytest.raises(ValueError, match="max_reqs"):
-        c.pool_pages(0)
+        c.pool_pages(0, "branch")
 
 
 @pytest.mark.parametrize("p", [1, 2, 3, 16, 64, 128])

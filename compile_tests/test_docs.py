@@ -73,7 +73,7 @@ def _headings(path: pathlib.Path):
 
 def test_the_api_tour_is_kept():
     blocks = [b for lang, b, _ in fenced_blocks((ROOT / "docs" / "metadata.md").read_text())
-              if lang == "python" and "fa3_spec.draft_positions(cfg, seq_lens)" in b]
+              if lang == "python" and 'fa3_spec.draft_positions(cfg, seq_lens, "branch")' in b]
     assert blocks, "docs/metadata.md lost its API tour"
     assert "make_world" not in blocks[0], "the tour starts from engine-owned tensors, not the harness"
 

@@ -18,7 +18,7 @@ def _leaves(md):
 @pytest.mark.parametrize("mode", MODES)
 def test_empty_batch_is_an_ordinary_shape(mode):
     world = make_world(CFG, 0)
-    md = build(mode, CFG, step=2, **world.mode_kwargs(mode))
+    md = build(mode, CFG, step=2, **world.mode_kwargs(mode, draft_attention="branch"))
     for leaf in _leaves(md):
         if leaf.dim() == 2:
             assert leaf.shape[0] == 0
@@ -28,7 +28,7 @@ def test_empty_batch_is_an_ordinary_shape(mode):
 @pytest.mark.parametrize("mode", MODES)
 def test_padding_rows_read_nothing_and_leave_live_rows_alone(mode):
     world = make_world(CFG, 6, seq_lens=[7, 0, 40, 0, 1, 0], seed=4)
-    md = build(mode, CFG, step=2, **world.mode_kwargs(mode))
+    md = build(mode, CFG, step=2, **world.mode_kwargs(mode, draft_attention="branch"))
     calls = md.calls
     for call in calls:
         per_req = call.num_rows // 6
@@ -38,7 +38,7 @@ def test_padding_rows_read_nothing_and_leave_live_rows_alone(mode):
             assert (csl[b] == 0).all() and (table[b] == 0).all()
     # Live rows are unchanged when padding rows are replaced by live ones.
     dense = make_world(CFG, 6, seq_lens=[7, 3, 40, 9, 1, 2], seed=4)
-    md2 = build(mode, CFG, step=2, **dense.mode_kwargs(mode))
+    md2 = build(mode, CFG, step=2, **dense.mode_kwargs(mode, draft_attention="branch"))
     calls2 = md2.calls
     for call, call2 in zip(calls, calls2):
         per_req = call.num_rows // 6
@@ -52,7 +52,7 @@ def test_padding_rows_read_nothing_and_leave_live_rows_alone(mode):
 def test_max_context_fits_every_window(mode):
     world = make_world(CFG, 3, seq_lens=[CFG.max_context_len] * 3, seed=2)
     for step in range(CFG.num_steps - 1):
-        md = build(mode, CFG, step=step, **world.mode_kwargs(mode))
+        md = build(mode, CFG, step=step, **world.mode_kwargs(mode, draft_attention="branch"))
         for call in md.calls:
             pages = (call.cache_seqlens + call.page_size - 1) // call.page_size
             assert int(pages.max()) <= call.page_table.shape[1]
@@ -94,7 +94,7 @@ def test_garbage_index_values_never_index_out_of_range(mode, seed):
 def test_builders_do_not_mutate_inputs():
     world = make_world(CFG, 4, num_padding=1, seed=9)
     for mode in MODES:
-        kwargs = world.mode_kwargs(mode)
+        kwargs = world.mode_kwargs(mode, draft_attention="branch")
         before = {k: v.clone() for k, v in kwargs.items()}
         build(mode, CFG, step=1, **kwargs)
         assert all(torch.equal(before[k], kwargs[k]) for k in kwargs)
@@ -103,7 +103,7 @@ def test_builders_do_not_mutate_inputs():
 # ----------------------------------------------------------- boundary errors
 def _kw(mode="decode", **over):
     world = make_world(CFG, 3, seed=1)
-    kw = world.mode_kwargs(mode)
+    kw = world.mode_kwargs(mode, draft_attention="branch")
     kw.update(over)
     return kw
 

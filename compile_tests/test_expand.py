@@ -78,7 +78,7 @@ def test_validation_names_arguments():
 
 def test_pre_fix_switch_reproduces_the_overflow_and_the_fix_does_not():
     world = make_world(SEED_CFG, 4, seq_lens=[5, 9, 31, 2], seed=3)
-    kwargs = world.mode_kwargs("draft_decode")
+    kwargs = world.mode_kwargs("draft_decode", draft_attention="branch")
     broken = UpstreamStyleBuilder(SEED_CFG, revert_pr_27360=True)
     with pytest.raises(RuntimeError, match="out of bounds"):
         broken.draft_decode(0, **kwargs)
@@ -91,4 +91,4 @@ def test_pre_fix_switch_only_affects_page_size_above_one():
     cfg = SpecConfig(page_size=1, topk=8, num_steps=5, num_draft_tokens=6, max_bs=4,
                      max_context_len=32)
     world = make_world(cfg, 3, seed=1)
-    UpstreamStyleBuilder(cfg, revert_pr_27360=True).draft_decode(0, **world.mode_kwargs("draft_decode"))
+    UpstreamStyleBuilder(cfg, revert_pr_27360=True).draft_decode(0, **world.mode_kwargs("draft_decode", draft_attention="branch"))

@@ -22,7 +22,7 @@ fuzz = settings(max_examples=FUZZ_EXAMPLES, deadline=None)
 def test_parity_and_page_ids_in_pool(world, mode, tree, data):
     cfg = world.cfg
     step = data.draw(st.integers(0, cfg.num_steps - 2))
-    kwargs = world.mode_kwargs(mode, tree=tree)
+    kwargs = world.mode_kwargs(mode, tree=tree, draft_attention="branch")
     got = assert_builder_matches(world, mode, step, tree, spec_slots=False)
     for call in got.calls:
         pool = world.num_pages * (cfg.page_size if call.page_size == 1 else 1)
@@ -51,8 +51,8 @@ def test_padding_rows_never_change_live_rows(world, mode, data):
     pad = torch.tensor(data.draw(st.lists(st.booleans(), min_size=bs, max_size=bs)), dtype=torch.bool)
     cfg = world.cfg
     step = cfg.num_steps - 2
-    a = build(mode, cfg, step=step, **world.mode_kwargs(mode))
-    padded = world.mode_kwargs(mode)
+    a = build(mode, cfg, step=step, **world.mode_kwargs(mode, draft_attention="branch"))
+    padded = world.mode_kwargs(mode, draft_attention="branch")
     padded["seq_lens"] = torch.where(pad, 0, world.seq_lens) if bs else world.seq_lens
     b = build(mode, cfg, step=step, **padded)
     for x, y in zip(a.calls, b.calls):

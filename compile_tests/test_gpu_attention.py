@@ -48,10 +48,10 @@ def test_fa3_matches_dense_reference(p, k, mode, dtype):
     worst = 0.0
     for tree in ([True, False] if mode == "target_verify" else [True]):
         for step in (range(cfg.num_steps - 1) if mode == "draft_decode" else [0]):
-            md = build(mode, cfg, step=step, **world.mode_kwargs(mode, tree=tree))
+            md = build(mode, cfg, step=step, **world.mode_kwargs(mode, tree=tree, draft_attention="branch"))
             q = torch.randn(num_queries(world, mode), HEADS, 128, device="cuda", dtype=dtype)
             out = fa3_spec.cascade_attention(q, kc, vc, md, backend="fa3")
-            ref = dense_attention(q, kc, vc, expected_key_slots(world, mode, step=step, tree=tree))
+            ref = dense_attention(q, kc, vc, expected_key_slots(world, mode, step=step, tree=tree, draft_attention="branch"))
             assert not torch.isnan(out).any()
             err = _rel_err(out, ref)
             worst = max(worst, err)
@@ -91,10 +91,10 @@ def test_head_dims_and_fp16(head_dim, dtype):
     cfg = _case(2, 8)
     world = make_world(cfg, 3, seq_lens=[5, 100, 0], seed=1, device="cuda")
     kc, vc = fill_kv_cache(world, num_kv_heads=KV_HEADS, head_dim=head_dim, dtype=dtype)
-    md = build("draft_decode", cfg, step=3, **world.mode_kwargs("draft_decode"))
+    md = build("draft_decode", cfg, step=3, **world.mode_kwargs("draft_decode", draft_attention="branch"))
     q = torch.randn(num_queries(world, "draft_decode"), HEADS, head_dim, device="cuda", dtype=dtype)
     out = fa3_spec.cascade_attention(q, kc, vc, md, backend="fa3")
-    ref = dense_attention(q, kc, vc, expected_key_slots(world, "draft_decode", step=3))
+    ref = dense_attention(q, kc, vc, expected_key_slots(world, "draft_decode", step=3, draft_attention="branch"))
     err = _rel_err(out, ref)
     _record("head_dim", f"D={head_dim} {dtype}", err)
     assert err <= 1e-2
@@ -106,7 +106,7 @@ def test_empty_batch_and_all_padding(mode):
     for seqs in ([], [0, 0, 0]):
         world = make_world(cfg, len(seqs), seq_lens=seqs, device="cuda")
         kc, vc = fill_kv_cache(world, num_kv_heads=KV_HEADS, head_dim=128, dtype=torch.bfloat16)
-        md = build(mode, cfg, step=1, **world.mode_kwargs(mode))
+        md = build(mode, cfg, step=1, **world.mode_kwargs(mode, draft_attention="branch"))
         q = torch.randn(num_queries(world, mode), HEADS, 128, device="cuda", dtype=torch.bfloat16)
         out = fa3_spec.cascade_attention(q, kc, vc, md, backend="fa3")
         assert out.shape == q.shape and torch.equal(out, torch.zeros_like(out))
@@ -118,7 +118,7 @@ def test_whole_step_compiles_captures_and_replays(mode):
     cfg = _case(2, 8)
     worlds = [make_world(cfg, 5, num_padding=1, seed=s, device="cuda") for s in range(4)]
     kc, vc = fill_kv_cache(worlds[0], num_kv_heads=KV_HEADS, head_dim=128, dtype=torch.bfloat16)
-    names = [n for n, v in worlds[0].mode_kwargs(mode).items() if v is not None and n != "req_to_token"]
+    names = [n for n, v in worlds[0].mode_kwargs(mode, draft_attention="branch").items() if v is not None and n != "req_to_token"]
     r2t = worlds[0].req_to_token  # engine-owned, same pool for every batch
 
     def step(q, *tensors):
@@ -127,7 +127,7 @@ def test_whole_step_compiles_captures_and_replays(mode):
 
     nq = num_queries(worlds[0], mode)
     qs = [torch.randn(nq, HEADS, 128, device="cuda", dtype=torch.bfloat16) for _ in worlds]
-    args = [[qs[i]] + [w.mode_kwargs(mode)[n] for n in names] for i, w in enumerate(worlds)]
+    args = [[qs[i]] + [w.mode_kwargs(mode, draft_attention="branch")[n] for n in names] for i, w in enumerate(worlds)]
     # Same pool for all worlds: rebuild their batches over world 0's req_to_token.
     compiled = torch.compile(step, fullgraph=True, backend="inductor")
     with torch._dynamo.config.patch(error_on_recompile=True):
@@ -181,7 +181,7 @@ def test_layers_sharing_a_plan_give_each_calls_own_bits(p, k, mode, splits):
     kc, vc = fill_kv_cache(world, num_kv_heads=KV_HEADS, head_dim=128, dtype=torch.bfloat16, seed=k)
     steps = range(cfg.num_steps - 1) if mode == "draft_decode" else [0]
     for step in steps:
-        md = build(mode, cfg, step=step, **world.mode_kwargs(mode))
+        md = build(mode, cfg, step=step, **world.mode_kwargs(mode, draft_attention="branch"))
         q = torch.randn(num_queries(world, mode), HEADS, 128, device="cuda", dtype=torch.bfloat16)
         kw = dict(backend="fa3", num_splits=splits, return_lse=True)
         want = fa3_spec.cascade_attention(q, kc, vc, md, **kw)

@@ -64,7 +64,7 @@ def _compare(mode, p, k, tree, *, fp8=False, tol=1e-2, **kw):
     worst = 0.0
     steps = range(world.cfg.num_steps - 1) if mode == "draft_decode" else [0]
     for step in steps:
-        md = fa3_spec.build_metadata(mode, world.cfg, step=step, **world.mode_kwargs(mode, tree=tree))
+        md = fa3_spec.build_metadata(mode, world.cfg, step=step, **world.mode_kwargs(mode, tree=tree, draft_attention="branch"))
         q = torch.randn(num_queries(world, mode), HEADS, DIM, device="cuda", generator=g,
                         dtype=torch.bfloat16)
         out, lse = fa3_spec.cascade_attention(q, kc, vc, md, backend="fa3", return_lse=True, **kw)
@@ -115,7 +115,7 @@ def test_window_on_non_causal_multi_query_rows_is_refused_on_both_backends(windo
     prefixes) are not, so both backends refuse instead of computing it."""
     world = _world(16, 1)
     kc, vc = fill_kv_cache(world, num_kv_heads=KV_HEADS, head_dim=DIM, dtype=torch.bfloat16)
-    md = fa3_spec.build_metadata("target_verify", world.cfg, **world.mode_kwargs("target_verify", tree=False))
+    md = fa3_spec.build_metadata("target_verify", world.cfg, **world.mode_kwargs("target_verify", tree=False, draft_attention="branch"))
     md = dataclasses.replace(md, causal=False)
     q = torch.randn(num_queries(world, "target_verify"), HEADS, DIM, device="cuda", dtype=torch.bfloat16)
     for backend in ("fa3", "torch"):
@@ -127,7 +127,7 @@ def test_our_sink_equals_fa3s_own_sinks_argument_on_a_single_call(mode, tree):
     """Pins the sink's units and that FA3's LSE includes it (live rows only)."""
     world = _world(16, 1, seq_lens=(1, 77, 300, 19))
     kc, vc = fill_kv_cache(world, num_kv_heads=KV_HEADS, head_dim=DIM, dtype=torch.bfloat16)
-    md = fa3_spec.build_metadata(mode, world.cfg, **world.mode_kwargs(mode, tree=tree))
+    md = fa3_spec.build_metadata(mode, world.cfg, **world.mode_kwargs(mode, tree=tree, draft_attention="branch"))
     q = torch.randn(num_queries(world, mode), HEADS, DIM, device="cuda", dtype=torch.bfloat16)
     sinks = _sinks(3)
     ours, ours_lse = fa3_spec.cascade_attention(q, kc, vc, md, backend="fa3", sinks=sinks, return_lse=True)
@@ -146,7 +146,7 @@ def test_softcap_is_refused_in_python_naming_the_provider():
         pytest.skip(f"{provider_version()} supports softcap")
     world = _world(2, 1)
     kc, vc = fill_kv_cache(world, num_kv_heads=KV_HEADS, head_dim=DIM, dtype=torch.bfloat16)
-    md = fa3_spec.build_metadata("decode", world.cfg, **world.mode_kwargs("decode"))
+    md = fa3_spec.build_metadata("decode", world.cfg, **world.mode_kwargs("decode", draft_attention="branch"))
     q = torch.randn(world.batch_size, HEADS, DIM, device="cuda", dtype=torch.bfloat16)
     with pytest.raises(NotImplementedError, match="softcap=30.0 is not supported by the FA3 provider"):
         fa3_spec.cascade_attention(q, kc, vc, md, backend="fa3", softcap=30.0)

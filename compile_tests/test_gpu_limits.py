@@ -56,7 +56,7 @@ def shared_prefix_pool(cfg, num_rows):
 def _batch(cfg, r2t, seq_lens, model, seed):
     bs = seq_lens.shape[0]
     rpi = torch.arange(bs, device="cuda")
-    positions = draft_positions(cfg, seq_lens).clamp(max=r2t.shape[1] - 1)
+    positions = draft_positions(cfg, seq_lens, "branch").clamp(max=r2t.shape[1] - 1)
     loc = r2t[rpi.view(-1, 1, 1), positions].to(torch.int64)
     g = torch.Generator(device="cuda").manual_seed(seed)
     hidden = torch.randn(bs, cfg.topk, model.hidden, device="cuda", generator=g).bfloat16()
@@ -148,7 +148,7 @@ def test_checked_mode_captured_in_a_cuda_graph():
     world = world.to("cuda")
     for name, mode, step, over, bit in cases:
         num_pages = over.pop("num_pages", world.num_pages)
-        static = {k: v.clone() for k, v in world.mode_kwargs(mode).items()}
+        static = {k: v.clone() for k, v in world.mode_kwargs(mode, draft_attention="branch").items()}
 
         def flags_fn():
             return fa3_spec.error_flags(CFG, mode, step=step, num_pages=num_pages, **static)
@@ -163,7 +163,7 @@ def test_checked_mode_captured_in_a_cuda_graph():
             static[key].copy_(bad.to("cuda"))
         graph.replay()
         assert int(flags) & bit, name
-        for key, good in world.mode_kwargs(mode).items():
+        for key, good in world.mode_kwargs(mode, draft_attention="branch").items():
             static[key].copy_(good)
         graph.replay()
         assert int(flags) == 0, name

@@ -20,7 +20,7 @@ def test_batch_permutation_permutes_rows(world, mode, data):
     bs = world.batch_size
     perm = torch.tensor(data.draw(st.permutations(list(range(bs)))), dtype=torch.int64)
     cfg = world.cfg
-    kwargs = world.mode_kwargs(mode)
+    kwargs = world.mode_kwargs(mode, draft_attention="branch")
     permuted = dict(kwargs)
     for name in ("req_pool_indices", "seq_lens", "extend_seq_lens", "tree_mask"):
         if name in permuted and permuted[name] is not None:

@@ -46,7 +46,7 @@ def test_draft_iteration_matches_dense_oracle(p, k):
     oracle.copy_slots(*fa3_spec.draft_tail_copy_slots(cfg, seq_lens=world.seq_lens, out_cache_loc=loc))
     x, outs = hidden.reshape(4 * k, -1), []
     for step in range(cfg.num_steps - 1):
-        slots = expected_key_slots(world, "draft_decode", step=step)
+        slots = expected_key_slots(world, "draft_decode", step=step, draft_attention="branch")
         x = oracle.forward(x, loc.reshape(4 * k, -1)[:, step],
                            lambda q, kc, vc: dense_attention(q, kc, vc, slots))
         outs.append(x)
@@ -65,7 +65,7 @@ def test_verify_and_extend_match_dense_oracle(mode, tree):
     hidden = torch.randn(4, 5, model.hidden, generator=torch.Generator().manual_seed(2))
     step = make_step(mode, cfg, model, world.req_to_token, backend="torch", tree=tree)
     got = step(**world_batch(mode, world, hidden, tree=tree))
-    slots = expected_key_slots(world, mode, tree=tree)
+    slots = expected_key_slots(world, mode, tree=tree, draft_attention="branch")
     r2t, x = world.req_to_token, hidden.reshape(20, -1)
     if mode == "draft_extend":  # packed tokens: request b's last e_b accepted tokens
         write = [int(r2t[row, s - e + i]) for row, s, e in zip(world.req_pool_indices.tolist(),
@@ -140,7 +140,7 @@ def test_two_configs_share_one_process_through_the_runner():
                                                                   device="cpu"))
         rows = base.req_pool_indices.view(-1, 1, 1)
         batch = dict(req_pool_indices=base.req_pool_indices, seq_lens=base.seq_lens,
-                     out_cache_loc=base.req_to_token[rows, fa3_spec.draft_positions(cfg, base.seq_lens)].long(),
+                     out_cache_loc=base.req_to_token[rows, fa3_spec.draft_positions(cfg, base.seq_lens, "branch")].long(),
                      hidden=torch.randn(3, 2, model.hidden, generator=torch.Generator().manual_seed(steps)))
         for t in batch.values():
             torch._dynamo.maybe_mark_dynamic(t, 0)  # as the runner's capture does

@@ -28,7 +28,7 @@ def _assert_same_as_per_step(cfg, kwargs):
 @settings(max_examples=max(FUZZ_EXAMPLES // 4, 50), deadline=None)
 @given(worlds(**WIDE))
 def test_equals_per_step_builders(world):
-    _assert_same_as_per_step(world.cfg, world.mode_kwargs("draft_decode"))
+    _assert_same_as_per_step(world.cfg, world.mode_kwargs("draft_decode", draft_attention="branch"))
 
 
 @settings(max_examples=max(FUZZ_EXAMPLES // 4, 50), deadline=None)
@@ -69,12 +69,12 @@ def test_compiles_fullgraph_without_data_dependent_ops(p, k):
     cfg = fa3_spec.SpecConfig(page_size=p, topk=k, num_steps=5, num_draft_tokens=8, max_bs=8,
                               max_context_len=256)
     world = make_world(cfg, 6, num_padding=2, seed=p + k)
-    kwargs = world.mode_kwargs("draft_decode")
+    kwargs = world.mode_kwargs("draft_decode", draft_attention="branch")
     counter = RecordingBackend("aot_eager")
     fn = torch.compile(lambda **kw: fa3_spec.build_draft_iteration_metadata(cfg, **kw),
                        fullgraph=True, backend=counter)
     got = fn(**kwargs)
-    other = make_world(cfg, 6, seed=p + k + 1).mode_kwargs("draft_decode")
+    other = make_world(cfg, 6, seed=p + k + 1).mode_kwargs("draft_decode", draft_attention="branch")
     fn(**other)  # new values, same shapes: no recompile
     assert counter.frame_count == 1 and counter.data_dependent == []
     for a, b in zip(got, fa3_spec.build_draft_iteration_metadata(cfg, **kwargs)):
@@ -115,7 +115,7 @@ def test_a_bare_config_argument_is_what_the_builder_exists_for():
     """The premise of MetadataBuilder, checked on this torch: the same function taking a
     bare SpecConfig gets its second configuration's ints as symbols."""
     record = []
-    fn = torch.compile(lambda cfg, seq_lens: fa3_spec.draft_positions(cfg, seq_lens),
+    fn = torch.compile(lambda cfg, seq_lens: fa3_spec.draft_positions(cfg, seq_lens, "branch"),
                        fullgraph=True, backend=symbol_recorder(record))
     for page_size in (2, 4):
         cfg = fa3_spec.SpecConfig(page_size=page_size, topk=4, num_steps=3, num_draft_tokens=6,

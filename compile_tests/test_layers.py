@@ -9,7 +9,7 @@ consumer (``fa3_spec.eagle``) and the ``fa3-spec`` command (``fa3_spec.cli``). A
 consumer to the library only. Imports inside functions count too.
 
 Private modules (a ``_`` name, such as ``fa3_spec._validate``) belong to the
-library *core*: ``fa3_spec/*.py``, ``builders/`` and ``attention/``. Everything
+library *core*: ``fa3_spec/*.py``, ``builders/``, ``attention/`` and ``graphs/``. Everything
 else (``eagle/``, ``integrations/``, ``harness/``, ``cli/``, ``benchmarks/``,
 ``notebooks/``) reaches the library through its public modules only.
 """
@@ -22,7 +22,7 @@ import pytest
 
 ROOT = pathlib.Path(__file__).resolve().parents[1] / "fa3_spec"
 CONSUMERS = ("fa3_spec.harness", "fa3_spec.eagle", "fa3_spec.cli")
-CORE_PACKAGES = ("builders", "attention")
+CORE_PACKAGES = ("builders", "attention", "graphs")
 
 
 def _module_name(path: pathlib.Path) -> str:
@@ -193,7 +193,7 @@ def _private_members(path: pathlib.Path, classes: set) -> set:
 
 
 ENGINE_AND_RUNNER_PRIVATES = (_private_members(ROOT / "eagle" / "engine.py", {"EagleEngine"})
-                              | _private_members(ROOT / "graphs.py", {"CUDAGraphRunner"}))
+                              | _private_members(ROOT / "graphs" / "runner.py", {"CUDAGraphRunner"}))
 
 
 def _private_calls(source: str) -> set:

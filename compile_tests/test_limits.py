@@ -22,9 +22,9 @@ def test_seq_lens_at_the_end_of_the_window(p, k):
     world = make_world(cfg, len(seqs), seq_lens=seqs, seed=p)
     for mode in MODES:
         for step in (range(cfg.num_steps - 1) if mode == "draft_decode" else [0]):
-            md = build(mode, cfg, step=step, **world.mode_kwargs(mode))
+            md = build(mode, cfg, step=step, **world.mode_kwargs(mode, draft_attention="branch"))
             read = key_slots_read(md, num_queries(world, mode))
-            want = expected_key_slots(world, mode, step=step)
+            want = expected_key_slots(world, mode, step=step, draft_attention="branch")
             assert read == want + [[]] * (len(read) - len(want))
 
 
@@ -33,9 +33,9 @@ def test_topk_10_with_8_steps():
                               max_context_len=50)
     world = make_world(cfg, 5, num_padding=1, seed=3)
     for step in range(cfg.num_steps - 1):
-        md = build("draft_decode", cfg, step=step, **world.mode_kwargs("draft_decode"))
+        md = build("draft_decode", cfg, step=step, **world.mode_kwargs("draft_decode", draft_attention="branch"))
         read = key_slots_read(md, num_queries(world, "draft_decode"))
-        assert read == expected_key_slots(world, "draft_decode", step=step)
+        assert read == expected_key_slots(world, "draft_decode", step=step, draft_attention="branch")
 
 
 @pytest.mark.parametrize("p", [1, 64])
@@ -58,7 +58,7 @@ def test_batch_512_at_128k_context(p):
     used = (cfg.max_context_len + p - 1) // p
     assert torch.equal(last_row[:used].to(torch.int64), 1 + bs * pages + torch.arange(used))
     assert (last_row[used:] == 0).all() and (md.page_table[:2] == 0).all()
-    prefix = fa3_spec.build_draft_prefix_metadata(cfg, **batch)
+    prefix = fa3_spec.build_draft_prefix_metadata(cfg, **batch, draft_attention="branch")
     assert int(prefix.cache_seqlens.max()) <= cfg.max_context_len
 
 
@@ -67,7 +67,7 @@ def test_builders_are_bitwise_deterministic(mode):
     cfg = fa3_spec.SpecConfig(page_size=2, topk=8, num_steps=5, num_draft_tokens=6, max_bs=8,
                               max_context_len=64)
     world = make_world(cfg, 6, num_padding=2, seed=4)
-    kw = world.mode_kwargs(mode)
+    kw = world.mode_kwargs(mode, draft_attention="branch")
     names = list(kw)
 
     def fn(*tensors):

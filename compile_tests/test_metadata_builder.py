@@ -37,14 +37,14 @@ def test_the_default_draft_attention_is_ancestors_and_the_other_slots_are_refuse
     branch = fa3_spec.MetadataBuilder(CFG, draft_attention="branch")
     assert ancestors.draft_attention == "ancestors"
     with pytest.raises(ValueError, match="out_cache_loc is not read"):
-        ancestors.build("draft_decode", step=0, **world.mode_kwargs("draft_decode"))
+        ancestors.build("draft_decode", step=0, **world.mode_kwargs("draft_decode", draft_attention="branch"))
     with pytest.raises(ValueError, match="ancestor_slots is not read"):
         branch.build("draft_decode", step=0,
                      **world.mode_kwargs("draft_decode", draft_attention="ancestors"))
     with pytest.raises(ValueError, match="ancestor_slots is required"):
         ancestors.build("draft_decode", step=0, **world.batch())
     with pytest.raises(ValueError, match="draft_iteration builds branch steps"):
-        ancestors.draft_iteration(**world.mode_kwargs("draft_decode"))
+        ancestors.draft_iteration(**world.mode_kwargs("draft_decode", draft_attention="branch"))
     with pytest.raises(ValueError, match="draft_attention must be one of"):
         fa3_spec.MetadataBuilder(CFG, draft_attention="leaf")
 

@@ -21,8 +21,8 @@ def test_builders_and_runner_with_one_step(p, k):
     src, dst = fa3_spec.draft_tail_copy_slots(cfg, seq_lens=w.seq_lens, out_cache_loc=w.out_cache_loc)
     assert src.shape == dst.shape == (4 * k * (p - 1) if p > 1 and k > 1 else 0,)
     for mode in ("decode", "target_verify", "draft_extend"):
-        fa3_spec.build_metadata(mode, cfg, **w.mode_kwargs(mode))
-        assert int(fa3_spec.error_flags(cfg, mode, **w.mode_kwargs(mode))) == 0
+        fa3_spec.build_metadata(mode, cfg, **w.mode_kwargs(mode, draft_attention="branch"))
+        assert int(fa3_spec.error_flags(cfg, mode, **w.mode_kwargs(mode, draft_attention="branch"))) == 0
     with pytest.raises(ValueError, match="no draft-decode step"):
         fa3_spec.build_draft_decode_metadata(cfg, 0, **w.batch(), out_cache_loc=w.out_cache_loc)
     model = ToyModel.create(layers=1, num_pages=w.num_pages, page_size=p, num_heads=2,

@@ -54,7 +54,7 @@ def test_seed_example_expand_rows():
     # All S slots span 3 distinct pages: more than step 0's 2-column row.
     assert len({page(p) for p in (5, 6, 7, 8)}) == 3
     for step, pages in expected_rows.items():
-        md = build("draft_decode", cfg, step=step, **world.mode_kwargs("draft_decode"))
+        md = build("draft_decode", cfg, step=step, **world.mode_kwargs("draft_decode", draft_attention="branch"))
         row = md.expand.page_table[0].tolist()
         assert row == pages + [0] * (step + 2 - len(pages))
         assert int(md.expand.cache_seqlens[0]) == step + 1 + 1  # d + last
@@ -65,8 +65,8 @@ def test_prefix_reuse_gives_identical_steps():
     world = make_world(cfg, len(seqs), seq_lens=seqs)
     from fa3_spec import build_draft_decode_metadata, build_draft_prefix_metadata
 
-    prefix = build_draft_prefix_metadata(cfg, **world.batch())
+    prefix = build_draft_prefix_metadata(cfg, **world.batch(), draft_attention="branch")
     for step in range(cfg.num_steps - 1):
-        a = build_draft_decode_metadata(cfg, step, **world.mode_kwargs("draft_decode"))
-        b = build_draft_decode_metadata(cfg, step, prefix=prefix, **world.mode_kwargs("draft_decode"))
+        a = build_draft_decode_metadata(cfg, step, **world.mode_kwargs("draft_decode", draft_attention="branch"))
+        b = build_draft_decode_metadata(cfg, step, prefix=prefix, **world.mode_kwargs("draft_decode", draft_attention="branch"))
         assert metadata_mismatches(a, b) == []

@@ -271,27 +271,3 @@ def fa3_spec_error_flags(cfg, mode, **kw):
     import fa3_spec
 
     return int(fa3_spec.error_flags(cfg.spec_config(), mode, **kw))
-
-
-# ------------------------------------------------------------- benchmark
-def _bench_smoke(tmp):
-    import json
-    import pathlib
-    import sys
-
-    import children
-
-    root = pathlib.Path(__file__).resolve().parents[1]
-    out = tmp / "rows.json"
-    interpret = {} if torch.cuda.is_available() else {"TRITON_INTERPRET": "1"}  # sglang's kernels
-    children.run([sys.executable, str(root / "benchmarks" / "sglang_adapter_bench.py"), "--smoke",
-                  "--json", str(out)], cwd=root, env_extra=interpret)
-    return json.loads(out.read_text())["rows"]
-
-
-@pytest.mark.children(job=_bench_smoke)
-def test_bench_smoke(upstream, child):
-    """benchmarks/sglang_adapter_bench.py --smoke runs end to end with parity
-    (its CPU timings mean nothing), in a child (children.py)."""
-    rows = child.result()
-    assert [r["bs"] for r in rows] == [1, 3] and all(r["parity"] for r in rows)

@@ -51,7 +51,7 @@ def _cases(world):
 def windowed_slots(world, mode, step, tree, w):
     """Per query, the slots of its key set at positions ``>= pos - w``."""
     return [keys[max(0, len(keys) - 1 - w):]
-            for keys in expected_key_slots(world, mode, step=step, tree=tree)]
+            for keys in expected_key_slots(world, mode, step=step, tree=tree, draft_attention="branch")]
 
 
 def _same_tokens(world, slots):
@@ -74,7 +74,7 @@ def _same_tokens(world, slots):
 
 def _build(world, mode, step, tree, w):
     return fa3_spec.build_metadata(mode, world.cfg, step=step, window_left=w,
-                                   **world.mode_kwargs(mode, tree=tree))
+                                   **world.mode_kwargs(mode, tree=tree, draft_attention="branch"))
 
 
 @pytest.mark.parametrize("p, k", list(itertools.product((1, 2, 16, 64), (1, 4, 8))))
@@ -111,7 +111,7 @@ def test_a_window_past_the_context_reads_the_full_key_sets():
     for mode, step, tree in _cases(world):
         md = _build(world, mode, step, tree, 10_000)
         read = key_slots_read(md, num_queries(world, mode))
-        full = expected_key_slots(world, mode, step=step, tree=tree)
+        full = expected_key_slots(world, mode, step=step, tree=tree, draft_attention="branch")
         assert _same_tokens(world, read) == _same_tokens(world, full + [[]] * (len(read) - len(full)))
 
 
@@ -127,7 +127,7 @@ def test_swa_attention_matches_the_dense_oracle(p, k):
         slots = windowed_slots(world, mode, step, tree, w)
         torch.testing.assert_close(out, dense_attention(q, kc, vc, slots), atol=2e-5, rtol=2e-5)
         # The window must matter here, or the comparison proves nothing.
-        full = expected_key_slots(world, mode, step=step, tree=tree)
+        full = expected_key_slots(world, mode, step=step, tree=tree, draft_attention="branch")
         assert not torch.allclose(out, dense_attention(q, kc, vc, full), atol=1e-3)
 
 
@@ -138,7 +138,7 @@ def test_swa_attention_matches_the_dense_oracle(p, k):
 def test_swa_metadata_and_attention_compile_fullgraph(mode, p, k, tree):
     """aot_eager, fullgraph (no host sync, no data-dependent shape), no recompile, equal to eager."""
     worlds = [_world(p, k, seed=s) for s in range(2)]
-    names = [n for n, v in worlds[0].mode_kwargs(mode, tree=tree).items() if v is not None]
+    names = [n for n, v in worlds[0].mode_kwargs(mode, tree=tree, draft_attention="branch").items() if v is not None]
     cfg = worlds[0].cfg
     g = torch.Generator().manual_seed(3)
 
@@ -151,7 +151,7 @@ def test_swa_metadata_and_attention_compile_fullgraph(mode, p, k, tree):
         for w in worlds:
             kc, vc = fill_kv_cache(w, num_kv_heads=HKV, head_dim=DIM, seed=int(w.seq_lens.sum()))
             q = torch.randn(num_queries(w, mode), HQ, DIM, generator=g)
-            args = [q, kc, vc] + [w.mode_kwargs(mode, tree=tree)[n] for n in names]
+            args = [q, kc, vc] + [w.mode_kwargs(mode, tree=tree, draft_attention="branch")[n] for n in names]
             ((got, got_lse), got_md), ((want, want_lse), want_md) = compiled(*args), step(*args)
             torch.testing.assert_close(got, want)
             torch.testing.assert_close(got_lse, want_lse)
@@ -162,7 +162,7 @@ def test_swa_metadata_and_attention_compile_fullgraph(mode, p, k, tree):
 
 def test_window_left_errors_name_the_argument():
     world = _world(2, 4)
-    kw = world.mode_kwargs("decode")
+    kw = world.mode_kwargs("decode", draft_attention="branch")
     with pytest.raises(ValueError, match="window_left"):
         fa3_spec.build_metadata("decode", world.cfg, window_left=-1, **kw)
     with pytest.raises(TypeError, match="window_left"):
@@ -192,7 +192,7 @@ def test_full_attention_metadata_is_unchanged_by_the_hook():
     """No ``window_left``: the builders' metadata, with ``window_left = -1`` everywhere."""
     world = _world(2, 4)
     for mode, step, tree in _cases(world):
-        md = fa3_spec.build_metadata(mode, world.cfg, step=step, **world.mode_kwargs(mode, tree=tree))
+        md = fa3_spec.build_metadata(mode, world.cfg, step=step, **world.mode_kwargs(mode, tree=tree, draft_attention="branch"))
         assert all(c.window_left == -1 for c in md.calls)
 
 

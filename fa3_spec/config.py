@@ -169,7 +169,7 @@ class SpecConfig:
         no per-branch pages, no tail copy)."""
         return self.topk * self.num_draft_decode_steps
 
-    def draft_row_len_for(self, draft_attention: str = "branch") -> int:
+    def draft_row_len_for(self, draft_attention: str) -> int:
         """``req_to_token`` row length that also holds every draft slot of an
         iteration, for an allocator that keeps them in the request's row.
 
@@ -186,7 +186,7 @@ class SpecConfig:
             return self.draft_row_len
         return max(self.min_row_len, self.max_context_len + self.ancestor_draft_slots)
 
-    def pool_pages(self, max_reqs: int, draft_attention: str = "branch") -> int:
+    def pool_pages(self, max_reqs: int, draft_attention: str) -> int:
         """KV pool size, in pages, that gives each of ``max_reqs`` requests a whole
         row of its own: ``1 + max_reqs * ceil(draft_row_len_for(draft_attention) / P)``.
 
@@ -195,7 +195,7 @@ class SpecConfig:
         when an allocator reserves every row in full, as the EAGLE loop does.
 
             >>> SpecConfig(page_size=2, topk=8, num_steps=5, num_draft_tokens=6,
-            ...            max_bs=64, max_context_len=8192).pool_pages(4)
+            ...            max_bs=64, max_context_len=8192).pool_pages(4, "branch")
             16481
         """
         return 1 + _require_int("max_reqs", max_reqs, 1) * cdiv(

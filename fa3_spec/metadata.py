@@ -104,7 +104,7 @@ class DraftPrefixMetadata(FA3Metadata):
             prefix built for the other semantics.
     """
 
-    draft_attention: str = "branch"
+    draft_attention: str = ""  # always set by `of`; a dataclass default after inherited ones
 
     @classmethod
     def of(cls, md: FA3Metadata, draft_attention: str) -> "DraftPrefixMetadata":

@@ -52,7 +52,7 @@ def build_draft_prefix_metadata(
     req_to_token: torch.Tensor,
     req_pool_indices: torch.Tensor,
     seq_lens: torch.Tensor,
-    draft_attention: str = "branch",
+    draft_attention: str,
 ) -> DraftPrefixMetadata:
     """Prefix call of a tree draft step; the same for every step.
 
@@ -351,7 +351,7 @@ def _branch_cu_seqlens(per_request: torch.Tensor, topk: int) -> torch.Tensor:
 
 
 def draft_positions(cfg: SpecConfig, seq_lens: torch.Tensor,
-                    draft_attention: str = "branch") -> torch.Tensor:
+                    draft_attention: str) -> torch.Tensor:
     """Row positions of one iteration's draft tokens, for an allocator that keeps
     them in the request's ``req_to_token`` row.
 
@@ -359,7 +359,7 @@ def draft_positions(cfg: SpecConfig, seq_lens: torch.Tensor,
     semantics needs (docs/semantics.md, "Draft slot layout", and what checked
     mode's ``DRAFT_LAYOUT`` bit checks): the slot of draft token ``s`` of
     branch ``t`` of request ``b`` is
-    ``req_to_token[row_b, draft_positions(cfg, seq_lens)[b, t, s]]``, and
+    ``req_to_token[row_b, draft_positions(cfg, seq_lens, "branch")[b, t, s]]``, and
     ``out_cache_loc`` lists those slots in this order.
 
     * ``P > 1`` and ``K > 1``: branch ``t`` owns ``ceil((last + S) / P)``
@@ -380,7 +380,7 @@ def draft_positions(cfg: SpecConfig, seq_lens: torch.Tensor,
 
         >>> cfg = SpecConfig(page_size=2, topk=2, num_steps=4, num_draft_tokens=4,
         ...                  max_bs=1, max_context_len=8)
-        >>> draft_positions(cfg, torch.tensor([5])).tolist()   # last = 1, 3 pages a branch; ok-host: doctest
+        >>> draft_positions(cfg, torch.tensor([5]), "branch").tolist()   # last = 1, 3 pages a branch; ok-host: doctest
         [[[5, 6, 7, 8], [11, 12, 13, 14]]]
         >>> draft_positions(cfg, torch.tensor([5]), "ancestors").tolist()  # ok-host: doctest
         [[[5, 7, 9], [6, 8, 10]]]

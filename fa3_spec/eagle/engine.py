@@ -37,6 +37,7 @@ from ..attention import resolve_backend
 from ..builders.prefill import build_prefill_metadata, extend_query_positions
 from ..config import SpecConfig
 from ..frozen import FrozenModule
+from ..metadata_builder import DEFAULT_DRAFT_ATTENTION
 from ..graphs import CompilePolicy, CUDAGraphRunner, check_buckets
 from .decode import decode_step
 from .acceptance import AcceptanceHook
@@ -543,10 +544,12 @@ def greedy_generate(models: SpecModel, prompts: Sequence[Sequence[int]],
     ctx = max(len(p) for p in prompts) + steps + 1
     spec = SpecConfig(page_size=page_size, topk=1, num_steps=2, num_draft_tokens=1,
                       max_bs=max(bs, 1), max_context_len=ctx)
-    spec = dataclasses.replace(spec, num_pages=spec.pool_pages(bs))
+    # A chain with no draft step: the draft semantics changes nothing but the row's scratch.
+    spec = dataclasses.replace(spec, num_pages=spec.pool_pages(bs, DEFAULT_DRAFT_ATTENTION))
     pool = KVPool(spec, max_reqs=bs, target_layers=models.num_target_layers, draft_layers=1,
                   num_kv_heads=models.num_kv_heads, head_dim=models.head_dim,
-                  dtype=models.dtype, device=device, seed=1)
+                  dtype=models.dtype, device=device, seed=1,
+                  draft_attention=DEFAULT_DRAFT_ATTENTION)
     rows = [pool.allocate(len(p), steps) for p in prompts]
     r2t = pool.req_to_token
     first, _, _, _, logits = _prefill_forward(models, spec, pool.target_kv, None, r2t, rows,

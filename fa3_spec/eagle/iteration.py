@@ -79,6 +79,7 @@ from ..builders import (
 )
 from ..builders.prefill import extend_query_positions
 from ..config import SpecConfig, check_draft_attention
+from ..metadata_builder import DEFAULT_DRAFT_ATTENTION
 from ..paged import BatchView, in_pool
 from ..tree import tree_mask_from_parents
 from .models import KVCache, SpecModel
@@ -124,7 +125,7 @@ class LoopConfig:
     num_splits: Optional[int] = None
     max_eos: int = 4
     sampling: bool = True
-    draft_attention: str = "ancestors"
+    draft_attention: str = DEFAULT_DRAFT_ATTENTION
 
     def __post_init__(self):
         check_draft_attention(self.draft_attention)

@@ -48,7 +48,7 @@ class KVPool:
 
     def __init__(self, cfg: SpecConfig, *, max_reqs: int, target_layers: int, draft_layers: int,
                  num_kv_heads: int, head_dim: int, dtype, device, seed: int = 0,
-                 draft_attention: str = "branch"):
+                 draft_attention: str):
         if cfg.num_pages is None:
             raise ValueError("cfg.num_pages must give the pool size in pages")
         if max_reqs < 1:

@@ -15,12 +15,13 @@ from typing import Optional
 
 import torch
 
+from ..config import DRAFT_ATTENTION
 from ..metadata import PAGE_SENTINEL, CascadeMetadata, FA3Metadata
 from .worlds import World
 
 
 def expected_key_slots(world: World, mode: str, *, step: int = 0, tree: bool = True,
-                       draft_attention: str = "branch") -> list:
+                       draft_attention: Optional[str] = None) -> list:
     """Per query, in ``q`` order, the slots it must attend (docs/semantics.md).
 
     With ``P > 1`` and ``topk > 1`` a branch reads the prefix's partial last
@@ -39,6 +40,9 @@ def expected_key_slots(world: World, mode: str, *, step: int = 0, tree: bool = T
     cfg = world.cfg
     r2t = world.req_to_token.cpu()
     loc = world.out_cache_loc.cpu().view(-1, cfg.topk, cfg.num_steps)
+    if mode == "draft_decode" and draft_attention not in DRAFT_ATTENTION:
+        raise ValueError(f"draft_decode needs draft_attention in {DRAFT_ATTENTION}, "
+                         f"got {draft_attention!r}")
     ancestors = draft_attention == "ancestors"
     if mode == "draft_decode" and ancestors:
         paths = world.ancestor_slots(step)[:, :, : step + 1].cpu().tolist()  # ok-host: harness

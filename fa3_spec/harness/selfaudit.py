@@ -15,7 +15,7 @@ run (through `fa3_spec.audit.audit_function`, which labels it), and checks its l
 from __future__ import annotations
 
 import dataclasses
-from typing import Callable, Iterable, Union
+from typing import Callable, Iterable, Optional, Union
 
 import torch
 
@@ -42,7 +42,11 @@ class AuditCase:
     batch_size: int = 4
     num_padding: int = 1
     scope: str = "builder"  # "builder": a metadata builder; "step": a whole step; "loop": EAGLE
-    draft_attention: str = "branch"  # draft decode and the loop: "branch" or "ancestors"
+    draft_attention: Optional[str] = None  # draft decode and the loop: "branch" or "ancestors"
+
+    def __post_init__(self) -> None:
+        if self.mode in ("draft_decode", LOOP) and self.draft_attention is None:
+            raise ValueError(f"an AuditCase of {self.mode} needs draft_attention")
 
     @property
     def tree(self) -> bool:
@@ -72,7 +76,8 @@ def default_grid(
             )
             for mode in MODES.values():
                 steps = (0, num_steps - 2, ALL_STEPS) if mode.per_step else (0,)
-                cases.extend(AuditCase(mode.name, cfg, step) for step in steps)
+                cases.extend(AuditCase(mode.name, cfg, step, draft_attention="branch")
+                             for step in steps)
             if k > 1:
                 cases.append(AuditCase("draft_decode", cfg, num_steps - 2,
                                        draft_attention="ancestors"))
@@ -95,7 +100,7 @@ def step_grid(page_sizes: Iterable[int] = (1, 2, 16, 64), topks: Iterable[int] =
                          num_draft_tokens=6 if k > 1 else 4, max_bs=8,
                          max_context_len=max_context_len)
         for mode in ("draft_decode", "target_verify", "draft_extend"):
-            cases.append(AuditCase(mode, cfg, scope="step"))
+            cases.append(AuditCase(mode, cfg, scope="step", draft_attention="branch"))
     return cases
 
 

@@ -20,7 +20,7 @@ from typing import Optional, Sequence
 import torch
 
 from ..builders import draft_ancestor_slots, draft_positions
-from ..config import SpecConfig, cdiv
+from ..config import DRAFT_ATTENTION, SpecConfig, cdiv
 from ..tree import tree_mask_from_parents
 
 
@@ -78,11 +78,14 @@ class World:
         return self.req_to_token[rows, self.ancestor_positions[step]].to(torch.int64)
 
     def mode_kwargs(self, mode: str, tree: bool = True, *, step: int = 0,
-                    draft_attention: str = "branch") -> dict:
+                    draft_attention: Optional[str] = None) -> dict:
         """Keyword arguments of the builder of ``mode`` (a key of `fa3_spec.MODES`);
         draft decode at ``step`` with ``draft_attention="ancestors"`` gets
         `ancestor_slots` instead of ``out_cache_loc``."""
         kw = self.batch()
+        if mode == "draft_decode" and draft_attention not in DRAFT_ATTENTION:
+            raise ValueError(f"draft_decode needs draft_attention in {DRAFT_ATTENTION}, "
+                             f"got {draft_attention!r}")
         if mode == "draft_decode" and draft_attention == "ancestors":
             kw["ancestor_slots"] = self.ancestor_slots(step)
         elif mode == "draft_decode":
@@ -147,7 +150,7 @@ def make_world(
     req_to_token = (row_pages[:, pos // p] * p + pos % p).to(torch.int32)
     req_pool_indices = torch.randperm(max_reqs, generator=g)[:batch_size]
 
-    positions = draft_positions(cfg, seq)
+    positions = draft_positions(cfg, seq, "branch")
     loc = req_to_token[req_pool_indices.view(-1, 1, 1), positions].to(torch.int64)
 
     parents = torch.full((batch_size, n), -1, dtype=torch.int64)
