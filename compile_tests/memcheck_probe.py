@@ -1,4 +1,4 @@
-"""Run under ``compute-sanitizer --tool memcheck`` (issue 5); driven by test_gpu_memcheck.py.
+"""Run under ``compute-sanitizer --tool memcheck``; driven by test_gpu_memcheck.py.
 
     compute-sanitizer --tool memcheck python3 compile_tests/memcheck_probe.py fixed
     PYTORCH_NO_CUDA_MEMORY_CACHING=1 compute-sanitizer --tool memcheck \\

@@ -6,8 +6,8 @@ cascade, and the single calls) against a float64 dense oracle written here:
 softmax over each query's exact key set, with the sink as one more logit of
 value 0, softcap on the scaled scores, the window counted in token positions
 and FP8 values dequantised with their request's scales. Plus: compile
-(aot_eager, fullgraph), ``out=``, the static checks on ``q`` and the cache
-(issue 10 item 8), the empty-row LSE normalisation (issue 10 item 9) and the
+(aot_eager, fullgraph), ``out=``, the static checks on ``q`` and the cache,
+the empty-row LSE normalisation and the
 provider capability check. About 25 s on 2 cores.
 """
 
@@ -452,7 +452,7 @@ def test_fp8_errors(q_dtype, cache_dtype, kw, match):
         fa3_spec.cascade_attention(q, kc.to(cache_dtype), vc.to(cache_dtype), md, backend="torch", **kw)
 
 
-# ---- issue 10 item 8: static checks of q and of the cache view -------------------------------
+# ---- static checks of q and of the cache view -------------------------------
 
 
 def test_q_with_fewer_rows_than_the_metadata_bound_is_rejected():
@@ -512,7 +512,7 @@ def test_a_non_viewable_cache_gets_a_clear_error_on_the_tree_verify_expand_call(
     torch.testing.assert_close(fa3_spec.cascade_attention(q, kh, vh, md, backend="torch"), want)
 
 
-# ---- issue 10 item 9: FA3's empty-row LSE, whichever sign, is normalised -----------------------
+# ---- FA3's empty-row LSE, whichever sign, is normalised -----------------------
 
 
 @pytest.mark.parametrize("empty_lse", [float("inf"), float("-inf"), float("nan")])

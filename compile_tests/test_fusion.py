@@ -6,7 +6,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from fa3_spec import _paged
+from fa3_spec import offsets
 from fa3_spec.builders.draft import _branch_cu_seqlens
 from fa3_spec.probes import RecordingBackend
 
@@ -20,11 +20,11 @@ def compiled(fn, dynamic=False):
     return torch.compile(fn, fullgraph=True, backend="aot_eager", dynamic=dynamic)
 
 
-@pytest.mark.parametrize("n", [0, 1, 7, 8, _paged.UNROLLED_SUMS, _paged.UNROLLED_SUMS + 1, 64])
+@pytest.mark.parametrize("n", [0, 1, 7, 8, offsets.UNROLLED_SUMS, offsets.UNROLLED_SUMS + 1, 64])
 def test_cu_seqlens_matches_cumsum_eager_and_compiled(n):
     g = torch.Generator().manual_seed(n)
     lengths = torch.randint(0, 9000, (3, n), generator=g, dtype=torch.int32)
-    for fn in (_paged.cu_seqlens, compiled(_paged.cu_seqlens)):
+    for fn in (offsets.cu_seqlens, compiled(offsets.cu_seqlens)):
         assert torch.equal(fn(lengths), cumsum_reference(lengths))
         assert torch.equal(fn(lengths[0]), cumsum_reference(lengths[0]))
 
@@ -32,7 +32,7 @@ def test_cu_seqlens_matches_cumsum_eager_and_compiled(n):
 def test_compiled_cu_seqlens_with_a_symbolic_batch_matches_cumsum_and_does_not_recompile():
     torch._dynamo.reset()
     counter = RecordingBackend("aot_eager")
-    fn = torch.compile(_paged.cu_seqlens, fullgraph=True, backend=counter, dynamic=True)
+    fn = torch.compile(offsets.cu_seqlens, fullgraph=True, backend=counter, dynamic=True)
     for n in (5, 9, 40):  # one graph: no guard on n from the unrolled/reduction switch
         lengths = torch.randint(0, 9000, (n,), dtype=torch.int32)
         assert torch.equal(fn(lengths), cumsum_reference(lengths))
@@ -45,7 +45,7 @@ def test_a_symbolic_batch_bounded_below_the_unrolled_width_is_not_specialised():
     def bounded(lengths):
         if lengths.shape[0] > 8:
             raise ValueError("batch past max_bs")
-        return _paged.cu_seqlens(lengths)
+        return offsets.cu_seqlens(lengths)
 
     torch._dynamo.reset()
     counter = RecordingBackend("aot_eager")
@@ -59,13 +59,13 @@ def test_a_symbolic_batch_bounded_below_the_unrolled_width_is_not_specialised():
 @pytest.mark.parametrize("n", [5, 20])
 def test_cu_seqlens_wraps_like_int32_cumsum(n):
     lengths = torch.full((n,), 2**29, dtype=torch.int32)  # sums pass 2^31
-    for fn in (_paged.cu_seqlens, compiled(_paged.cu_seqlens)):
+    for fn in (offsets.cu_seqlens, compiled(offsets.cu_seqlens)):
         assert torch.equal(fn(lengths), cumsum_reference(lengths))
 
 
 def test_scan_cu_seqlens_is_the_cumsum():
     lengths = torch.randint(0, 9000, (300,), dtype=torch.int32)
-    assert torch.equal(_paged.scan_cu_seqlens(lengths), cumsum_reference(lengths))
+    assert torch.equal(offsets.scan_cu_seqlens(lengths), cumsum_reference(lengths))
 
 
 @pytest.mark.parametrize("bs,topk", [(0, 4), (1, 8), (8, 8), (20, 3)])

@@ -1,4 +1,4 @@
-"""Property-based fuzzing over wide configurations (SPEC ranges, issue 5).
+"""Property-based fuzzing over wide configurations (the ranges docs/semantics.md allows).
 
 Page sizes are any int in 1..128 (powers of two are not required anywhere in
 the builders). Example counts: FA3_SPEC_FUZZ_EXAMPLES (default 250 per

@@ -1,4 +1,4 @@
-"""Limits on the H200 (issue 5): the captured draft loop at batch 512 / 128K context,
+"""Limits on the GPU: the captured draft loop at batch 512 / 128K context,
 topk 10 with 8 steps, a large batch then a small one then an empty one in the same
 bucket, and checked mode captured in a CUDA graph.
 

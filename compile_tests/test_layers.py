@@ -59,7 +59,7 @@ def _imports(path: pathlib.Path, source: str = None, package: str = "") -> set:
                 sub = f"{target}.{alias.name}"
                 if _is_module(sub):
                     found.add(sub)
-        elif isinstance(node, ast.Attribute):  # fa3_spec._paged.x after `import fa3_spec`
+        elif isinstance(node, ast.Attribute):  # fa3_spec._private.x after `import fa3_spec`
             parts = []
             while isinstance(node, ast.Attribute):
                 parts.insert(0, node.attr)
@@ -164,7 +164,7 @@ def test_the_checks_see_planted_violations(monkeypatch):
     planted = dict(CONSUMER_IMPORTS)
     pkg = "fa3_spec.integrations"
     for module, source in [("fa3_spec.integrations.sglang", "from .._validate import int_in_range"),
-                           ("benchmarks/perf.py", "from fa3_spec import _paged"),
+                           ("benchmarks/perf.py", "from fa3_spec import _validate"),
                            ("benchmarks/perf.py", "import fa3_spec\nfa3_spec._validate.tensor"),
                            ("notebooks/01.ipynb", "from fa3_spec.builders._common import slot_call")]:
         planted[module] = CONSUMER_IMPORTS.get(module, set()) | _imports(None, source, pkg)

@@ -36,7 +36,7 @@ import torch
 import torch.nn.functional as F
 
 from . import _validate
-from ._paged import repeat_rows
+from .offsets import repeat_rows
 from .paged import in_pool
 from .metadata import PAGE_SENTINEL
 

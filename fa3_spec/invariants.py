@@ -5,7 +5,7 @@ host sync, static shapes) and returns an int32 scalar holding its
 `ErrorFlag` bit when some live row violates it. Every test reads the *raw*
 inputs (int64, before any clamp or int32 cast) over exactly the token
 positions the FA3 calls read (``docs/semantics.md``), and exempts padding
-rows (``seq_len == 0``). A mode's `fa3_spec.builders.mode.Mode.flags` picks
+rows (``seq_len == 0``). A mode's `fa3_spec.builders.interface.Mode.flags` picks
 the tests its inputs need; `fa3_spec.error_flags` adds the ones every mode
 shares.
 """
@@ -17,7 +17,7 @@ from typing import Optional
 
 import torch
 
-from ._paged import repeat_rows
+from .offsets import repeat_rows
 from .config import SpecConfig
 from .paged import BatchView
 

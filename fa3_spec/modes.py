@@ -1,6 +1,6 @@
 """The forward modes, in one table.
 
-Each mode's module defines its `Mode` (`fa3_spec.builders.mode`): the extra
+Each mode's module defines its `Mode` (`fa3_spec.builders.interface`): the extra
 batch inputs it takes and requires, its builder, its sliding-window builder,
 how many queries each request contributes, which tokens of the request's own
 ``req_to_token`` row its request-level FA3 call reads, and its value checks.
@@ -32,7 +32,7 @@ from typing import Dict, Optional
 from . import _validate
 from .batch import SpecBatch
 from .builders import decode, draft, extend, verify
-from .builders.mode import Mode
+from .builders.interface import Mode
 from .metadata import Metadata
 
 __all__ = ["MODES", "Mode", "build_metadata", "get_mode"]

@@ -30,7 +30,7 @@ from typing import Optional
 
 import torch
 
-from ._paged import cdiv_tensor, repeat_rows
+from .offsets import cdiv_tensor, repeat_rows
 from .config import SpecConfig
 from .metadata import PAGE_SENTINEL
 

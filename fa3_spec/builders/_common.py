@@ -6,7 +6,7 @@ from typing import Optional
 
 import torch
 
-from .._paged import cu_seqlens, scan_cu_seqlens, uniform_cu_seqlens
+from ..offsets import cu_seqlens, scan_cu_seqlens, uniform_cu_seqlens
 from ..metadata import FA3Metadata
 from ..paged import BatchView
 

@@ -9,7 +9,7 @@ from ..config import SpecConfig
 from ..metadata import FA3Metadata
 from ..paged import BatchView
 from ._common import request_call
-from .mode import Mode
+from .interface import Mode
 from .window import window_call
 
 

@@ -34,7 +34,7 @@ import torch
 import torch.nn.functional as F
 
 from .. import _validate
-from .._paged import cdiv_tensor, cu_seqlens, exclusive_sums, repeat_rows, uniform_cu_seqlens
+from ..offsets import cdiv_tensor, cu_seqlens, exclusive_sums, repeat_rows, uniform_cu_seqlens
 from ..batch import SpecBatch
 from ..config import SpecConfig, check_draft_attention, check_config
 from ..expand import draft_expand_tables
@@ -43,7 +43,7 @@ from ..metadata import PAGE_SENTINEL, CascadeMetadata, DraftPrefixMetadata, FA3M
 from ..paged import BatchView, in_pool
 from ._common import request_call
 from .ancestors import ancestor_step
-from .mode import Mode
+from .interface import Mode
 from .window import window_call, window_cascade
 
 def build_draft_prefix_metadata(

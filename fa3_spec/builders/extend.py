@@ -6,14 +6,14 @@ from typing import Optional
 
 import torch
 
-from .._paged import cu_seqlens
+from ..offsets import cu_seqlens
 from ..batch import SpecBatch
 from ..config import SpecConfig
 from ..invariants import ErrorFlag, flag
 from ..metadata import FA3Metadata
 from ..paged import BatchView
 from ._common import request_call
-from .mode import Mode
+from .interface import Mode
 from .window import window_call
 
 

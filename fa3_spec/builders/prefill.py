@@ -22,7 +22,7 @@ from __future__ import annotations
 import torch
 
 from .. import _validate
-from .._paged import cu_seqlens
+from ..offsets import cu_seqlens
 from ..batch import SpecBatch
 from ..config import SpecConfig
 from ..metadata import FA3Metadata

@@ -30,7 +30,7 @@ from ..invariants import page_flags, tree_mask_flags
 from ..metadata import PAGE_SENTINEL, CascadeMetadata, Metadata
 from ..paged import BatchView
 from ._common import request_call, slot_call
-from .mode import Mode
+from .interface import Mode
 from .window import window_cascade, window_call
 
 

@@ -53,7 +53,7 @@ from typing import Optional
 
 import torch
 
-from .._paged import cdiv_tensor, cu_seqlens, repeat_rows, uniform_cu_seqlens
+from ..offsets import cdiv_tensor, cu_seqlens, repeat_rows, uniform_cu_seqlens
 from ..config import cdiv
 from ..metadata import PAGE_SENTINEL, CascadeMetadata, FA3Metadata
 from ..paged import BatchView

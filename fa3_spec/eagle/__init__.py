@@ -11,7 +11,8 @@ Sampled requests (`sampling`) follow the target's sampling law exactly.
 """
 
 from .checkpoint import CheckpointError, from_pretrained
-from .engine import EagleEngine, greedy_generate
+from .engine import EagleEngine
+from .greedy import greedy_generate
 from .iteration import DEFAULT_SCRIPT, LoopConfig, eagle_iteration, empty_state, step_in_place
 from .models import (
     PRESETS, Eagle3Draft, EagleDraft, EagleModels, KVCache, LlamaTarget, ModelShape, SpecModel,

@@ -62,7 +62,9 @@ from ..config import DRAFT_ATTENTION, SpecConfig
 from .checkpoint import draft_kind, from_pretrained
 from ..graphs import COMPILE_BACKENDS
 from .acceptance import scripted_acceptance
-from .engine import EagleEngine, eos_set, greedy_generate
+from .engine import EagleEngine
+from .greedy import greedy_generate
+from .prefill import eos_set
 from .sync_probe import HostSyncProbe
 from .iteration import DEFAULT_SCRIPT, LoopConfig
 from .models import make_models

@@ -21,31 +21,27 @@ in static device buffers of ``max_bs`` rows. Between iterations the host
   iteration never reads or writes their pages; the host frees them when it
   reads the copy, and their rows are reused by the next admission.
 
-Nothing in an iteration waits for the host. `greedy_generate` is the
-reference: plain greedy decoding of the same target on decode metadata.
+Nothing in an iteration waits for the host. `fa3_spec.eagle.greedy.greedy_generate`
+is the reference: plain greedy decoding of the same target on decode metadata.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import time
-from typing import Callable, Dict, Iterable, List, Optional, Sequence, Tuple, Union
+from typing import Callable, Dict, List, Optional, Sequence, Tuple, Union
 
 import torch
 
 from ..attention import resolve_backend
-from ..builders.prefill import build_prefill_metadata, extend_query_positions
-from ..config import SpecConfig
 from ..frozen import FrozenModule
-from ..metadata_builder import DEFAULT_DRAFT_ATTENTION
 from ..graphs import CompilePolicy, CUDAGraphRunner, check_buckets
-from .decode import decode_step
 from .acceptance import AcceptanceHook
 from .iteration import LoopConfig, State, eagle_iteration, empty_state, step_in_place
-from .models import KVCache, SpecModel
+from .models import SpecModel
 from .pool import KVPool
-from .sampling import RequestSampling, SamplingParams, sample_tokens
-from .vocab import vocab_argmax
+from .prefill import check_prompt, eos_set, prefill_forward
+from .sampling import RequestSampling, SamplingParams
 
 #: State keys the host reads back after every iteration.
 READBACK = ("out_tokens", "out_len", "seq_lens", "accept_len", "tree_tokens", "parents", "path")
@@ -71,67 +67,6 @@ def _draft_vocab_size(models: SpecModel) -> int:
     """Tokens the draft head proposes from: ``models.draft_vocab_size`` when the
     model defines it (a reduced-vocabulary draft head), else ``vocab_size``."""
     return int(getattr(models, "draft_vocab_size", models.vocab_size))
-
-
-def _check_prompt(name: str, prompt: Sequence[int], vocab_size: int) -> List[int]:
-    """``prompt`` as a list of ints, every token in ``[0, vocab_size)``.
-
-    Raises:
-        ValueError: a token outside the vocabulary (named, with its position).
-    """
-    tokens = [int(t) for t in prompt]
-    bad = next((i for i, t in enumerate(tokens) if not 0 <= t < vocab_size), None)
-    if bad is not None:
-        raise ValueError(f"{name}: token {tokens[bad]} at position {bad} is outside the "
-                         f"vocabulary (vocab_size={vocab_size}: ids 0..{vocab_size - 1})")
-    return tokens
-
-
-def _prefill_forward(models: SpecModel, spec: SpecConfig, kv_target: KVCache,
-                     kv_draft: Optional[KVCache], req_to_token: torch.Tensor,
-                     rows: List[int], prompts: List[List[int]], *, backend: str,
-                     num_splits=None, sampling: Optional[SamplingParams] = None):
-    """Eager prefill of ``prompts`` into pool ``rows``.
-
-    Returns ``(first_token [B], draft_hidden [B, H], cand_scores [B, K],
-    cand_tokens [B, K], logits [B, V])``: the target's token after each
-    prompt (greedy, or drawn with ``sampling``, counter 0) and its logits
-    and, with a draft cache (else None), the draft's feature and the top-K
-    children of that token.
-    """
-    device = req_to_token.device
-    lens = torch.tensor([len(p) for p in prompts], dtype=torch.int64, device=device)
-    tokens = torch.tensor([t for p in prompts for t in p], dtype=torch.int64, device=device)
-    max_len = max(len(p) for p in prompts)
-    # q is sized to the metadata's static bound (rows * max_seqlen_q), as
-    # cascade_attention requires; queries past the real ones write K/V to
-    # slot 0 (the reserved dummy page) and are never read.
-    total = len(prompts) * max_len
-    tokens = torch.nn.functional.pad(tokens, (0, total - tokens.shape[0]))
-    rpi = torch.tensor(rows, dtype=torch.int64, device=device)
-    md = build_prefill_metadata(spec, req_to_token=req_to_token, req_pool_indices=rpi,
-                                seq_lens=lens, extend_seq_lens=lens, max_seqlen_q=max_len)
-    row, pos, owned = extend_query_positions(md, lens, total)
-    slots = torch.where(owned, req_to_token[rpi[row], pos].to(torch.int64), 0)
-    attn = dict(backend=backend, num_splits=num_splits)
-    hidden = models.target_forward(tokens, pos, slots, md, kv_target, **attn)
-    last = md.cu_seqlens_q[1:].to(torch.int64) - 1
-    logits = models.target_logits(hidden[last])
-    first = vocab_argmax(logits)
-    if sampling is not None:
-        first = sample_tokens(logits, sampling, torch.zeros_like(first))
-    if kv_draft is None:
-        return first, None, None, None, logits
-    # EAGLE shift: draft position p consumes the token at p + 1 (the first
-    # generated token after the prompt's last position).
-    shifted = torch.cat([tokens[1:], tokens[:1]])
-    is_last = torch.zeros(total, dtype=torch.bool, device=device)
-    is_last[last] = True
-    shifted = torch.where(is_last, first[row], shifted)
-    h_draft = models.draft_forward(shifted, models.draft_input(hidden), pos, slots, md, kv_draft,
-                                   **attn)[last]
-    scores, cand = models.draft_topk(h_draft, spec.topk)
-    return first, h_draft, scores, cand, logits
 
 
 class EagleEngine:
@@ -271,7 +206,7 @@ class EagleEngine:
                 ``LoopConfig(sampling=False)`` or on an engine with an
                 acceptance hook.
         """
-        prompt = _check_prompt("prompt", prompt, self.models.vocab_size)
+        prompt = check_prompt("prompt", prompt, self.models.vocab_size)
         sampling = RequestSampling.create(temperature, top_k, top_p, seed)
         if sampling.temperature > 0 and not self.lc.sampling:
             raise ValueError("temperature > 0 needs a loop built with LoopConfig(sampling=True)")
@@ -361,7 +296,7 @@ class EagleEngine:
         """Prefill ``batch`` (rows and slots assigned) and write its state rows."""
         pool, st, dev = self.pool, self.state, self.device
         params = SamplingParams.stack([r.sampling for r in batch], device=dev)
-        first, h, scores, cand, _ = _prefill_forward(
+        first, h, scores, cand, _ = prefill_forward(
             self.models, self.spec, pool.target_kv, pool.draft_kv, pool.req_to_token,
             [r.row for r in batch], [r.prompt for r in batch], backend=self.lc.backend,
             num_splits=self.lc.num_splits, sampling=params if self.lc.sampling else None)
@@ -505,84 +440,3 @@ class EagleEngine:
                 n = int(self.state["out_len"][req.slot])
                 out[req.rid] = self.state["out_tokens"][req.slot, :n].tolist()  # ok-host
         return out
-
-
-def greedy_generate(models: SpecModel, prompts: Sequence[Sequence[int]],
-                    max_new_tokens: Sequence[int], *,
-                    eos_ids: Optional[Sequence[Union[int, Sequence[int]]]] = None,
-                    page_size: int = 1, backend: str = "auto", device="cpu",
-                    logits_out: Optional[list] = None,
-                    on_step: Optional[Callable[[int, int], None]] = None) -> List[List[int]]:
-    """Plain greedy decoding of the target (no speculation): the reference.
-
-    Prefill through `build_prefill_metadata`, then one token per request per
-    step through `fa3_spec.eagle.decode.decode_step`, in a pool of its own. Each output
-    stops after ``max_new_tokens[i]`` tokens or its first EOS (included;
-    ``eos_ids[i]``: one id or several, as `EagleEngine.submit` takes them).
-    ``logits_out``, if given, receives each step's float32 logits ``[B, V]``
-    on the CPU (step 0 = after the prompt), for near-tie analysis.
-    ``on_step(i, steps)``, if given, is called after each of the ``steps``
-    token steps (progress; ``i`` from 1).
-
-    Raises:
-        ValueError: no prompts, an empty prompt, a prompt token outside
-            ``[0, vocab_size)``, ``max_new_tokens`` (or ``eos_ids``) not one
-            per prompt, or a ``max_new_tokens`` below 1.
-    """
-    prompts = [_check_prompt(f"prompts[{i}]", p, models.vocab_size) for i, p in enumerate(prompts)]
-    max_new_tokens = [int(m) for m in max_new_tokens]
-    if not prompts or min(map(len, prompts)) < 1:
-        raise ValueError("prompts must be one or more non-empty token lists")
-    if len(max_new_tokens) != len(prompts) or min(max_new_tokens) < 1:
-        raise ValueError(f"max_new_tokens must give one count >= 1 per prompt ({len(prompts)}), "
-                         f"got {max_new_tokens}")
-    if eos_ids is not None and len(eos_ids) != len(prompts):
-        raise ValueError(f"eos_ids must give one id per prompt ({len(prompts)}), got "
-                         f"{len(eos_ids)}")
-    bs = len(prompts)
-    steps = max(max_new_tokens)
-    ctx = max(len(p) for p in prompts) + steps + 1
-    spec = SpecConfig(page_size=page_size, topk=1, num_steps=2, num_draft_tokens=1,
-                      max_bs=max(bs, 1), max_context_len=ctx)
-    # A chain with no draft step: the draft semantics changes nothing but the row's scratch.
-    spec = dataclasses.replace(spec, num_pages=spec.pool_pages(bs, DEFAULT_DRAFT_ATTENTION))
-    pool = KVPool(spec, max_reqs=bs, target_layers=models.num_target_layers, draft_layers=1,
-                  num_kv_heads=models.num_kv_heads, head_dim=models.head_dim,
-                  dtype=models.dtype, device=device, seed=1,
-                  draft_attention=DEFAULT_DRAFT_ATTENTION)
-    rows = [pool.allocate(len(p), steps) for p in prompts]
-    r2t = pool.req_to_token
-    first, _, _, _, logits = _prefill_forward(models, spec, pool.target_kv, None, r2t, rows,
-                                              prompts, backend=backend)
-    if logits_out is not None:
-        logits_out.append(logits.float().cpu())
-    rpi = torch.tensor(rows, dtype=torch.int64, device=device)
-    seq = torch.tensor([len(q) for q in prompts], dtype=torch.int64, device=device)
-    tokens = [first]
-    cur = first
-    if on_step is not None:
-        on_step(1, steps)
-    for i in range(2, steps + 1):
-        logits = decode_step(models, spec, pool.target_kv, r2t, rpi, seq, cur, backend=backend)
-        if logits_out is not None:
-            logits_out.append(logits.float().cpu())
-        cur = logits.argmax(-1)
-        tokens.append(cur)
-        seq = seq + 1
-        if on_step is not None:
-            on_step(i, steps)
-    table = torch.stack(tokens, 1).cpu().tolist()  # ok-host: host readback, between iterations
-    eos_ids = list(eos_ids) if eos_ids is not None else [-1] * bs
-    out = []
-    for row, m, eos in zip(table, max_new_tokens, eos_ids):
-        row = row[:m]
-        stops = [j for j, t in enumerate(row) if t in eos_set(eos)]
-        out.append(row[: stops[0] + 1] if stops else row)
-    return out
-
-
-def eos_set(eos_id: Union[int, Sequence[int]]) -> Tuple[int, ...]:
-    """One EOS id or several -> the distinct ids, in order (-1 and other
-    negatives mean none)."""
-    ids = [int(t) for t in eos_id] if isinstance(eos_id, Iterable) else [int(eos_id)]
-    return tuple(dict.fromkeys(t for t in ids if t >= 0))

@@ -1,5 +1,5 @@
-"""Pure, traceable arithmetic shared by the builders: row repeats, ceilings,
-prefix sums (``cu_seqlens``).
+"""Cumulative offsets and row arithmetic shared by the builders: row repeats,
+ceilings, prefix sums (``cu_seqlens``), all pure and traceable.
 
 The batch's slots and page tables are read through `fa3_spec.paged.BatchView`;
 nothing here gathers by a tensor index, so nothing here can read out of range.

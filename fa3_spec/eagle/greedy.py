@@ -1,0 +1,93 @@
+"""`greedy_generate`: plain greedy decoding of the target, the loop's reference.
+
+Exactness contract of the EAGLE loop: with greedy acceptance its output equals
+this, token for token.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Callable, List, Optional, Sequence, Union
+
+import torch
+
+from ..config import SpecConfig
+from ..metadata_builder import DEFAULT_DRAFT_ATTENTION
+from .decode import decode_step
+from .models import SpecModel
+from .pool import KVPool
+from .prefill import check_prompt, eos_set, prefill_forward
+
+
+def greedy_generate(models: SpecModel, prompts: Sequence[Sequence[int]],
+                    max_new_tokens: Sequence[int], *,
+                    eos_ids: Optional[Sequence[Union[int, Sequence[int]]]] = None,
+                    page_size: int = 1, backend: str = "auto", device="cpu",
+                    logits_out: Optional[list] = None,
+                    on_step: Optional[Callable[[int, int], None]] = None) -> List[List[int]]:
+    """Plain greedy decoding of the target (no speculation): the reference.
+
+    Prefill through `build_prefill_metadata`, then one token per request per
+    step through `fa3_spec.eagle.decode.decode_step`, in a pool of its own. Each output
+    stops after ``max_new_tokens[i]`` tokens or its first EOS (included;
+    ``eos_ids[i]``: one id or several, as `EagleEngine.submit` takes them).
+    ``logits_out``, if given, receives each step's float32 logits ``[B, V]``
+    on the CPU (step 0 = after the prompt), for near-tie analysis.
+    ``on_step(i, steps)``, if given, is called after each of the ``steps``
+    token steps (progress; ``i`` from 1).
+
+    Raises:
+        ValueError: no prompts, an empty prompt, a prompt token outside
+            ``[0, vocab_size)``, ``max_new_tokens`` (or ``eos_ids``) not one
+            per prompt, or a ``max_new_tokens`` below 1.
+    """
+    prompts = [check_prompt(f"prompts[{i}]", p, models.vocab_size) for i, p in enumerate(prompts)]
+    max_new_tokens = [int(m) for m in max_new_tokens]
+    if not prompts or min(map(len, prompts)) < 1:
+        raise ValueError("prompts must be one or more non-empty token lists")
+    if len(max_new_tokens) != len(prompts) or min(max_new_tokens) < 1:
+        raise ValueError(f"max_new_tokens must give one count >= 1 per prompt ({len(prompts)}), "
+                         f"got {max_new_tokens}")
+    if eos_ids is not None and len(eos_ids) != len(prompts):
+        raise ValueError(f"eos_ids must give one id per prompt ({len(prompts)}), got "
+                         f"{len(eos_ids)}")
+    bs = len(prompts)
+    steps = max(max_new_tokens)
+    ctx = max(len(p) for p in prompts) + steps + 1
+    spec = SpecConfig(page_size=page_size, topk=1, num_steps=2, num_draft_tokens=1,
+                      max_bs=max(bs, 1), max_context_len=ctx)
+    # A chain with no draft step: the draft semantics changes nothing but the row's scratch.
+    spec = dataclasses.replace(spec, num_pages=spec.pool_pages(bs, DEFAULT_DRAFT_ATTENTION))
+    pool = KVPool(spec, max_reqs=bs, target_layers=models.num_target_layers, draft_layers=1,
+                  num_kv_heads=models.num_kv_heads, head_dim=models.head_dim,
+                  dtype=models.dtype, device=device, seed=1,
+                  draft_attention=DEFAULT_DRAFT_ATTENTION)
+    rows = [pool.allocate(len(p), steps) for p in prompts]
+    r2t = pool.req_to_token
+    first, _, _, _, logits = prefill_forward(models, spec, pool.target_kv, None, r2t, rows,
+                                              prompts, backend=backend)
+    if logits_out is not None:
+        logits_out.append(logits.float().cpu())
+    rpi = torch.tensor(rows, dtype=torch.int64, device=device)
+    seq = torch.tensor([len(q) for q in prompts], dtype=torch.int64, device=device)
+    tokens = [first]
+    cur = first
+    if on_step is not None:
+        on_step(1, steps)
+    for i in range(2, steps + 1):
+        logits = decode_step(models, spec, pool.target_kv, r2t, rpi, seq, cur, backend=backend)
+        if logits_out is not None:
+            logits_out.append(logits.float().cpu())
+        cur = logits.argmax(-1)
+        tokens.append(cur)
+        seq = seq + 1
+        if on_step is not None:
+            on_step(i, steps)
+    table = torch.stack(tokens, 1).cpu().tolist()  # ok-host: host readback, between iterations
+    eos_ids = list(eos_ids) if eos_ids is not None else [-1] * bs
+    out = []
+    for row, m, eos in zip(table, max_new_tokens, eos_ids):
+        row = row[:m]
+        stops = [j for j, t in enumerate(row) if t in eos_set(eos)]
+        out.append(row[: stops[0] + 1] if stops else row)
+    return out

@@ -1,0 +1,87 @@
+"""Eager prefill of prompts into a pool, shared by the engine's admission and the
+greedy reference, and the checks on what a request gives.
+
+The prefill runs eagerly (never compiled: a compiled prefill would compile once
+per prompt length) on metadata from `fa3_spec.build_prefill_metadata`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from typing import List, Optional, Sequence, Tuple, Union
+
+import torch
+
+from ..builders.prefill import build_prefill_metadata, extend_query_positions
+from ..config import SpecConfig
+from .models import KVCache, SpecModel
+from .sampling import SamplingParams, sample_tokens
+from .vocab import vocab_argmax
+
+
+def check_prompt(name: str, prompt: Sequence[int], vocab_size: int) -> List[int]:
+    """``prompt`` as a list of ints, every token in ``[0, vocab_size)``.
+
+    Raises:
+        ValueError: a token outside the vocabulary (named, with its position).
+    """
+    tokens = [int(t) for t in prompt]
+    bad = next((i for i, t in enumerate(tokens) if not 0 <= t < vocab_size), None)
+    if bad is not None:
+        raise ValueError(f"{name}: token {tokens[bad]} at position {bad} is outside the "
+                         f"vocabulary (vocab_size={vocab_size}: ids 0..{vocab_size - 1})")
+    return tokens
+
+
+def prefill_forward(models: SpecModel, spec: SpecConfig, kv_target: KVCache,
+                     kv_draft: Optional[KVCache], req_to_token: torch.Tensor,
+                     rows: List[int], prompts: List[List[int]], *, backend: str,
+                     num_splits=None, sampling: Optional[SamplingParams] = None):
+    """Eager prefill of ``prompts`` into pool ``rows``.
+
+    Returns ``(first_token [B], draft_hidden [B, H], cand_scores [B, K],
+    cand_tokens [B, K], logits [B, V])``: the target's token after each
+    prompt (greedy, or drawn with ``sampling``, counter 0) and its logits
+    and, with a draft cache (else None), the draft's feature and the top-K
+    children of that token.
+    """
+    device = req_to_token.device
+    lens = torch.tensor([len(p) for p in prompts], dtype=torch.int64, device=device)
+    tokens = torch.tensor([t for p in prompts for t in p], dtype=torch.int64, device=device)
+    max_len = max(len(p) for p in prompts)
+    # q is sized to the metadata's static bound (rows * max_seqlen_q), as
+    # cascade_attention requires; queries past the real ones write K/V to
+    # slot 0 (the reserved dummy page) and are never read.
+    total = len(prompts) * max_len
+    tokens = torch.nn.functional.pad(tokens, (0, total - tokens.shape[0]))
+    rpi = torch.tensor(rows, dtype=torch.int64, device=device)
+    md = build_prefill_metadata(spec, req_to_token=req_to_token, req_pool_indices=rpi,
+                                seq_lens=lens, extend_seq_lens=lens, max_seqlen_q=max_len)
+    row, pos, owned = extend_query_positions(md, lens, total)
+    slots = torch.where(owned, req_to_token[rpi[row], pos].to(torch.int64), 0)
+    attn = dict(backend=backend, num_splits=num_splits)
+    hidden = models.target_forward(tokens, pos, slots, md, kv_target, **attn)
+    last = md.cu_seqlens_q[1:].to(torch.int64) - 1
+    logits = models.target_logits(hidden[last])
+    first = vocab_argmax(logits)
+    if sampling is not None:
+        first = sample_tokens(logits, sampling, torch.zeros_like(first))
+    if kv_draft is None:
+        return first, None, None, None, logits
+    # EAGLE shift: draft position p consumes the token at p + 1 (the first
+    # generated token after the prompt's last position).
+    shifted = torch.cat([tokens[1:], tokens[:1]])
+    is_last = torch.zeros(total, dtype=torch.bool, device=device)
+    is_last[last] = True
+    shifted = torch.where(is_last, first[row], shifted)
+    h_draft = models.draft_forward(shifted, models.draft_input(hidden), pos, slots, md, kv_draft,
+                                   **attn)[last]
+    scores, cand = models.draft_topk(h_draft, spec.topk)
+    return first, h_draft, scores, cand, logits
+
+
+def eos_set(eos_id: Union[int, Sequence[int]]) -> Tuple[int, ...]:
+    """One EOS id or several -> the distinct ids, in order (-1 and other
+    negatives mean none)."""
+    ids = [int(t) for t in eos_id] if isinstance(eos_id, Iterable) else [int(eos_id)]
+    return tuple(dict.fromkeys(t for t in ids if t >= 0))
