@@ -18,7 +18,7 @@ settings.load_profile(os.environ.get("FA3_SPEC_HYPOTHESIS_PROFILE", "ci"))
 
 # sglang's Triton kernels run on CPU only in Triton's interpreter, a mode fixed
 # when Triton is first imported (the `upstream` fixture). Children keep the
-# environment the session started with (children.py).
+# environment the test run started with (children.py).
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
