@@ -544,3 +544,38 @@ def test_the_host_sync_probe_wraps_an_engine_from_outside_and_lets_go():
         eng.run()
     assert probe.counts == [] and probe.worst is None and "replay" not in vars(eng.runner)
     assert eng.stats["iterations"] > 0
+
+
+@pytest.mark.parametrize("call, error, says", [
+    (lambda e: e.submit("2024", 4), TypeError, "prompt must be a sequence of int token ids"),
+    (lambda e: e.submit([1.7, 2.2], 4), TypeError, "token at position 0 must be an int, got 1.7"),
+    (lambda e: e.submit([float("inf")], 4), TypeError, "token at position 0 must be an int"),
+    (lambda e: e.submit([True, 2], 4), TypeError, "token at position 0 must be an int"),
+    (lambda e: e.submit([1, 2], 2.5), ValueError, "max_new_tokens must be an int >= 1, got 2.5"),
+    (lambda e: e.submit([1, 2], float("nan")), ValueError, "max_new_tokens must be an int >= 1"),
+    (lambda e: e.submit([1, 2], 3.0), ValueError, "max_new_tokens must be an int >= 1, got 3.0"),
+    (lambda e: e.submit([1, 2], 4, top_k=2 ** 63), ValueError, r"top_k must be an int in \[0, 2\*\*63\)"),
+    (lambda e: e.submit([1, 2], 4, eos_id=2 ** 63), ValueError, "outside the vocabulary"),
+    (lambda e: e.submit([1, 2], 4, eos_id=[3, 1.5]), ValueError, "eos_id must be an int or ints"),
+])
+def test_a_bad_request_is_refused_at_submit_and_the_others_are_served(call, error, says):
+    """A value that once passed submit and then failed every admission (or every step),
+    jamming the requests queued with it, is refused at submit, naming it; the good
+    requests before and after it are served, exactly."""
+    models = models_for()
+    eng = make_engine(models, 2, 4, 3, 6, max_new=8)
+    first = eng.submit([5, 9, 2], 4)
+    with pytest.raises(error, match=says):
+        call(eng)
+    last = eng.submit([3, 1, 4, 1], 4)
+    got = eng.run()
+    want = greedy_generate(models, [[5, 9, 2], [3, 1, 4, 1]], [4, 4], page_size=2, backend="torch")
+    assert [got[first], got[last]] == want
+
+
+def test_greedy_generate_refuses_what_submit_refuses():
+    models = models_for()
+    with pytest.raises(TypeError, match=r"prompts\[0\]: token at position 1 must be an int"):
+        greedy_generate(models, [[1, 2.0]], [3])
+    with pytest.raises(ValueError, match=r"max_new_tokens\[0\] must be an int >= 1, got True"):
+        greedy_generate(models, [[1, 2]], [True])

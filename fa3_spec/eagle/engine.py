@@ -40,7 +40,7 @@ from .acceptance import AcceptanceHook
 from .iteration import LoopConfig, State, eagle_iteration, empty_state, step_in_place
 from .models import SpecModel
 from .pool import KVPool
-from .prefill import check_prompt, eos_set, prefill_forward
+from .prefill import check_max_new_tokens, check_prompt, eos_set, prefill_forward
 from .sampling import RequestSampling, SamplingParams
 
 #: State keys the host reads back after every iteration.
@@ -199,14 +199,17 @@ class EagleEngine:
         output reproducible, alone or in any batch.
 
         Raises:
-            ValueError: a prompt token outside ``[0, vocab_size)``, more EOS
-                ids than ``lc.max_eos``, a request that can never fit the
+            TypeError: a prompt that is not a sequence of ints.
+            ValueError: a prompt token outside ``[0, vocab_size)``, a
+                ``max_new_tokens`` that is not an int >= 1, an EOS id that is
+                not an int below ``vocab_size``, more EOS ids than ``lc.max_eos``, a request that can never fit the
                 configuration (`KVPool.check_request`), a sampling value out
                 of range, or ``temperature > 0`` on a loop built with
                 ``LoopConfig(sampling=False)`` or on an engine with an
                 acceptance hook.
         """
         prompt = check_prompt("prompt", prompt, self.models.vocab_size)
+        max_new_tokens = check_max_new_tokens("max_new_tokens", max_new_tokens)
         sampling = RequestSampling.create(temperature, top_k, top_p, seed)
         if sampling.temperature > 0 and not self.lc.sampling:
             raise ValueError("temperature > 0 needs a loop built with LoopConfig(sampling=True)")
@@ -216,7 +219,7 @@ class EagleEngine:
         if max_new_tokens > self.lc.max_new_tokens:
             raise ValueError(f"max_new_tokens={max_new_tokens} exceeds the loop's "
                              f"max_new_tokens={self.lc.max_new_tokens}")
-        eos = eos_set(eos_id)
+        eos = eos_set(eos_id, self.models.vocab_size)
         if len(eos) > self.lc.max_eos:
             raise ValueError(f"eos_id has {len(eos)} ids; the loop holds at most "
                              f"max_eos={self.lc.max_eos}")

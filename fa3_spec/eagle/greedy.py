@@ -16,7 +16,7 @@ from ..metadata_builder import DEFAULT_DRAFT_ATTENTION
 from .decode import decode_step
 from .models import SpecModel
 from .pool import KVPool
-from .prefill import check_prompt, eos_set, prefill_forward
+from .prefill import check_max_new_tokens, check_prompt, eos_set, prefill_forward
 
 
 def greedy_generate(models: SpecModel, prompts: Sequence[Sequence[int]],
@@ -42,7 +42,8 @@ def greedy_generate(models: SpecModel, prompts: Sequence[Sequence[int]],
             per prompt, or a ``max_new_tokens`` below 1.
     """
     prompts = [check_prompt(f"prompts[{i}]", p, models.vocab_size) for i, p in enumerate(prompts)]
-    max_new_tokens = [int(m) for m in max_new_tokens]
+    max_new_tokens = [check_max_new_tokens(f"max_new_tokens[{i}]", m)
+                      for i, m in enumerate(max_new_tokens)]
     if not prompts or min(map(len, prompts)) < 1:
         raise ValueError("prompts must be one or more non-empty token lists")
     if len(max_new_tokens) != len(prompts) or min(max_new_tokens) < 1:

@@ -7,6 +7,7 @@ per prompt length) on metadata from `fa3_spec.build_prefill_metadata`.
 
 from __future__ import annotations
 
+import numbers
 from collections.abc import Iterable
 from typing import List, Optional, Sequence, Tuple, Union
 
@@ -22,10 +23,21 @@ from .vocab import vocab_argmax
 def check_prompt(name: str, prompt: Sequence[int], vocab_size: int) -> List[int]:
     """``prompt`` as a list of ints, every token in ``[0, vocab_size)``.
 
+    Tokens are taken as they are, never converted: a float, a bool or a string
+    is refused rather than truncated or split into digits.
+
     Raises:
+        TypeError: ``prompt`` is a string, or a token is not an int (named,
+            with its position).
         ValueError: a token outside the vocabulary (named, with its position).
     """
-    tokens = [int(t) for t in prompt]
+    if isinstance(prompt, (str, bytes)) or not isinstance(prompt, Iterable):
+        raise TypeError(f"{name} must be a sequence of int token ids, got {type(prompt).__name__}")
+    tokens = list(prompt)
+    for i, t in enumerate(tokens):
+        if isinstance(t, bool) or not isinstance(t, numbers.Integral):
+            raise TypeError(f"{name}: token at position {i} must be an int, got {t!r}")
+    tokens = [int(t) for t in tokens]
     bad = next((i for i, t in enumerate(tokens) if not 0 <= t < vocab_size), None)
     if bad is not None:
         raise ValueError(f"{name}: token {tokens[bad]} at position {bad} is outside the "
@@ -80,8 +92,26 @@ def prefill_forward(models: SpecModel, spec: SpecConfig, kv_target: KVCache,
     return first, h_draft, scores, cand, logits
 
 
-def eos_set(eos_id: Union[int, Sequence[int]]) -> Tuple[int, ...]:
+def check_max_new_tokens(name: str, value: object) -> int:
+    """``value`` if it is an int >= 1 (a bool, a float or NaN is refused, never
+    truncated): `ValueError` naming ``name``."""
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < 1:
+        raise ValueError(f"{name} must be an int >= 1, got {value!r}")
+    return int(value)
+
+
+def eos_set(eos_id: Union[int, Sequence[int]], vocab_size: Optional[int] = None
+            ) -> Tuple[int, ...]:
     """One EOS id or several -> the distinct ids, in order (-1 and other
-    negatives mean none)."""
-    ids = [int(t) for t in eos_id] if isinstance(eos_id, Iterable) else [int(eos_id)]
+    negatives mean none). Each must be an int (`ValueError` naming ``eos_id``
+    otherwise); with ``vocab_size``, below it (an id the model cannot emit
+    would never stop the request)."""
+    ids = list(eos_id) if isinstance(eos_id, Iterable) and not isinstance(eos_id, (str, bytes)) \
+        else [eos_id]
+    for t in ids:
+        if isinstance(t, bool) or not isinstance(t, numbers.Integral):
+            raise ValueError(f"eos_id must be an int or ints, got {t!r}")
+        if vocab_size is not None and t >= vocab_size:
+            raise ValueError(f"eos_id {t} is outside the vocabulary (vocab_size={vocab_size})")
+    ids = [int(t) for t in ids]
     return tuple(dict.fromkeys(t for t in ids if t >= 0))

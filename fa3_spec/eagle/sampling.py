@@ -136,8 +136,8 @@ def check_sampling_params(temperature: float, top_k: int, top_p: float,
             or not 0.0 <= temperature < float("inf")):
         raise ValueError(f"temperature must be a finite number >= 0 (0 = greedy), "
                          f"got {temperature!r}")
-    if isinstance(top_k, bool) or not isinstance(top_k, int) or top_k < 0:
-        raise ValueError(f"top_k must be an int >= 0 (0 = off), got {top_k!r}")
+    if isinstance(top_k, bool) or not isinstance(top_k, int) or not 0 <= top_k < 2 ** 63:
+        raise ValueError(f"top_k must be an int in [0, 2**63) (0 = off), got {top_k!r}")
     if isinstance(top_p, bool) or not isinstance(top_p, (int, float)) or not 0.0 < top_p <= 1.0:
         raise ValueError(f"top_p must be in (0, 1] (1 = off), got {top_p!r}")
     if seed is not None and (isinstance(seed, bool) or not isinstance(seed, int)
