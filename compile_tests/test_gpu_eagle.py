@@ -115,7 +115,7 @@ def _check_programs(report, compile_regions, compiles_per_program=1):
     recompile each program once), and under ``ancestors`` the draft-step
     program once more per frame: its first step's expand page table is one
     column wide, a size 1 that dynamo specialises (the CPU reproduces these
-    counts with FA3's program keys: ``benchmarks/RESULTS.md``)."""
+    counts with FA3's program keys)."""
     assert report["compile_regions"] is compile_regions
     extra = 0
     if compile_regions:
@@ -176,7 +176,7 @@ def test_tiny_compiled_by_default_in_one_static_frame_matches_greedy_up_to_near_
     """The CUDA default for one bucket: inductor, one static frame; the layers
     as compiled regions (the default, `fa3_spec.eagle.regions`) or inline.
     With the layers as *nested* compile regions (an earlier default) this
-    emitted wrong tokens in both semantics (benchmarks/RESULTS.md)."""
+    emitted wrong tokens in both semantics."""
     report = check("tiny", 2, 8, 5, 16, batch=4, requests=10, buckets=[4],
                    compile_backend="auto", compile_regions=compile_regions,
                    label=f"tiny-inductor-static-{draft_attention}-regions-{compile_regions}",

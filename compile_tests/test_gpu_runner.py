@@ -1,7 +1,7 @@
 """The CUDA-graph runner on real FA3: whole steps replayed with fresh batches.
 
 Skipped without CUDA sm90 + FA3. Most cases compile with aot_eager to keep
-the device run short; benchmarks/compile_capture.py covers inductor.
+the device run short; ``benchmarks/compile.py runner`` covers inductor.
 """
 
 import pytest

@@ -5,7 +5,7 @@ time, ``fa3_spec.harness.sglang_upstream``; skipped when unavailable) fill a
 backend's buffers; the views over them must read, query by query, the same
 keys as fa3_spec's builders on the same inputs, with the same static ints,
 and hold no copy (every tensor a slice of a buffer). This is what lets
-``benchmarks/eagle_bench.py`` variant (b) drive attention from sglang's own
+``benchmarks/loop.py compare`` variant (b) drive attention from sglang's own
 buffers.
 """
 

@@ -190,7 +190,7 @@ def _kernels():
 def skinny_mm_triton(x: torch.Tensor, w: torch.Tensor,
                      config: Optional[TileConfig] = None) -> torch.Tensor:
     """``x @ w`` by the Triton kernel, with ``config``'s tiles or else
-    `tile_config`'s (``benchmarks/skinny_gemm.py`` sweeps them); the tensors
+    `tile_config`'s (``benchmarks/kernel_bench.py gemm`` sweeps them); the tensors
     must pass `skinny_applies` (``TypeError`` otherwise). Runs wherever
     Triton does."""
     if config is not None:
