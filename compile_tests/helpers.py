@@ -158,3 +158,8 @@ def cuda_kernel_names(fn) -> list:
         fn()
         torch.cuda.synchronize()
     return [e.name for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
+
+
+#: Words about how the project was made, which no page or report carries.
+MAKING_WORDS = [r"\bsessions?\b", r"machine start", r"device tool", r"DEVICE\.md", r"SPEC §",
+                r"(?<!sglang )\bissue #?\d+", r"\bCI run of\b", r"\(before\)"]

@@ -18,6 +18,7 @@ import sys
 import pytest
 
 import children
+from helpers import MAKING_WORDS
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 BENCH = ROOT / "benchmarks"
@@ -101,8 +102,6 @@ def test_the_readme_names_every_entry_point_and_subcommand():
 
 RESULTS = BENCH / "results"
 REPORTS = [BENCH / "RESULTS.md", BENCH / "README.md", ROOT / "compile_tests" / "GPU_RESULTS.md"]
-#: Words about how the results were made, which the reports do not carry.
-HISTORY = [r"\bsessions?\b", r"machine start", r"device tool", r"\bissue #?\d+", r"\(before\)"]
 
 
 def _keys(doc) -> set:
@@ -127,7 +126,7 @@ def test_every_result_file_is_cited_holds_no_prose_and_names_its_commit():
         assert "commit" in _keys(doc), f
     for page in REPORTS:
         text = page.read_text()
-        assert not [m.group(0) for p in HISTORY for m in re.finditer(p, text, re.I)], page.name
+        assert not [m.group(0) for p in MAKING_WORDS for m in re.finditer(p, text, re.I)], page.name
 
 
 def smoke(script, *extra, out="rows.json", env=None):

@@ -14,6 +14,7 @@ import pytest
 import torch
 
 import fa3_spec
+from helpers import MAKING_WORDS
 from test_readme import fenced_blocks
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
@@ -176,15 +177,12 @@ def test_cli_commands_use_real_flags(capsys):
     assert not bad, bad
 
 
-#: Words about how the project was made, which the docs must not carry.
-HISTORY = [r"\bsessions?\b", r"machine start", r"device tool", r"DEVICE\.md", r"SPEC §",
-           r"(?<!sglang )\bissue #?\d+", r"\bCI run of\b"]
 
 
 @pytest.mark.parametrize("page", PAGES, ids=_rel)
 def test_pages_describe_the_product_not_its_making(page):
     text = page.read_text()
-    found = [m.group(0) for pattern in HISTORY for m in re.finditer(pattern, text, re.I)]
+    found = [m.group(0) for pattern in MAKING_WORDS for m in re.finditer(pattern, text, re.I)]
     assert not found, f"{_rel(page)}: {found}"
 
 

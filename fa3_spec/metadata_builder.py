@@ -136,8 +136,7 @@ class MetadataBuilder(FrozenModule):
         (`fa3_spec.build_metadata`).
         """
         spec = get_mode(mode)
-        if mode == "draft_decode":
-            inputs = self._draft_inputs(inputs)
+        inputs = self._inputs(mode, inputs)
         batch = spec.batch(self.cfg, step=step, req_to_token=req_to_token,
                            req_pool_indices=req_pool_indices, seq_lens=seq_lens, **inputs)
         if window_left is not None:
@@ -186,21 +185,20 @@ class MetadataBuilder(FrozenModule):
     def error_flags(self, mode: str, *, step: int = 0, **tensors: torch.Tensor) -> torch.Tensor:
         """int32 scalar of `fa3_spec.ErrorFlag` bits for one batch of ``mode``
         (`fa3_spec.error_flags`), against this builder's pool."""
-        if mode == "draft_decode":
-            tensors = {**tensors, **self._draft_inputs(
-                {k: tensors.pop(k) for k in ("out_cache_loc", "ancestor_slots") if k in tensors})}
+        tensors = self._inputs(mode, tensors)
         return error_flags(self.cfg, mode, step=step, **tensors)
 
     def batch(self, mode: str, *, step: int = 0, **tensors: torch.Tensor) -> SpecBatch:
         """The validated `SpecBatch` of ``mode``: build it outside a compiled
         region to get `ValueError`/`TypeError` there."""
-        if mode == "draft_decode":
-            tensors = {**tensors, **self._draft_inputs(
-                {k: tensors.pop(k) for k in ("out_cache_loc", "ancestor_slots") if k in tensors})}
+        tensors = self._inputs(mode, tensors)
         return get_mode(mode).batch(self.cfg, step=step, **tensors)
 
-    def _draft_inputs(self, inputs: dict) -> dict:
-        """The draft slots this builder's semantics reads; the other kind refused."""
+    def _inputs(self, mode: str, inputs: dict) -> dict:
+        """``inputs`` as ``mode`` takes them: for a draft-decode step, the draft
+        slots this builder's semantics reads, the other kind refused."""
+        if mode != "draft_decode":
+            return inputs
         wanted, other = (("ancestor_slots", "out_cache_loc") if self.draft_attention == "ancestors"
                          else ("out_cache_loc", "ancestor_slots"))
         if inputs.get(other) is not None:
