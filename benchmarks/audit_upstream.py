@@ -79,7 +79,7 @@ def _subjects(upstream, cfg, device, bs: int):
     # The draft spec_info the replay path reads, made outside the audited code
     # (it stands for sglang's EagleDraftInput; making it is not sglang's metadata code).
     draft_info = types.SimpleNamespace(is_draft_input=lambda: True)
-    one = upstream.backend(cfg, r2t, step=step)
+    one = upstream.compile_backend(cfg, r2t, step=step)
 
     def sglang_replay_metadata_step(req_pool_indices, seq_lens, out_cache_loc):
         one._apply(DECODE, bs, req_pool_indices, seq_lens, draft_info, out_cache_loc)
@@ -131,7 +131,7 @@ def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--device", default="auto", help="cpu, cuda or auto")
-    parser.add_argument("--backend", default="aot_eager", help="torch.compile backend")
+    parser.add_argument("--compile-backend", default="aot_eager", help="torch.compile backend")
     parser.add_argument("--bs", type=int, default=4)
     parser.add_argument("--context-len", type=int, default=256)
     parser.add_argument("--only", nargs="*", help="run only rows whose name contains one of these")
@@ -159,7 +159,8 @@ def main(argv=None) -> int:
         if args.only and not any(o in name for o in args.only):
             continue
         print(f"auditing {name} ...", flush=True)
-        rows.append(audit_callable(fn, example, variants=[variant], backend=args.backend,
+        rows.append(audit_callable(fn, example, variants=[variant],
+                                   compile_backend=args.compile_backend,
                                    device=device, writable=writable, restore=restore,
                                    name=name))
     print(format_table(rows))
@@ -167,7 +168,7 @@ def main(argv=None) -> int:
         print("host syncs and CUDA-graph capture: not measured on CPU")
     if args.json:
         meta = dict(device=torch.cuda.get_device_name() if device == "cuda" else "cpu",
-                    torch=torch.__version__, sglang=SGLANG_VERSION, backend=args.backend,
+                    torch=torch.__version__, sglang=SGLANG_VERSION, compile_backend=args.compile_backend,
                     config=dict(page_size=2, topk=8, num_steps=5, bs=args.bs,
                                 context_len=args.context_len),
                     command=runs.command_line("audit_upstream.py", argv))

@@ -72,7 +72,7 @@ def child(cache: str, buckets, timed, num_layers, inline: bool) -> dict:
     torch.manual_seed(0)
     models = make_models("llama3-8b", draft="random", device="cuda", num_layers=num_layers)
     lc = workload.loop_config(CONFIG, batch=max(buckets), context=1024, max_new=500,
-                              max_context_len=1024 + 600, backend="fa3")
+                              max_context_len=1024 + 600, attention_backend="fa3")
     eng = workload.engine(lc, models, scripted=True, buckets=buckets, device="cuda",
                           cache_path=cache, regions=False if inline else None)
     t0 = time.perf_counter()

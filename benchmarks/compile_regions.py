@@ -4,7 +4,7 @@ layers inline against layers as compiled regions.
 One target forward (a prefill of ``--tokens`` tokens, `fa3_spec.eagle`'s
 models at the ``tiny`` preset's widths, ``--layers`` deep), or with ``--what
 iteration`` the engine's whole EAGLE iteration (`ITERATION_CONFIG`, one
-bucket, no CUDA graph), compiled with ``--backend`` two ways, each in a fresh
+bucket, no CUDA graph), compiled with ``--compile-backend`` two ways, each in a fresh
 process with an empty inductor cache:
 
   inline   the layers traced into the forward's graph;
@@ -44,13 +44,13 @@ HELP = "compile time against depth: the layers inline against compiled regions"
 ITERATION_CONFIG = (2, 4, 3, 6)
 
 
-def child(layers: int, mode: str, tokens: int, backend: str, device: str) -> dict:
+def child(layers: int, mode: str, tokens: int, compile_backend: str, device: str) -> dict:
     """One fresh process: the first and second call of one compiled target forward."""
     torch.manual_seed(0)
     dtype = torch.float32 if device == "cpu" else None
     models = make_models("tiny", draft="random", num_layers=layers, dtype=dtype, device=device)
     if mode == "regions":
-        models = models.with_compile_regions(backend)
+        models = models.with_compile_regions(compile_backend)
     spec = fa3_spec.SpecConfig(page_size=2, topk=1, num_steps=2, num_draft_tokens=2, max_bs=1,
                                max_context_len=tokens + 4)
     spec = dataclasses.replace(spec, num_pages=spec.pool_pages(1, "branch"))
@@ -69,8 +69,9 @@ def child(layers: int, mode: str, tokens: int, backend: str, device: str) -> dic
     pos = torch.arange(tokens, device=device)
     slots = pools[0].req_to_token[row, :tokens].to(torch.int64)
     attn = "fa3" if device == "cuda" else "torch"
-    fn = torch.compile(lambda kv: models.target_forward(ids, pos, slots, md, kv, backend=attn),
-                       fullgraph=True, backend=backend)
+    fn = torch.compile(lambda kv: models.target_forward(ids, pos, slots, md, kv,
+                                                        attention_backend=attn),
+                       fullgraph=True, backend=compile_backend)
 
     def timed(kv):
         start = time.perf_counter()
@@ -83,14 +84,16 @@ def child(layers: int, mode: str, tokens: int, backend: str, device: str) -> dic
         out, first = timed(pools[0].target_kv)
         _, second = timed(pools[1].target_kv)
         eager = models.with_compile_regions(None).target_forward(
-            ids, pos, slots, md, pools[1].target_kv, backend=attn)
-    return dict(layers=layers, mode=mode, backend=backend, device=device, tokens=tokens,
+            ids, pos, slots, md, pools[1].target_kv, attention_backend=attn)
+    return dict(layers=layers, mode=mode, compile_backend=compile_backend, device=device,
+                tokens=tokens,
                 first_call_s=round(first, 2), second_call_s=round(second, 4),
                 region_programs=regions.compiled_programs(),
                 max_abs_diff_vs_eager=float((out.float() - eager.float()).abs().max()))
 
 
-def child_iteration(layers: int, mode: str, backend: str, device: str, cache: str = "") -> dict:
+def child_iteration(layers: int, mode: str, compile_backend: str, device: str,
+                    cache: str = "") -> dict:
     """The engine's whole EAGLE iteration (`ITERATION_CONFIG`, one bucket of
     1), compiled by `EagleEngine` with the layers inline or as regions.
     ``cache``: a file of PyTorch's compile caches, loaded before the first
@@ -103,9 +106,9 @@ def child_iteration(layers: int, mode: str, backend: str, device: str, cache: st
     dtype = torch.float32 if device == "cpu" else None
     models = make_models("tiny", draft="derived", num_layers=layers, dtype=dtype, device=device)
     lc = workload.loop_config(ITERATION_CONFIG, batch=1, context=16, max_new=24, pool_rows=2,
-                              backend="fa3" if device == "cuda" else "torch")
+                              attention_backend="fa3" if device == "cuda" else "torch")
     eng = workload.engine(lc, models, scripted=True, buckets=[1], graphs=False,
-                          compile_backend=backend, regions=mode == "regions", device=device)
+                          compile_backend=compile_backend, regions=mode == "regions", device=device)
     eng.submit(list(range(1, 17)), 24)
     eng.admit()
 
@@ -121,7 +124,8 @@ def child_iteration(layers: int, mode: str, backend: str, device: str, cache: st
     if cache:
         save_compile_cache(cache)
     second = timed()
-    return dict(what="iteration", layers=layers, mode=mode, backend=backend, device=device,
+    return dict(what="iteration", layers=layers, mode=mode, compile_backend=compile_backend,
+                device=device,
                 config=list(ITERATION_CONFIG), first_call_s=round(first, 2), second_call_s=round(second, 4),
                 frames=eng.runner.compile_counter.frame_count,
                 region_programs=regions.compiled_programs(),
@@ -139,7 +143,8 @@ def parser() -> argparse.ArgumentParser:
     ap.add_argument("--what", choices=["forward", "iteration"], default="forward",
                     help="one target forward, or the engine's whole EAGLE iteration")
     ap.add_argument("--tokens", type=int, default=16)
-    ap.add_argument("--backend", choices=regions.REGION_BACKENDS, default="inductor")
+    ap.add_argument("--compile-backend", choices=regions.REGION_COMPILE_BACKENDS,
+                    default="inductor")
     ap.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
     ap.add_argument("--restart", action="store_true",
                     help="with --what iteration: after each cold row, a fresh process (empty "
@@ -154,7 +159,7 @@ def parser() -> argparse.ArgumentParser:
 def main(argv=None) -> int:
     args = parser().parse_args(argv)
     if args.smoke:
-        args.layers, args.modes, args.backend, args.tokens = [2], ["regions"], "eager", 8
+        args.layers, args.modes, args.compile_backend, args.tokens = [2], ["regions"], "eager", 8
     if min(args.layers + [args.tokens]) < 1:
         print("--layers and --tokens must be >= 1", file=sys.stderr)
         return 2
@@ -167,9 +172,9 @@ def main(argv=None) -> int:
     if args._child:
         layers, mode, cache = int(args._child[0]), args._child[1], args._child[2]
         if args.what == "iteration":
-            row = child_iteration(layers, mode, args.backend, args.device, cache)
+            row = child_iteration(layers, mode, args.compile_backend, args.device, cache)
         else:
-            row = child(layers, mode, args.tokens, args.backend, args.device)
+            row = child(layers, mode, args.tokens, args.compile_backend, args.device)
         print(json.dumps(row))
         return 0
     doc = dict(command=runs.command_line(PROG, argv), torch=torch.__version__,
@@ -181,7 +186,7 @@ def main(argv=None) -> int:
             # The restart loads the file its cold run wrote (an empty string: no file).
             cache = os.path.join(tmp, f"{layers}-{mode}.cache") if args.restart else ""
             cmd = [sys.executable, runs.script("compile.py"), "regions", "--_child", str(layers),
-                   mode, cache, "--tokens", str(args.tokens), "--backend", args.backend,
+                   mode, cache, "--tokens", str(args.tokens), "--compile-backend", args.compile_backend,
                    "--device", args.device, "--what", args.what]
             row = runs.fresh_process_row(cmd, os.path.join(tmp, f"inductor-{i}"),
                                          f"{mode} at {layers} layers")

@@ -53,7 +53,8 @@ def measure(mode, tree, smoke, cache_file=None):
                             num_heads=4 if smoke else 32, num_kv_heads=2 if smoke else 8,
                             head_dim=64 if smoke else 128,
                             dtype=torch.float32 if smoke else torch.bfloat16, device=device)
-    step = make_step(mode, cfg, model, base.req_to_token, backend="torch" if smoke else "fa3",
+    step = make_step(mode, cfg, model, base.req_to_token,
+                     attention_backend="torch" if smoke else "fa3",
                      tree=tree)
     row = dict(kind="compile", mode=mode, tree=tree if mode == "target_verify" else None,
                buckets=len(buckets), page_size=2, topk=8, num_steps=5, num_draft_tokens=16)

@@ -187,10 +187,10 @@ def load(target_dir: pathlib.Path, device, reps: int) -> dict:
 def loop(models, args, label: str) -> dict:
     """Tokens/s of `EagleEngine.run` over ``models`` with scripted acceptance (one bucket)."""
     lc = workload.loop_config(args.config, batch=args.batch, context=args.context,
-                              max_new=args.new, pool_rows=2 * args.batch, backend=args.backend)
+                              max_new=args.new, pool_rows=2 * args.batch, attention_backend=args.attention_backend)
     cuda = torch.device(args.device).type == "cuda"
     eng = workload.engine(lc, models, scripted=True, max_reqs=2 * args.batch,
-                          buckets=[args.batch], graphs=cuda, compile_backend=args.compile,
+                          buckets=[args.batch], graphs=cuda, compile_backend=args.compile_backend,
                           device=args.device)
     if cuda:
         eng.capture()
@@ -224,7 +224,7 @@ def main(argv=None) -> int:
     ap.add_argument("--context", type=int, default=512, help="prompt tokens per request")
     ap.add_argument("--new", type=int, default=256, help="new tokens per request")
     ap.add_argument("--device", default=None)
-    ap.add_argument("--compile", default="auto",
+    ap.add_argument("--compile-backend", default="auto",
                     help="the engine's compile backend (auto: inductor on CUDA; none: eager "
                          "capture, minutes faster to start)")
     ap.add_argument("--json", metavar="PATH")
@@ -235,14 +235,14 @@ def main(argv=None) -> int:
         return 0
     if args.smoke:
         preset, dtype = "tiny", torch.float32
-        args.device, args.backend = args.device or "cpu", "torch"
+        args.device, args.attention_backend = args.device or "cpu", "torch"
         args.reps, args.batch, args.context, args.new = 1, 2, 12, 8
         args.config = "2,4,3,6"
         torch.set_num_threads(1)
     else:
         preset, dtype = "llama3-8b", torch.bfloat16
         args.device = args.device or "cuda"
-        args.backend = "fa3" if args.device == "cuda" else "torch"
+        args.attention_backend = "fa3" if args.device == "cuda" else "torch"
     args.config = workload.parse_config(args.config)
     shape = PRESETS[preset]
     layers = args.num_layers or shape.num_layers

@@ -52,9 +52,9 @@ COST_CONFIG = (2, 8, 5, 16)
 
 
 def _engine(models, p, k, s, n, *, batch, max_new, context, mode, scripted=False, graphs=False,
-            compile_backend="none", device="cpu", backend="auto"):
+            compile_backend="none", device="cpu", attention_backend="auto"):
     lc = workload.loop_config((p, k, s, n), batch=batch, context=context, max_new=max_new,
-                              pool_rows=2 * batch, draft_attention=mode, backend=backend)
+                              pool_rows=2 * batch, draft_attention=mode, attention_backend=attention_backend)
     return workload.engine(lc, models, scripted=scripted, max_reqs=2 * batch, buckets=[batch],
                            graphs=graphs, compile_backend=compile_backend, device=device)
 
@@ -67,7 +67,7 @@ def acceptance_pair(models, p, k, args) -> dict:
     outputs = {}
     for mode in MODES:
         eng = _engine(models, p, k, 5, 8, batch=args.batch, max_new=args.max_new_tokens,
-                      context=args.prompt_len, mode=mode, device=args.device, backend=args.backend)
+                      context=args.prompt_len, mode=mode, device=args.device, attention_backend=args.attention_backend)
         for prompt, m in zip(prompts, news):
             eng.submit(prompt, m)
         out = eng.run()
@@ -88,7 +88,7 @@ def cost_row(models, mode, batch, args) -> dict:
     eng = _engine(models, p, k, s, n, batch=batch, max_new=max_new, context=args.context,
                   mode=mode, scripted=True, graphs=cuda,
                   compile_backend="auto" if cuda else "none", device=args.device,
-                  backend=args.backend)
+                  attention_backend=args.attention_backend)
     start = time.perf_counter()
     eng.capture()
     capture_s = time.perf_counter() - start
@@ -123,7 +123,7 @@ def parser() -> argparse.ArgumentParser:
     ap.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
     ap.add_argument("--preset", default=None, choices=["tiny", "llama3-8b"],
                     help="default tiny on CPU, llama3-8b on CUDA")
-    ap.add_argument("--backend", default="auto", choices=["auto", "fa3", "torch"])
+    ap.add_argument("--attention-backend", default="auto", choices=["auto", "fa3", "torch"])
     ap.add_argument("--page-sizes", type=int, nargs="+", default=[1, 2, 16])
     ap.add_argument("--topks", type=int, nargs="+", default=[4, 8])
     ap.add_argument("--requests", type=int, default=None, help="per acceptance run")
@@ -152,7 +152,7 @@ def main(argv=None) -> int:
         raise SystemExit("--device cuda: no CUDA device is available")
     drafts = DRAFTS
     if args.smoke:
-        args.device, args.preset, args.backend = "cpu", "tiny", "torch"
+        args.device, args.preset, args.attention_backend = "cpu", "tiny", "torch"
         args.page_sizes, args.topks, drafts = [2], [4], DRAFTS[:1]
         args.requests, args.batch, args.max_new_tokens = 3, 2, 8
         args.context, args.iters, args.warmup = 16, 2, 1

@@ -109,10 +109,10 @@ def bench_point(cfg_tuple, batch, args, models, bandwidth=None, tflops=None) -> 
     max_new = args.max_new_tokens or 2 * (total_iters * min(n, s + 1) + 8)
     # Branch semantics: (b) fills sglang's metadata, which drafts that way.
     lc = workload.loop_config(cfg_tuple, batch=batch, context=args.context, max_new=max_new,
-                              draft_attention="branch", backend=args.backend)
+                              draft_attention="branch", attention_backend=args.attention_backend)
     spec = lc.spec
     eng = workload.engine(lc, models, scripted=not args.real_acceptance, max_reqs=batch,
-                          buckets=[batch], graphs=cuda, compile_backend=args.compile,
+                          buckets=[batch], graphs=cuda, compile_backend=args.compile_backend,
                           regions=args.compile_regions, device=args.device)
     t0 = time.perf_counter()
     for prompt in workload.random_prompts(batch, args.context, models.vocab_size, seed=batch):
@@ -239,7 +239,7 @@ def parser() -> argparse.ArgumentParser:
     ap.add_argument("--context", type=int, default=None, help="prompt tokens per request")
     ap.add_argument("--iters", type=int, default=None)
     ap.add_argument("--max-new-tokens", type=int, default=None)
-    ap.add_argument("--compile", default="auto", choices=list(COMPILE_BACKENDS),
+    ap.add_argument("--compile-backend", default="auto", choices=list(COMPILE_BACKENDS),
                     help="torch.compile backend of (a), (b) and (c) alike (default: inductor on "
                          "CUDA, none on CPU)")
     ap.add_argument("--compile-regions", action=argparse.BooleanOptionalAction, default=None,
@@ -263,13 +263,13 @@ def parser() -> argparse.ArgumentParser:
 def main(argv=None) -> int:
     args = parser().parse_args(argv)
     if args.smoke:
-        args.device, args.backend = "cpu", "torch"
+        args.device, args.attention_backend = "cpu", "torch"
         args.preset = args.preset or "tiny"
         batches, configs = args.batches or [2], [(2, 4, 3, 6), (16, 1, 3, 4)]
         args.context, args.iters = args.context or 20, args.iters or 3
         torch.set_num_threads(1)
     else:
-        args.device, args.backend = "cuda", "fa3"
+        args.device, args.attention_backend = "cuda", "fa3"
         args.preset = args.preset or "llama3-8b"
         batches, configs = args.batches or BATCHES, CONFIGS
         args.context, args.iters = args.context or 1024, args.iters or 20

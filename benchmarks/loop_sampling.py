@@ -38,7 +38,7 @@ def bench(models, args, batch: int, variant: str) -> dict:
     steps = args.warmup + args.iters
     max_new = steps * min(n, s + 1) + 8
     lc = workload.loop_config(args.config, batch=batch, context=args.context, max_new=max_new,
-                              backend=args.backend, sampling=variant != "greedy")
+                              attention_backend=args.attention_backend, sampling=variant != "greedy")
     cuda = args.device == "cuda"
     eng = workload.engine(lc, models, max_reqs=batch, buckets=[batch], graphs=cuda,
                           device=args.device)
@@ -75,7 +75,7 @@ def parser() -> argparse.ArgumentParser:
     ap.add_argument("--preset", default="llama3-8b", choices=["tiny", "llama3-8b"])
     ap.add_argument("--num-layers", type=int, default=None)
     ap.add_argument("--device", default="cuda")
-    ap.add_argument("--backend", default="auto", choices=["auto", "fa3", "torch"])
+    ap.add_argument("--attention-backend", default="auto", choices=["auto", "fa3", "torch"])
     ap.add_argument("--draft", default="derived", choices=["derived", "random"])
     ap.add_argument("--config", default="16,4,5,8", help="page_size,topk,num_steps,num_draft_tokens")
     ap.add_argument("--batches", type=int, nargs="+", default=[1, 32])

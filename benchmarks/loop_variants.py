@@ -35,12 +35,12 @@ SGLANG_SOURCE = f"sglang-{SGLANG_VERSION} replay functions"
 MODEL_SOURCE = "fa3_spec upstream-style model"
 
 
-def compiled(fn, backend: str):
+def compiled(fn, compile_backend: str):
     """``fn`` compiled as the engine compiles (a) (``"none"``: as is), so that
     (a), (b) and (c) run the same compiled model."""
-    if backend == "none":
+    if compile_backend == "none":
         return fn
-    return compile_fullgraph(fn, backend=backend, dynamic=False)
+    return compile_fullgraph(fn, compile_backend=compile_backend, dynamic=False)
 
 
 class Segment:
@@ -48,8 +48,8 @@ class Segment:
 
     ``out`` holds the outputs at fixed addresses after each run."""
 
-    def __init__(self, fn, graphs: bool, pool=None, backend: str = "none"):
-        fn = compiled(fn, backend)
+    def __init__(self, fn, graphs: bool, pool=None, compile_backend: str = "none"):
+        fn = compiled(fn, compile_backend)
         self.fn, self.graphs = fn, graphs
         if graphs:
             self.graph, self.out = capture(fn, pool=pool)
@@ -287,13 +287,13 @@ def greedy_segment(engine: EagleEngine, bucket: int, graphs: bool):
 
     def step():
         logits = decode_step(m, spec, pool.target_kv, pool.req_to_token, rpi, seq, tok,
-                             backend=engine.lc.backend, num_splits=engine.lc.num_splits)
+                             attention_backend=engine.lc.attention_backend, num_splits=engine.lc.num_splits)
         tok.copy_(vocab_argmax(logits))
         seq.copy_(torch.where(seq > 0, seq + 1, 0))
         return {}
 
     saved = seq.clone()
     seq.zero_()
-    seg = Segment(step, graphs, backend=engine.policy.compile_backend or "none")
+    seg = Segment(step, graphs, compile_backend=engine.policy.compile_backend or "none")
     seq.copy_(saved)
     return seg, seq

@@ -71,7 +71,8 @@ def run_row(upstream, cfg, bs, iters, device, smoke):
 
     # smoke: tracing only, as the other smoke runs; the aot_eager compile of the same fill
     # (bitwise against eager) is test_sglang_adapter.py's compile test.
-    compiled = compile_fullgraph(adapter_iteration, backend="eager" if smoke else "inductor")
+    compiled = compile_fullgraph(adapter_iteration,
+                                 compile_backend="eager" if smoke else "inductor")
     if device.type == "cuda":
         from fa3_spec.graphs import capture
 

@@ -83,7 +83,7 @@ def metadata_profile(cfg, world, args, options=None):
         return builders.build_draft_iteration_metadata(cfg, **batch, out_cache_loc=loc)
 
     torch._dynamo.reset()
-    compiled = compile_fullgraph(iteration, backend=args.backend, options=options)
+    compiled = compile_fullgraph(iteration, compile_backend=args.compile_backend, options=options)
     if args.device != "cuda":
         compiled()
         return None, None
@@ -137,7 +137,7 @@ def main(argv=None) -> int:
         INDUCTOR_OPTIONS.clear()
         INDUCTOR_OPTIONS.update(args.inductor_options)
     args.device = "cpu" if args.smoke else "cuda"
-    args.backend = "eager" if args.smoke else "inductor"  # smoke: tracing, no compile
+    args.compile_backend = "eager" if args.smoke else "inductor"  # smoke: tracing, no compile
     args.profile = False
     args.layers = 1
     if args.smoke:

@@ -134,7 +134,7 @@ def metadata_row(cfg, world, bs, args):
         ref.target_verify(**batch, custom_mask=flat)
         ref.draft_extend(**batch, extend_seq_lens=world.extend_seq_lens)
 
-    backend = args.backend
+    compile_backend = args.compile_backend
     mask = world.tree_mask if tree else None
     loc = world.out_cache_loc
 
@@ -146,7 +146,7 @@ def metadata_row(cfg, world, bs, args):
                 builders.build_target_verify_metadata(cfg, **kw, tree_mask=mask),
                 builders.build_draft_extend_metadata(cfg, **kw, extend_seq_lens=world.extend_seq_lens))
 
-    ours_c = compile_fullgraph(iteration_metadata, backend=backend)
+    ours_c = compile_fullgraph(iteration_metadata, compile_backend=compile_backend)
 
     def ours():
         return ours_c(**batch)
@@ -176,21 +176,22 @@ def _loop_setup(mode, cfg, world, bs, args, *, layers=1):
     model = ToyModel.create(layers=layers, num_pages=world.num_pages, page_size=cfg.page_size,
                             num_heads=heads[0], num_kv_heads=heads[1], head_dim=heads[2],
                             dtype=torch.bfloat16, device=device)
-    backend_attn = "fa3" if device == "cuda" else "torch"
+    attention_backend = "fa3" if device == "cuda" else "torch"
     tree = mode == "target_verify" and cfg.topk > 1
     rows = cfg.topk if mode == "draft_decode" else cfg.num_draft_tokens
     g = torch.Generator(device=device).manual_seed(0)
     hidden = torch.randn(bs, rows, model.hidden, device=device, generator=g).bfloat16()
     batch = world_batch(mode, world, hidden, tree=tree)
-    step = make_step(mode, cfg, model, world.req_to_token, backend=backend_attn, tree=tree)
-    policy = CompilePolicy(compile_backend=args.backend) if device == "cuda" else CompilePolicy.eager()
+    step = make_step(mode, cfg, model, world.req_to_token, attention_backend=attention_backend,
+                     tree=tree)
+    policy = CompilePolicy(compile_backend=args.compile_backend) if device == "cuda" else CompilePolicy.eager()
     runner = CUDAGraphRunner(step, buckets=[bs], policy=policy,
                              example=lambda b: example_batch(mode, cfg, model, b, device=device,
                                                              tree=tree))
     runner.capture()
     for name, buf in runner.static_inputs(bs).items():
         buf.copy_(batch[name])
-    return model, backend_attn, hidden, batch, world.batch(), runner
+    return model, attention_backend, hidden, batch, world.batch(), runner
 
 
 def sglang_draft_steps(upstream, cfg, world, bs):
@@ -224,16 +225,19 @@ def draft_loop_row(cfg, world, bs, args):
     fills: the attention work is the same, the metadata cost is sglang's.
     """
     device, iters = args.device, args.iters
-    model, backend_attn, hidden, batch, kw, runner = _loop_setup("draft_decode", cfg, world, bs, args)
+    model, attention_backend, hidden, batch, kw, runner = _loop_setup("draft_decode", cfg, world,
+                                                                      bs, args)
     loc = batch["out_cache_loc"].reshape(bs * cfg.topk, cfg.num_steps)
 
     def attend_with(md):
-        return lambda q, k, v: fa3_spec.cascade_attention(q, k, v, md, backend=backend_attn)
+        return lambda q, k, v: fa3_spec.cascade_attention(q, k, v, md,
+                                                          attention_backend=attention_backend)
 
     # c: floor, same attention with precomputed metadata.
     prefix = (builders.build_draft_prefix_metadata(cfg, **kw, draft_attention="branch")
               if cfg.topk > 1 else None)
-    mds = [builders.build_draft_decode_metadata(cfg, s, **kw, out_cache_loc=loc, prefix=prefix)
+    mds = [builders.build_draft_decode_metadata(cfg, s, draft_attention="branch", **kw,
+                                                out_cache_loc=loc, prefix=prefix)
            for s in range(cfg.num_steps - 1)]
     tails = fa3_spec.draft_tail_copy_slots(cfg, seq_lens=world.seq_lens, out_cache_loc=loc)
 
@@ -246,7 +250,7 @@ def draft_loop_row(cfg, world, bs, args):
             outs.append(x)
         return torch.stack(outs, dim=1)
 
-    floor_c = compile_fullgraph(floor_fn, backend=args.backend)
+    floor_c = compile_fullgraph(floor_fn, compile_backend=args.compile_backend)
 
     # a: host metadata per step, then per-step attention graphs reading it.
     ref = UpstreamStyleBuilder(cfg, device)
@@ -325,7 +329,8 @@ def verify_row(cfg, world, bs, args):
     layers = args.layers if device == "cuda" else 2
     tree = cfg.topk > 1
     n = cfg.num_draft_tokens
-    model, backend_attn, hidden, batch, kw, runner = _loop_setup("target_verify", cfg, world, bs,
+    model, attention_backend, hidden, batch, kw, runner = _loop_setup("target_verify", cfg, world,
+                                                                      bs,
                                                                  args, layers=layers)
     mask = world.tree_mask if tree else None
 
@@ -334,14 +339,15 @@ def verify_row(cfg, world, bs, args):
 
     def forward_with(md):
         return lambda: model.forward(
-            x_flat, slots, lambda q, k, v: fa3_spec.cascade_attention(q, k, v, md, backend=backend_attn))
+            x_flat, slots, lambda q, k, v: fa3_spec.cascade_attention(q, k, v, md,
+                                                                      attention_backend=attention_backend))
 
     md = builders.build_target_verify_metadata(cfg, **kw, tree_mask=mask)
-    floor_c = compile_fullgraph(forward_with(md), backend=args.backend)
+    floor_c = compile_fullgraph(forward_with(md), compile_backend=args.compile_backend)
     ref = UpstreamStyleBuilder(cfg, device)
     flat = flat_from_tree_mask(world.tree_mask, world.seq_lens) if tree else None
     static_md = ref.target_verify(**kw, custom_mask=flat)
-    upstream_c = compile_fullgraph(forward_with(static_md), backend=args.backend)
+    upstream_c = compile_fullgraph(forward_with(static_md), compile_backend=args.compile_backend)
 
     row = dict(kind="verify", page_size=cfg.page_size, topk=cfg.topk, num_steps=cfg.num_steps,
                num_draft_tokens=n, batch=bs, context=cfg.max_context_len, layers=layers,
@@ -420,7 +426,7 @@ def main(argv=None) -> int:
     args = parser().parse_args(argv)
     args.command = runs.command_line(PROG, argv)
     args.device = "cpu" if args.smoke else "cuda"
-    args.backend = "eager" if args.smoke else "inductor"  # smoke: tracing, no compile
+    args.compile_backend = "eager" if args.smoke else "inductor"  # smoke: tracing, no compile
     args.upstream = load_sglang(args)
     if args.smoke:
         args.iters = min(args.iters, 3)

@@ -48,7 +48,7 @@ def draft_setup(cfg, bs, device):
     g = torch.Generator(device=device).manual_seed(0)
     hidden = torch.randn(bs, cfg.topk, model.hidden, device=device, generator=g).bfloat16()
     step = make_step("draft_decode", cfg, model, world.req_to_token,
-                     backend="fa3" if device == "cuda" else "torch")
+                     attention_backend="fa3" if device == "cuda" else "torch")
     policy = CompilePolicy() if device == "cuda" else CompilePolicy.eager()
     runner = CUDAGraphRunner(step, buckets=[bs], policy=policy,
                              example=lambda n: example_batch("draft_decode", cfg, model, n,

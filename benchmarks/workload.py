@@ -45,7 +45,7 @@ def loop_config(config: Sequence[int], *, batch: int, context: int, max_new: int
     ``max_context_len`` defaults to ``context + max_new + N`` (the last
     iteration may draft ``N`` past the end); the pool has whole rows for
     ``pool_rows`` requests (default ``batch``) under ``draft_attention``
-    (default: the loop's). ``loop_kw`` go to `LoopConfig` (``backend``,
+    (default: the loop's). ``loop_kw`` go to `LoopConfig` (``attention_backend``,
     ``sampling``, ...).
     """
     if len(config) != 4:

@@ -55,7 +55,8 @@ def fixed():
                   out_cache_loc=world.out_cache_loc.view(4, CFG.topk, CFG.num_steps).clone(),
                   hidden=torch.randn(4, CFG.topk, model.hidden, device="cuda").bfloat16())
     step = torch.compile(
-        lambda **b: draft_iteration(cfg, model, req_to_token=world.req_to_token, backend="fa3", **b),
+        lambda **b: draft_iteration(cfg, model, req_to_token=world.req_to_token,
+                                    attention_backend="fa3", **b),
         fullgraph=True, backend="inductor")
     graph, out = capture(step, **static)
     for seed in range(4):

@@ -38,7 +38,8 @@ def _world(p, k, s=4, seed=0, ctx=40):
 
 def _build(world, step, **kw):
     return fa3_spec.build_draft_decode_metadata(
-        world.cfg, step, **world.mode_kwargs("draft_decode", step=step, draft_attention="ancestors"),
+        world.cfg, step, draft_attention="ancestors", **world.mode_kwargs("draft_decode",
+                                                                          step=step, draft_attention="ancestors"),
         **kw)
 
 
@@ -72,9 +73,10 @@ def test_whole_iteration_attention_matches_dense_float64_eager_and_compiled():
     def step_fn(q, kc, vc, r2t, rpi, seq, anc, step):
         prefix = fa3_spec.build_draft_prefix_metadata(cfg, req_to_token=r2t, req_pool_indices=rpi,
                                                       seq_lens=seq, draft_attention="ancestors")
-        md = fa3_spec.build_draft_decode_metadata(cfg, step, req_to_token=r2t, req_pool_indices=rpi,
+        md = fa3_spec.build_draft_decode_metadata(cfg, step, draft_attention="ancestors",
+                                                  req_to_token=r2t, req_pool_indices=rpi,
                                                   seq_lens=seq, ancestor_slots=anc, prefix=prefix)
-        return fa3_spec.cascade_attention(q, kc, vc, md, backend="torch")
+        return fa3_spec.cascade_attention(q, kc, vc, md, attention_backend="torch")
 
     compiled = torch.compile(step_fn, fullgraph=True, backend="aot_eager")
     for w in worlds:
@@ -124,7 +126,8 @@ def test_only_the_first_d_columns_are_read_and_padding_reads_nothing():
     for step in range(world.cfg.num_steps - 1):
         wide = world.ancestor_slots(step)  # later columns hold other leaves' slots
         narrow = fa3_spec.build_draft_decode_metadata(
-            world.cfg, step, **world.batch(), ancestor_slots=wide[:, :, : step + 1].reshape(-1, step + 1))
+            world.cfg, step, draft_attention="ancestors", **world.batch(), ancestor_slots=wide[:,
+                                                                                               :, : step + 1].reshape(-1, step + 1))
         md = _build(world, step)
         for a, b in zip(md.calls, narrow.calls):
             assert torch.equal(a.page_table, b.page_table) and torch.equal(a.cache_seqlens, b.cache_seqlens)
@@ -140,7 +143,8 @@ def test_garbage_ancestor_slots_stay_inside_the_pool(seed):
     g = torch.Generator().manual_seed(seed)
     info = torch.iinfo(torch.int64)
     anc = torch.randint(info.min, info.max, (world.batch_size, cfg.topk, 3), generator=g)
-    md = fa3_spec.build_draft_decode_metadata(cfg, 2, **world.batch(), ancestor_slots=anc)
+    md = fa3_spec.build_draft_decode_metadata(cfg, 2, draft_attention="ancestors", **world.batch(),
+                                              ancestor_slots=anc)
     assert int(md.expand.page_table.min()) >= 0
     assert int(md.expand.page_table.max()) < world.num_pages * cfg.page_size
     assert int(md.expand.cache_seqlens.max()) <= md.expand.max_seqlen_k == 3
@@ -177,9 +181,14 @@ def test_every_boundary_error_names_its_argument():
         (dict(out_cache_loc=world.out_cache_loc, prefix=fa3_spec.build_draft_prefix_metadata(
             cfg, **kw, draft_attention="ancestors")), ValueError, "built for draft_attention='ancestors'"),
     ]
+    # The free builder is told the semantics, so it names the input that
+    # semantics does or does not read where the batch-level checks cannot.
+    stated = {"not both": "out_cache_loc is not read with draft_attention='ancestors'",
+              "needs out_cache_loc .* or ancestor_slots": "out_cache_loc is required"}
     for extra, error, match in cases:
-        with pytest.raises(error, match=match):
-            fa3_spec.build_draft_decode_metadata(cfg, 2, **kw, **extra)
+        attention = "ancestors" if "ancestor_slots" in extra else "branch"
+        with pytest.raises(error, match=stated.get(match, match)):
+            fa3_spec.build_draft_decode_metadata(cfg, 2, **kw, **extra, draft_attention=attention)
         if "prefix" not in extra:  # the mode table and checked mode validate the same way
             with pytest.raises(error, match=match):
                 fa3_spec.build_metadata("draft_decode", cfg, step=2, **kw, **extra)
@@ -201,6 +210,31 @@ def test_every_boundary_error_names_its_argument():
                       fa3_spec.FA3Metadata)
     assert isinstance(_build(chain, 1), fa3_spec.CascadeMetadata)
 
+
+
+def test_the_free_step_builder_takes_the_semantics_it_is_told():
+    """`build_draft_decode_metadata` never reads the semantics off the tensor
+    it was given: ``draft_attention`` is required, and a slot tensor the
+    stated semantics does not read is refused by name."""
+    world = _world(2, 4)
+    cfg, kw, anc = world.cfg, world.batch(), world.ancestor_slots(1)
+    with pytest.raises(TypeError, match="draft_attention"):
+        fa3_spec.build_draft_decode_metadata(cfg, 1, **kw, ancestor_slots=anc)
+    with pytest.raises(ValueError,
+                       match="ancestor_slots is not read with draft_attention='branch'"):
+        fa3_spec.build_draft_decode_metadata(cfg, 1, **kw, ancestor_slots=anc,
+                                             draft_attention="branch")
+    with pytest.raises(ValueError, match="ancestor_slots is required"):
+        fa3_spec.build_draft_decode_metadata(cfg, 1, **kw, draft_attention="ancestors")
+    with pytest.raises(ValueError, match="draft_attention must be one of"):
+        fa3_spec.build_draft_decode_metadata(cfg, 1, **kw, out_cache_loc=world.out_cache_loc,
+                                             draft_attention="tree")
+    stated = fa3_spec.build_draft_decode_metadata(cfg, 1, **kw, ancestor_slots=anc,
+                                                  draft_attention="ancestors")
+    bound = fa3_spec.MetadataBuilder(cfg, draft_attention="ancestors").build(
+        "draft_decode", step=1, **kw, ancestor_slots=anc)
+    assert all(torch.equal(a, b) for a, b in zip(torch.utils._pytree.tree_leaves(stated),
+                                                 torch.utils._pytree.tree_leaves(bound)))
 
 def _anc_flags(world, step, anc, num_pages=None):
     return int(error_flags(world.cfg, "draft_decode", step=step, **world.batch(),

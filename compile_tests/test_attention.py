@@ -25,7 +25,7 @@ def test_torch_backend_matches_dense_oracle(p, k, mode):
         for step in (range(cfg.num_steps - 1) if mode == "draft_decode" else [0]):
             md = build(mode, cfg, step=step, **world.mode_kwargs(mode, tree=tree, draft_attention="branch"))
             q = torch.randn(num_queries(world, mode), 4, 16, generator=g)
-            out = fa3_spec.cascade_attention(q, kc, vc, md, backend="torch")
+            out = fa3_spec.cascade_attention(q, kc, vc, md, attention_backend="torch")
             ref = dense_attention(q, kc, vc, expected_key_slots(world, mode, step=step, tree=tree, draft_attention="branch"))
             torch.testing.assert_close(out, ref, atol=1e-5, rtol=1e-5)
 
@@ -67,9 +67,10 @@ def test_fa3_op_fake_gives_shapes_and_a_step_traces_with_it():
     q = torch.randn(num_queries(world, "draft_decode"), 8, 64, dtype=torch.bfloat16)
 
     def step(q, kc, vc, r2t, rpi, seq, loc):
-        md = fa3_spec.build_draft_decode_metadata(cfg, 1, req_to_token=r2t, req_pool_indices=rpi,
+        md = fa3_spec.build_draft_decode_metadata(cfg, 1, draft_attention="branch",
+                                                  req_to_token=r2t, req_pool_indices=rpi,
                                                   seq_lens=seq, out_cache_loc=loc)
-        return fa3_spec.cascade_attention(q, kc, vc, md, backend="fa3", num_splits=1)
+        return fa3_spec.cascade_attention(q, kc, vc, md, attention_backend="fa3", num_splits=1)
 
     gm = make_fx(step, tracing_mode="fake")(q, kc, vc, world.req_to_token, world.req_pool_indices,
                                             world.seq_lens, world.out_cache_loc)
@@ -87,13 +88,13 @@ def test_auto_backend_is_torch_without_cuda():
     md = build("decode", cfg, **world.mode_kwargs("decode", draft_attention="branch"))
     q = torch.randn(2, 2, 8)
     torch.testing.assert_close(fa3_spec.cascade_attention(q, kc, vc, md),
-                               fa3_spec.cascade_attention(q, kc, vc, md, backend="torch"))
+                               fa3_spec.cascade_attention(q, kc, vc, md, attention_backend="torch"))
 
 
 @pytest.mark.parametrize("bad, match", [
     (dict(q=torch.zeros(2, 3, 8)), "multiple"),
     (dict(q=torch.zeros(2, 2)), "q must be"),
-    (dict(backend="cuda"), "backend"),
+    (dict(attention_backend="cuda"), "attention_backend"),
 ])
 def test_attention_boundary_errors(bad, match):
     cfg = fa3_spec.SpecConfig(page_size=1, topk=1, num_steps=2, num_draft_tokens=1, max_bs=2,
@@ -101,7 +102,7 @@ def test_attention_boundary_errors(bad, match):
     world = make_world(cfg, 2)
     kc, vc = fill_kv_cache(world, num_kv_heads=2, head_dim=8)
     md = build("decode", cfg, **world.mode_kwargs("decode", draft_attention="branch"))
-    kw = dict(q=torch.zeros(2, 4, 8), backend="torch")
+    kw = dict(q=torch.zeros(2, 4, 8), attention_backend="torch")
     kw.update(bad)
     with pytest.raises(ValueError, match=match):
         fa3_spec.cascade_attention(kw.pop("q"), kc, vc, md, **kw)

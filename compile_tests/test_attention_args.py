@@ -139,7 +139,8 @@ def _check_case(mode, p, k, tree, name, single):
         if fp8:
             q = q.to(FP8)
         kw, ref_kw = _args(name, world, single, g)
-        out, lse = fa3_spec.cascade_attention(q, kc, vc, md, backend="torch", return_lse=True, **kw)
+        out, lse = fa3_spec.cascade_attention(q, kc, vc, md, attention_backend="torch",
+                                              return_lse=True, **kw)
         slots = expected_key_slots(world, mode, step=step, tree=tree, draft_attention="branch")
         requests = _query_requests(world, mode)
         want, want_lse = oracle(q, kc, vc, slots, requests, **ref_kw)
@@ -173,14 +174,15 @@ def test_sink_enters_the_denominator_once_not_once_per_call():
     md = _metadata(world, "draft_decode", 1, True)
     q = torch.randn(num_queries(world, "draft_decode"), HQ, DIM)
     sinks = torch.full((HQ,), 3.0)
-    ours = fa3_spec.cascade_attention(q, kc, vc, md, backend="torch", sinks=sinks)
+    ours = fa3_spec.cascade_attention(q, kc, vc, md, attention_backend="torch", sinks=sinks)
     slots = expected_key_slots(world, "draft_decode", step=1, draft_attention="branch")
     want, _ = oracle(q, kc, vc, slots, _query_requests(world, "draft_decode"), sinks=sinks)
     torch.testing.assert_close(ours.double(), want, atol=2e-5, rtol=2e-5)
     # Each call's own (out, lse) with the sink, then merged: the upstream way.
     parts = []
     for call in md.calls:
-        o, l = fa3_spec.cascade_attention(q, kc, vc, call, backend="torch", return_lse=True)
+        o, l = fa3_spec.cascade_attention(q, kc, vc, call, attention_backend="torch",
+                                          return_lse=True)
         parts += list(add_attention_sink(o, l, sinks))
     twice, _ = merge_attention_states(*parts)
     assert (twice.double() - want).abs().max() > 1e-2
@@ -193,7 +195,7 @@ def test_query_with_no_key_and_a_sink_gets_zero_output_and_the_sink_as_lse():
     for mode in ("draft_decode", "target_verify", "decode"):
         md = _metadata(world, mode, 0, True)
         q = torch.randn(num_queries(world, mode), HQ, DIM)
-        out, lse = fa3_spec.cascade_attention(q, kc, vc, md, backend="torch", sinks=sinks,
+        out, lse = fa3_spec.cascade_attention(q, kc, vc, md, attention_backend="torch", sinks=sinks,
                                               return_lse=True)
         pad = torch.tensor(_query_requests(world, mode)) == 2
         assert pad.any()
@@ -217,8 +219,9 @@ def test_window_is_refused_on_non_causal_multi_query_rows():
     q = torch.randn(9, HQ, DIM, generator=g)
     for window in [(2, 1), (0, 0), (-1, 1), (1, -1)]:
         with pytest.raises(ValueError, match="non-causal"):
-            fa3_spec.cascade_attention(q, kc, vc, md, backend="torch", window_size=window)
-    fa3_spec.cascade_attention(q, kc, vc, md, backend="torch", window_size=(-1, -1))  # no window: fine
+            fa3_spec.cascade_attention(q, kc, vc, md, attention_backend="torch", window_size=window)
+    fa3_spec.cascade_attention(q, kc, vc, md, attention_backend="torch", window_size=(-1,
+                                                                                      -1))  # no window: fine
 
 
 def test_a_huge_window_size_is_refused_by_name_not_overflowed():
@@ -228,9 +231,10 @@ def test_a_huge_window_size_is_refused_by_name_not_overflowed():
     q = torch.randn(num_queries(world, "decode"), HQ, DIM)
     for window in [(2**64, 0), (2**63, -1), (0, 2**70)]:
         with pytest.raises(ValueError, match="window_size"):
-            fa3_spec.cascade_attention(q, kc, vc, md, backend="torch", window_size=window)
-    wide = fa3_spec.cascade_attention(q, kc, vc, md, backend="torch", window_size=(2**62, 0))
-    full = fa3_spec.cascade_attention(q, kc, vc, md, backend="torch")
+            fa3_spec.cascade_attention(q, kc, vc, md, attention_backend="torch", window_size=window)
+    wide = fa3_spec.cascade_attention(q, kc, vc, md, attention_backend="torch", window_size=(2**62,
+                                                                                             0))
+    full = fa3_spec.cascade_attention(q, kc, vc, md, attention_backend="torch")
     torch.testing.assert_close(wide, full)
 
 
@@ -240,7 +244,7 @@ def test_window_on_a_cascade_asks_for_sliding_window_metadata():
     md = _metadata(world, "draft_decode", 0, True)
     q = torch.randn(num_queries(world, "draft_decode"), HQ, DIM)
     with pytest.raises(ValueError, match="sliding-window metadata"):
-        fa3_spec.cascade_attention(q, kc, vc, md, backend="torch", window_size=(8, -1))
+        fa3_spec.cascade_attention(q, kc, vc, md, attention_backend="torch", window_size=(8, -1))
 
 
 def test_bf16_q_is_quantised_to_fp8_with_its_requests_q_descale():
@@ -254,8 +258,9 @@ def test_bf16_q_is_quantised_to_fp8_with_its_requests_q_descale():
         q = torch.randn(num_queries(world, mode), HQ, DIM, generator=g).to(torch.bfloat16)
         req = torch.tensor(_query_requests(world, mode) + [0] * q.shape[0])[: q.shape[0]]
         manual = (q.float() / qd[req].repeat_interleave(HQ // HKV, 1)[..., None]).to(FP8)
-        got = fa3_spec.cascade_attention(q, kc, vc, md, backend="torch", q_descale=qd)
-        want = fa3_spec.cascade_attention(manual, kc, vc, md, backend="torch", q_descale=qd)
+        got = fa3_spec.cascade_attention(q, kc, vc, md, attention_backend="torch", q_descale=qd)
+        want = fa3_spec.cascade_attention(manual, kc, vc, md, attention_backend="torch",
+                                          q_descale=qd)
         assert got.dtype == torch.bfloat16
         live = torch.zeros(q.shape[0], dtype=torch.bool)
         live[: len(_query_requests(world, mode))] = True  # unowned extend rows are 0 either way
@@ -277,7 +282,7 @@ def test_metadata_and_attention_with_every_argument_compile_fullgraph(mode, p, k
     def step(q, kc, vc, sinks, kd, vd, *tensors):
         md = fa3_spec.build_metadata(mode, cfg, step=1, **dict(zip(names, tensors)))
         return fa3_spec.cascade_attention(
-            q, kc, vc, md, backend="torch", sinks=sinks, softcap=2.0, window_size=window,
+            q, kc, vc, md, attention_backend="torch", sinks=sinks, softcap=2.0, window_size=window,
             k_descale=kd, v_descale=vd, return_lse=True)
 
     compiled = torch.compile(step, fullgraph=True, backend="aot_eager")
@@ -311,7 +316,8 @@ def test_fa3_op_traces_with_the_new_arguments(monkeypatch):
     def step(q, kc, vc, kd, sinks, r2t, rpi, seq):
         md = fa3_spec.build_decode_metadata(world.cfg, req_to_token=r2t, req_pool_indices=rpi,
                                             seq_lens=seq)
-        return fa3_spec.cascade_attention(q, kc, vc, md, backend="fa3", window_size=(8, 0),
+        return fa3_spec.cascade_attention(q, kc, vc, md, attention_backend="fa3", window_size=(8,
+                                                                                               0),
                                           k_descale=kd, v_descale=kd, sinks=sinks)
 
     q = torch.randn(world.batch_size, HQ, 64, dtype=torch.bfloat16)
@@ -342,9 +348,11 @@ def test_dynamo_traces_the_fa3_path_and_its_capability_check_in_one_graph(monkey
         return lambda *a: [torch.zeros(s, dtype=d) for s, d in shapes]
 
     def step(q, kc, vc, kd, r2t, rpi, seq, loc):
-        md = fa3_spec.build_draft_decode_metadata(world.cfg, 1, req_to_token=r2t, req_pool_indices=rpi,
+        md = fa3_spec.build_draft_decode_metadata(world.cfg, 1, draft_attention="branch",
+                                                  req_to_token=r2t, req_pool_indices=rpi,
                                                   seq_lens=seq, out_cache_loc=loc)
-        return fa3_spec.cascade_attention(q, kc, vc, md, backend="fa3", k_descale=kd, v_descale=kd,
+        return fa3_spec.cascade_attention(q, kc, vc, md, attention_backend="fa3", k_descale=kd,
+                                          v_descale=kd,
                                           sinks=kd.new_ones(HQ), num_splits=1)
 
     q = torch.randn(num_queries(world, "draft_decode"), HQ, 64, dtype=torch.bfloat16)
@@ -364,15 +372,16 @@ def test_softcap_on_a_provider_without_it_is_a_clear_python_error(monkeypatch):
     q = torch.randn(world.batch_size, HQ, DIM, dtype=torch.bfloat16)
     with pytest.raises(NotImplementedError, match=r"softcap=30.0 is not supported by the FA3 provider "
                                                   r"flash_attn_interface \(tokenspeed-fa3"):
-        fa3_spec.cascade_attention(q, kc, vc, md, backend="fa3", softcap=30.0)
+        fa3_spec.cascade_attention(q, kc, vc, md, attention_backend="fa3", softcap=30.0)
 
     def step(q):
-        return fa3_spec.cascade_attention(q, kc, vc, md, backend="fa3", softcap=30.0)
+        return fa3_spec.cascade_attention(q, kc, vc, md, attention_backend="fa3", softcap=30.0)
 
     with pytest.raises(Exception, match="softcap=30.0 is not supported by the FA3 provider"):
         torch.compile(step, fullgraph=True, backend="eager")(q)
     # The torch backend implements it.
-    assert torch.isfinite(fa3_spec.cascade_attention(q, kc, vc, md, backend="torch", softcap=30.0)).all()
+    assert torch.isfinite(fa3_spec.cascade_attention(q, kc, vc, md, attention_backend="torch",
+                                                     softcap=30.0)).all()
 
 
 @pytest.mark.skipif(torch.cuda.is_available() and providers.find_provider() is not None,
@@ -386,7 +395,7 @@ def test_fa3_features_without_a_provider_say_so():
     md = _metadata(world, "decode", 0, True)
     q = torch.randn(world.batch_size, HQ, DIM)
     with pytest.raises(NotImplementedError, match="none is available here"):
-        fa3_spec.cascade_attention(q, kc.to(FP8), vc.to(FP8), md, backend="fa3")
+        fa3_spec.cascade_attention(q, kc.to(FP8), vc.to(FP8), md, attention_backend="fa3")
 
 
 def test_out_is_written_in_place_and_returned():
@@ -395,13 +404,14 @@ def test_out_is_written_in_place_and_returned():
     md = _metadata(world, "draft_decode", 1, True)
     q = torch.randn(num_queries(world, "draft_decode"), HQ, DIM)
     sinks = torch.randn(HQ)
-    want = fa3_spec.cascade_attention(q, kc, vc, md, backend="torch", sinks=sinks)
+    want = fa3_spec.cascade_attention(q, kc, vc, md, attention_backend="torch", sinks=sinks)
     buf = torch.full_like(q, float("nan"))
-    got = fa3_spec.cascade_attention(q, kc, vc, md, backend="torch", sinks=sinks, out=buf)
+    got = fa3_spec.cascade_attention(q, kc, vc, md, attention_backend="torch", sinks=sinks, out=buf)
     assert got is buf and torch.equal(buf, want)
 
     def step(q, buf):
-        return fa3_spec.cascade_attention(q, kc, vc, md, backend="torch", sinks=sinks, out=buf)
+        return fa3_spec.cascade_attention(q, kc, vc, md, attention_backend="torch", sinks=sinks,
+                                          out=buf)
 
     buf2 = torch.full_like(q, float("nan"))
     got2 = torch.compile(step, fullgraph=True, backend="aot_eager")(q, buf2)
@@ -432,7 +442,7 @@ def test_argument_errors_name_the_argument(bad, exc, match):
     md = _metadata(world, "draft_decode", 0, True)
     q = torch.randn(num_queries(world, "draft_decode"), HQ, DIM)
     with pytest.raises(exc, match=match):
-        fa3_spec.cascade_attention(q, kc, vc, md, backend="torch", **bad)
+        fa3_spec.cascade_attention(q, kc, vc, md, attention_backend="torch", **bad)
 
 
 @pytest.mark.parametrize("q_dtype, cache_dtype, kw, match", [
@@ -446,10 +456,12 @@ def test_fp8_errors(q_dtype, cache_dtype, kw, match):
     q = torch.randn(num_queries(world, "draft_decode"), HQ, DIM).to(q_dtype)
     if match is None:  # descale of the wrong batch: a shape error naming it
         with pytest.raises(ValueError, match=r"k_descale must be \[B, H_kv\].*= \[3, 2\], got \[2, 2\]"):
-            fa3_spec.cascade_attention(q, kc.to(cache_dtype), vc.to(cache_dtype), md, backend="torch", **kw)
+            fa3_spec.cascade_attention(q, kc.to(cache_dtype), vc.to(cache_dtype), md,
+                                       attention_backend="torch", **kw)
         return
     with pytest.raises(TypeError, match=match):
-        fa3_spec.cascade_attention(q, kc.to(cache_dtype), vc.to(cache_dtype), md, backend="torch", **kw)
+        fa3_spec.cascade_attention(q, kc.to(cache_dtype), vc.to(cache_dtype), md,
+                                   attention_backend="torch", **kw)
 
 
 # ---- static checks of q and of the cache view -------------------------------
@@ -466,10 +478,11 @@ def test_q_with_fewer_rows_than_the_metadata_bound_is_rejected():
     assert md.prefix.num_rows == 3 and md.prefix.max_seqlen_q == 4
     with pytest.raises(ValueError, match=r"q has 5 query rows, but the prefix call has 3 rows of up to "
                                          r"max_seqlen_q=4 .* at least 12 rows"):
-        fa3_spec.cascade_attention(torch.randn(5, HQ, DIM), kc, vc, md, backend="torch")
+        fa3_spec.cascade_attention(torch.randn(5, HQ, DIM), kc, vc, md, attention_backend="torch")
     single = _metadata(world, "target_verify", 0, False)  # 3 requests x N = 5
     with pytest.raises(ValueError, match="the single call has 3 rows"):
-        fa3_spec.cascade_attention(torch.randn(14, HQ, DIM), kc, vc, single, backend="torch")
+        fa3_spec.cascade_attention(torch.randn(14, HQ, DIM), kc, vc, single,
+                                   attention_backend="torch")
 
 
 def test_q_sized_at_the_static_bound_is_accepted_for_draft_extend():
@@ -477,10 +490,12 @@ def test_q_sized_at_the_static_bound_is_accepted_for_draft_extend():
     md = _metadata(world, "draft_extend", 0, True)
     n = world.cfg.num_draft_tokens
     assert int(md.cu_seqlens_q[-1]) < 3 * n  # packed: fewer real queries than rows of q
-    out = fa3_spec.cascade_attention(torch.randn(3 * n, HQ, DIM), kc, vc, md, backend="torch")
+    out = fa3_spec.cascade_attention(torch.randn(3 * n, HQ, DIM), kc, vc, md,
+                                     attention_backend="torch")
     assert out.shape[0] == 3 * n
     # More rows than the bound: allowed, the extra rows belong to no request and get 0.
-    out = fa3_spec.cascade_attention(torch.randn(3 * n + 2, HQ, DIM), kc, vc, md, backend="torch")
+    out = fa3_spec.cascade_attention(torch.randn(3 * n + 2, HQ, DIM), kc, vc, md,
+                                     attention_backend="torch")
     assert torch.equal(out[3 * n:], torch.zeros_like(out[3 * n:]))
 
 
@@ -488,28 +503,31 @@ def test_q_must_be_floating_point():
     world, kc, vc = _decode_setup()
     md = _metadata(world, "decode", 0, True)
     with pytest.raises(TypeError, match="q must be a floating-point tensor"):
-        fa3_spec.cascade_attention(torch.zeros(3, HQ, DIM, dtype=torch.int32), kc, vc, md, backend="torch")
+        fa3_spec.cascade_attention(torch.zeros(3, HQ, DIM, dtype=torch.int32), kc, vc, md,
+                                   attention_backend="torch")
 
 
 def test_a_non_viewable_cache_gets_a_clear_error_on_the_tree_verify_expand_call():
     world, kc, vc = _decode_setup(p=2, k=4)
     md = _metadata(world, "target_verify", 0, True)  # expand reads single-token pages
     q = torch.randn(num_queries(world, "target_verify"), HQ, DIM)
-    want = fa3_spec.cascade_attention(q, kc, vc, md, backend="torch")
+    want = fa3_spec.cascade_attention(q, kc, vc, md, attention_backend="torch")
     # Same values, stored token-major: [P, pages, H, D] permuted to [pages, P, H, D].
     kp = kc.permute(1, 0, 2, 3).contiguous().permute(1, 0, 2, 3)
     vp = vc.permute(1, 0, 2, 3).contiguous().permute(1, 0, 2, 3)
     assert torch.equal(kp, kc) and not kp.is_contiguous()
     with pytest.raises(ValueError, match=r"k_cache must be contiguous across its page and token dims"):
-        fa3_spec.cascade_attention(q, kp, vp, md, backend="torch")
+        fa3_spec.cascade_attention(q, kp, vp, md, attention_backend="torch")
     # The prefix call alone (page size unchanged) needs no view and reads the permuted cache.
-    got = fa3_spec.cascade_attention(q, kp, vp, md.prefix, backend="torch")
-    torch.testing.assert_close(got, fa3_spec.cascade_attention(q, kc, vc, md.prefix, backend="torch"))
+    got = fa3_spec.cascade_attention(q, kp, vp, md.prefix, attention_backend="torch")
+    torch.testing.assert_close(got, fa3_spec.cascade_attention(q, kc, vc, md.prefix,
+                                                               attention_backend="torch"))
     assert want.shape == got.shape
     # A permutation of the head dims is fine: the view only merges pages and tokens.
     kh = kc.permute(0, 1, 3, 2).contiguous().permute(0, 1, 3, 2)
     vh = vc.permute(0, 1, 3, 2).contiguous().permute(0, 1, 3, 2)
-    torch.testing.assert_close(fa3_spec.cascade_attention(q, kh, vh, md, backend="torch"), want)
+    torch.testing.assert_close(fa3_spec.cascade_attention(q, kh, vh, md,
+                                                          attention_backend="torch"), want)
 
 
 # ---- FA3's empty-row LSE, whichever sign, is normalised -----------------------
@@ -534,7 +552,8 @@ def test_fa3_empty_rows_are_normalised_whatever_lse_the_build_returns(monkeypatc
         max_seqlen_q=1, max_seqlen_k=4, page_size=4, causal=True)
     kc = torch.zeros(2, 4, HKV, DIM)
     q = torch.zeros(5, HQ, DIM)
-    out, lse = cascade_mod.attention_call(q, kc, kc, md, softmax_scale=1.0, backend="fa3", num_splits=1)
+    out, lse = cascade_mod.attention_call(q, kc, kc, md, softmax_scale=1.0,
+                                          attention_backend="fa3", num_splits=1)
     want_lse = torch.tensor([0.5, float("-inf"), 1.0, float("-inf"), float("-inf")])
     assert torch.equal(lse, want_lse.expand(HQ, 5))
     assert torch.equal(out[[0, 2]], out_raw[[0, 2]]) and torch.equal(out[[1, 3, 4]], torch.zeros(3, HQ, DIM))
@@ -550,7 +569,7 @@ def test_same_rows_metadata_dataclass_replace_keeps_checks():
     md = _metadata(world, "decode", 0, True)
     bad = dataclasses.replace(md, cu_seqlens_q=md.cu_seqlens_q[:-1])
     with pytest.raises(ValueError, match="inconsistent"):
-        fa3_spec.cascade_attention(torch.randn(3, HQ, DIM), kc, vc, bad, backend="torch")
+        fa3_spec.cascade_attention(torch.randn(3, HQ, DIM), kc, vc, bad, attention_backend="torch")
 
 
 def test_a_sink_of_minus_inf_is_no_sink_and_never_nan():
@@ -558,8 +577,10 @@ def test_a_sink_of_minus_inf_is_no_sink_and_never_nan():
     kc, vc = fill_kv_cache(world, num_kv_heads=HKV, head_dim=DIM)
     md = _metadata(world, "draft_decode", 0, True)
     q = torch.randn(num_queries(world, "draft_decode"), HQ, DIM)
-    want, want_lse = fa3_spec.cascade_attention(q, kc, vc, md, backend="torch", return_lse=True)
-    got, got_lse = fa3_spec.cascade_attention(q, kc, vc, md, backend="torch", return_lse=True,
+    want, want_lse = fa3_spec.cascade_attention(q, kc, vc, md, attention_backend="torch",
+                                                return_lse=True)
+    got, got_lse = fa3_spec.cascade_attention(q, kc, vc, md, attention_backend="torch",
+                                              return_lse=True,
                                               sinks=torch.full((HQ,), float("-inf")))
     assert torch.isneginf(want_lse).any()  # the padding row's queries
     torch.testing.assert_close(got, want)
@@ -573,7 +594,7 @@ def test_a_window_on_a_non_causal_multi_query_call_is_refused():
     prefix = fa3_spec.build_draft_prefix_metadata(cfg, **w.batch(), draft_attention="branch")
     kv = torch.randn(w.num_pages, 1, 1, 8)
     with pytest.raises(ValueError, match="non-causal"):
-        fa3_spec.cascade_attention(torch.randn(4, 1, 8), kv, kv, prefix, backend="torch",
+        fa3_spec.cascade_attention(torch.randn(4, 1, 8), kv, kv, prefix, attention_backend="torch",
                                    window_size=(3, -1))
 
 
@@ -587,10 +608,11 @@ def test_sinks_keep_float64():
     v = torch.randn(w.num_pages, 2, 2, 8, generator=g, dtype=torch.float64)
     q = torch.randn(2, 2, 8, generator=g, dtype=torch.float64)
     sinks = torch.tensor([0.5, -1.0], dtype=torch.float64)
-    out, lse = fa3_spec.cascade_attention(q, k, v, md, backend="torch", sinks=sinks,
+    out, lse = fa3_spec.cascade_attention(q, k, v, md, attention_backend="torch", sinks=sinks,
                                           return_lse=True)
     assert out.dtype == torch.float64
-    base, base_lse = fa3_spec.cascade_attention(q, k, v, md, backend="torch", return_lse=True)
+    base, base_lse = fa3_spec.cascade_attention(q, k, v, md, attention_backend="torch",
+                                                return_lse=True)
     want = base * torch.sigmoid(base_lse - sinks[:, None]).transpose(0, 1).unsqueeze(-1)
     assert torch.allclose(out, want, atol=1e-12, rtol=1e-12)
 
@@ -633,6 +655,7 @@ def test_a_window_past_the_key_bound_reaches_fa3_as_unbounded(monkeypatch):
                                                       window_left=2**40)),
                        ((3, 0), fa3_spec.build_decode_metadata(cfg, **w.batch()))]:
         kw = {} if window is None else dict(window_size=window)
-        cascade_mod.attention_call(q, kv, kv, md, softmax_scale=1.0, backend="fa3", num_splits=1,
+        cascade_mod.attention_call(q, kv, kv, md, softmax_scale=1.0, attention_backend="fa3",
+                                   num_splits=1,
                                    **kw)
     assert seen == [(-1, 0), (-1, 0), (3, 0)]

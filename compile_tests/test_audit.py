@@ -127,7 +127,7 @@ def test_ancestor_rows_are_checked_against_the_key_set_oracle(monkeypatch):
     case = [c for c in default_grid(page_sizes=(2,), topks=(8,))
             if c.draft_attention == "ancestors"][0]
     assert case.mode == "draft_decode" and case.step == 3
-    row = audit_case(case, device="cpu", backend="eager")
+    row = audit_case(case, device="cpu", compile_backend="eager")
     assert row.clean and row.config["draft_attention"] == "ancestors"
     real_build = selfaudit.build_metadata
 
@@ -137,5 +137,5 @@ def test_ancestor_rows_are_checked_against_the_key_set_oracle(monkeypatch):
         return dataclasses.replace(md, expand=expand)
 
     monkeypatch.setattr(selfaudit, "build_metadata", one_key_short)
-    row = audit_case(case, device="cpu", backend="eager")
+    row = audit_case(case, device="cpu", compile_backend="eager")
     assert not row.parity and any("key-set oracle" in p for p in row.problems)

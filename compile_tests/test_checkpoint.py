@@ -109,7 +109,8 @@ def test_loaded_target_decodes_as_transformers_does(checkpoints, name):
     models = from_pretrained(path)
     assert models.dtype == torch.float64  # the checkpoint's dtype
     logits = []
-    ours = greedy_generate(models, PROMPTS, [8] * len(PROMPTS), page_size=2, backend="torch",
+    ours = greedy_generate(models, PROMPTS, [8] * len(PROMPTS), page_size=2,
+                           attention_backend="torch",
                            logits_out=logits)
     for i, prompt in enumerate(PROMPTS):
         tokens, hf_logits = hf_greedy(hf, prompt, 8)
@@ -152,7 +153,7 @@ def make_engine(models, *, p=2, k=4, s=3, n=6, max_bs=2, max_new=12, max_prompt=
     spec = fa3_spec.SpecConfig(page_size=p, topk=k, num_steps=s, num_draft_tokens=n,
                                max_bs=max_bs, max_context_len=max_prompt + max_new + n)
     spec = dataclasses.replace(spec, num_pages=spec.pool_pages(2 * max_bs, "branch"))
-    return EagleEngine(LoopConfig(spec, max_new_tokens=max_new, backend="torch"), models,
+    return EagleEngine(LoopConfig(spec, max_new_tokens=max_new, attention_backend="torch"), models,
                        max_reqs=2 * max_bs)
 
 
@@ -171,7 +172,7 @@ def test_eagle_loop_on_a_loaded_target_is_exact_and_leaves_it_as_loaded(checkpoi
     before = [w.clone() for w in models.target.layers]
     news = [12, 9, 12]
     got, mean, _ = run_loop(models, PROMPTS, news)
-    assert got == greedy_generate(models, PROMPTS, news, page_size=2, backend="torch")
+    assert got == greedy_generate(models, PROMPTS, news, page_size=2, attention_backend="torch")
     sd = hf.state_dict()
     for i, (w, was) in enumerate(zip(models.target.layers, before)):
         assert torch.equal(w.wo, was.wo) and torch.equal(w.w_down, was.w_down)
@@ -410,9 +411,9 @@ def draft_prefill(models, tokens, shifted):
     pool, slots, md = one_prompt_prefill(models, t)
     pos = torch.arange(t)
     feats = models.target_forward(torch.tensor(tokens), pos, slots, md, pool.target_kv,
-                                  backend="torch")
+                                  attention_backend="torch")
     h = models.draft_forward(torch.tensor(shifted), models.draft_input(feats), pos, slots, md,
-                             pool.draft_kv, backend="torch")
+                             pool.draft_kv, attention_backend="torch")
     return feats, h
 
 
@@ -480,7 +481,7 @@ def test_the_loop_with_an_eagle3_head_is_exact_and_drafts_target_ids(eagle3):
     assert drafted.numel() and torch.isin(drafted, hot).all()
     out = eng.run()
     assert [out[i] for i in ids] == greedy_generate(models, PROMPTS, news, page_size=2,
-                                                    backend="torch")
+                                                    attention_backend="torch")
 
 
 def test_an_eagle3_head_with_named_aux_layers_and_chain_drafts(checkpoints, tmp_path):
@@ -496,7 +497,8 @@ def test_an_eagle3_head_with_named_aux_layers_and_chain_drafts(checkpoints, tmp_
                                eagle3_reference(hf, cfg, w, PROMPT, shifted, (1, 2, 4)),
                                rtol=0, atol=ATOL)
     got, _, _ = run_loop(models, PROMPTS[:2], [10, 10], k=1, s=3, n=4)
-    assert got == greedy_generate(models, PROMPTS[:2], [10, 10], page_size=2, backend="torch")
+    assert got == greedy_generate(models, PROMPTS[:2], [10, 10], page_size=2,
+                                  attention_backend="torch")
 
 
 def test_an_eagle1_head_loads_from_bin_and_reads_the_normed_target_hidden(checkpoints, tmp_path):
@@ -514,7 +516,8 @@ def test_an_eagle1_head_loads_from_bin_and_reads_the_normed_target_hidden(checkp
                                                                         shifted),
                                rtol=0, atol=ATOL)
     got, _, _ = run_loop(models, PROMPTS[:2], [10, 10])
-    assert got == greedy_generate(models, PROMPTS[:2], [10, 10], page_size=2, backend="torch")
+    assert got == greedy_generate(models, PROMPTS[:2], [10, 10], page_size=2,
+                                  attention_backend="torch")
 
 
 def test_draft_heads_that_do_not_fit_the_target_are_refused(eagle3, tmp_path):
@@ -556,7 +559,7 @@ def test_text_prompts_in_completions_out_exact_and_stopping_at_any_eos(eagle3, t
     prompt = "w5 w7 w9 w11"
     models = from_pretrained(path)
     chat_ids = [1, 5, 7, 9, 11, 2, 3]
-    free = greedy_generate(models, [chat_ids], [12], page_size=2, backend="torch")[0]
+    free = greedy_generate(models, [chat_ids], [12], page_size=2, attention_backend="torch")[0]
     eos = [free[5], free[3]]  # two EOS ids: the completion stops at the first of either
     (model / "generation_config.json").unlink()
     (model / "generation_config.json").write_text(json.dumps({"eos_token_id": eos}))
@@ -565,7 +568,7 @@ def test_text_prompts_in_completions_out_exact_and_stopping_at_any_eos(eagle3, t
                        + json.dumps("w20 w21") + "\n")
     out = tmp_path / "out.json"
     argv = ["--model", str(model), "--draft-model", str(head), "--prompts", str(prompts),
-            "--chat", "--device", "cpu", "--backend", "torch", "--batch", "2", "--page-size", "2",
+            "--chat", "--device", "cpu", "--attention-backend", "torch", "--batch", "2", "--page-size", "2",
             "--topk", "4", "--num-steps", "3", "--num-draft-tokens", "6", "--max-new-tokens", "8",
             "--check-greedy", "--json", str(out)]
     assert cli.main(argv) == 0
@@ -633,7 +636,7 @@ def test_topk_above_an_eagle3_draft_vocabulary_is_a_usage_error(eagle3, capsys):
     with pytest.raises(ValueError, match="topk=38 exceeds the draft's vocabulary of 37"):
         make_engine(models, k=38)
     line = _usage_exit(["--model", str(path), "--draft-model", str(head), "--device", "cpu",
-                        "--topk", "38", "--backend", "torch"], capsys)
+                        "--topk", "38", "--attention-backend", "torch"], capsys)
     assert "vocabulary of 37" in line
 
 
@@ -644,7 +647,7 @@ def test_out_of_vocabulary_prompts_are_refused_with_eos_sets(eagle3):
     with pytest.raises(ValueError, match=r"token 101 at position 1 .*vocab_size=101"):
         eng.submit([3, 101], 4, eos_id=[5, 7])
     with pytest.raises(ValueError, match=r"prompts\[0\]: token -2 at position 0"):
-        greedy_generate(models, [[-2]], [4], eos_ids=[[5, 7]], backend="torch")
+        greedy_generate(models, [[-2]], [4], eos_ids=[[5, 7]], attention_backend="torch")
     assert not eng.has_work
     rid = eng.submit([3, 4], 6, eos_id=(5, 7))  # a sequence of ids is taken as is
     eng.run()
@@ -655,7 +658,7 @@ def test_the_configuration_line_names_the_loaded_model_and_its_draft(eagle3, mon
                                                                      capsys):
     monkeypatch.setattr(cli, "PROGRESS_SECONDS", -1.0)  # a progress line at every chance
     _, path, head, *_ = eagle3
-    argv = ["--model", str(path), "--device", "cpu", "--backend", "torch", "--batch", "2",
+    argv = ["--model", str(path), "--device", "cpu", "--attention-backend", "torch", "--batch", "2",
             "--requests", "3", "--max-new-tokens", "6", "--prompt-len", "8", "--check-greedy"]
     assert cli.main(argv + ["--draft-model", str(head)]) == 0
     lines = capsys.readouterr().out.splitlines()
@@ -671,7 +674,8 @@ def test_the_configuration_line_names_the_loaded_model_and_its_draft(eagle3, mon
 
 def test_a_model_without_tokenizer_runs_the_token_workload(checkpoints, capsys):
     _, path = checkpoints["tied-mha-odd"]
-    argv = ["--model", str(path), "--prompt", "hello", "--device", "cpu", "--backend", "torch",
+    argv = ["--model", str(path), "--prompt", "hello", "--device", "cpu", "--attention-backend",
+            "torch",
             "--batch", "2", "--requests", "3", "--max-new-tokens", "6", "--prompt-len", "8",
             "--check-greedy", "--quiet"]
     assert cli.main(argv) == 0

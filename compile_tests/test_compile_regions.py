@@ -50,7 +50,7 @@ def _traced(models, region_backend, t=9):
     tokens, pos, slots, md, pool = _prefill_inputs(m, t)
     torch._dynamo.reset()
     fn = torch.compile(lambda: m.target_forward(tokens, pos, slots, md, pool.target_kv,
-                                                backend="torch"), backend=backend, fullgraph=True)
+                                                attention_backend="torch"), backend=backend, fullgraph=True)
     out = fn()
     assert len(graphs) == 1
     return out, graphs[0].code, pool
@@ -71,7 +71,7 @@ def test_the_layers_are_region_ops_only_when_asked_and_compute_the_same(models):
     torch.testing.assert_close(pool_on.target_kv.v, pool_off.target_kv.v, rtol=0, atol=0)
     assert pool_on.target_kv.k.abs().sum() > 0  # the forward did write its K/V
     tokens, pos, slots, md, pool = _prefill_inputs(models)
-    eager = models.target_forward(tokens, pos, slots, md, pool.target_kv, backend="torch")
+    eager = models.target_forward(tokens, pos, slots, md, pool.target_kv, attention_backend="torch")
     torch.testing.assert_close(inline, eager, rtol=1e-12, atol=1e-12)
 
 
@@ -103,13 +103,13 @@ def test_one_program_serves_the_later_layers_and_every_batch(models):
     for batch in (2, 4):
         tokens, pos, slots, md, pool = _decode_inputs(m, batch)
         fn = torch.compile(lambda kv: m.target_forward(tokens, pos, slots, md, kv,
-                                                       backend="torch"),
+                                                       attention_backend="torch"),
                            backend="eager", fullgraph=True, dynamic=False)
         out = fn(pool.target_kv)
         outer += 1
         tokens, pos, slots, md, ref_pool = _decode_inputs(models, batch)
         inline = models.target_forward(tokens, pos, slots, md, ref_pool.target_kv,
-                                       backend="torch")
+                                       attention_backend="torch")
         torch.testing.assert_close(out, inline, rtol=0, atol=0)
         torch.testing.assert_close(pool.target_kv.k, ref_pool.target_kv.k, rtol=0, atol=0)
     assert regions.compiled_programs() - before == 2
@@ -123,9 +123,10 @@ def test_called_eagerly_a_region_is_a_plain_call_and_compiles_nothing(models):
     before = regions.compiled_programs()
     for t in (5, 9):
         tokens, pos, slots, md, pool = _prefill_inputs(m, t)
-        out = m.target_forward(tokens, pos, slots, md, pool.target_kv, backend="torch")
+        out = m.target_forward(tokens, pos, slots, md, pool.target_kv, attention_backend="torch")
         tokens, pos, slots, md, pool = _prefill_inputs(models, t)
-        inline = models.target_forward(tokens, pos, slots, md, pool.target_kv, backend="torch")
+        inline = models.target_forward(tokens, pos, slots, md, pool.target_kv,
+                                       attention_backend="torch")
         torch.testing.assert_close(out, inline, rtol=0, atol=0)
     assert regions.compiled_programs() == before
 
@@ -180,14 +181,15 @@ def test_a_compiled_caller_runs_its_regions_again_without_any_recompile(models, 
                     dtype=torch.float64).with_compile_regions(backend)
     tokens, pos, slots, md, pool_a = _prefill_inputs(m, 11)
     *_, pool_b = _prefill_inputs(m, 11)
-    fn = torch.compile(lambda kv: m.target_forward(tokens, pos, slots, md, kv, backend="torch"),
+    fn = torch.compile(lambda kv: m.target_forward(tokens, pos, slots, md, kv,
+                                                   attention_backend="torch"),
                        backend=backend, fullgraph=True)
     stats = torch._dynamo.utils.counters["stats"]
     torch._dynamo.reset()
     first = fn(pool_a.target_kv)
     settled = stats["unique_graphs"]
     second = fn(pool_b.target_kv)
-    eager = m.target_forward(tokens, pos, slots, md, pool_b.target_kv, backend="torch")
+    eager = m.target_forward(tokens, pos, slots, md, pool_b.target_kv, attention_backend="torch")
     assert stats["unique_graphs"] == settled
     for t in (tokens, pos, slots, md.page_table, md.cache_seqlens, md.cu_seqlens_q):
         assert not hasattr(t, "_dynamo_weak_dynamic_indices")
@@ -217,7 +219,8 @@ def test_no_region_program_adds_a_residual_to_a_matmul_in_an_addmm(monkeypatch):
     m = make_models("tiny", draft="derived", num_layers=2,
                     dtype=torch.bfloat16).with_compile_regions("inductor")
     tokens, pos, slots, md, pool = _prefill_inputs(m, 11)
-    fn = torch.compile(lambda kv: m.target_forward(tokens, pos, slots, md, kv, backend="torch"),
+    fn = torch.compile(lambda kv: m.target_forward(tokens, pos, slots, md, kv,
+                                                   attention_backend="torch"),
                        backend="inductor", fullgraph=True)
     regions.clear_programs()
     torch._dynamo.reset()
@@ -237,9 +240,9 @@ def test_with_compile_regions_shares_the_weights_and_leaves_the_models_as_they_w
     assert models.target.compile_regions is None and models.draft.compile_regions is None
     assert on.target.layers is models.target.layers
     assert on.draft.layer is models.draft.layer
-    with pytest.raises(ValueError, match="backend must be None or one of"):
+    with pytest.raises(ValueError, match="compile_backend must be None or one of"):
         models.with_compile_regions("cudagraphs")
-    with pytest.raises(ValueError, match="backend must be None or one of"):
+    with pytest.raises(ValueError, match="compile_backend must be None or one of"):
         models.with_compile_regions(True)
 
 
@@ -248,7 +251,7 @@ def test_a_region_refuses_an_unknown_compiler(models):
     w, shape = models.target.layers[0], models.target.shape
     x = models.target.embed[tokens]
     cos, sin = models.target.rope.at(pos)
-    with pytest.raises(ValueError, match="compiler must be one of"):
+    with pytest.raises(ValueError, match="compile_backend must be one of"):
         regions.decoder_layer_region(shape, w, x, (), None, cos, sin, slots.to(torch.int64),
                                      md, pool.target_kv.k[0], pool.target_kv.v[0], "torch",
                                      None, "cudagraphs")
@@ -260,7 +263,7 @@ def _engine(models, buckets, backend, max_new=8, topk=4, num_steps=3, num_draft_
                                num_draft_tokens=num_draft_tokens, max_bs=4, max_context_len=64)
     spec = dataclasses.replace(spec, num_pages=spec.pool_pages(4, "ancestors"))
     kw = dict(policy=policy) if policy is not None else dict(compile_backend=backend)
-    return EagleEngine(LoopConfig(spec, max_new_tokens=max_new, backend="torch"), models,
+    return EagleEngine(LoopConfig(spec, max_new_tokens=max_new, attention_backend="torch"), models,
                        buckets=buckets, **kw)
 
 
@@ -333,7 +336,8 @@ def _assert_alone_then_three_match_greedy(eng, models):
     got = eng.run()
     rids = [first] + [eng.submit(p, 4) for p in prompts]
     got.update(eng.run())
-    want = greedy_generate(models, prompts[:1] + prompts, [4] * 4, page_size=2, backend="torch")
+    want = greedy_generate(models, prompts[:1] + prompts, [4] * 4, page_size=2,
+                           attention_backend="torch")
     assert [got[r] for r in rids] == want
 
 

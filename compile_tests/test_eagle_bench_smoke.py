@@ -98,7 +98,7 @@ def test_the_flop_count_of_the_compute_floor_is_what_torch_counts(p, k, s, n, mo
     batch, context = 3, 40
     lc = workload.loop_config((p, k, s, n), batch=batch, context=context, max_new=64,
                               max_context_len=context + 64 + n, draft_attention=mode,
-                              backend="torch")
+                              attention_backend="torch")
     eng = workload.engine(lc, models, scripted=True, max_reqs=batch, buckets=[batch],
                           compile_backend="none")
     for _ in range(batch):

@@ -42,7 +42,7 @@ def make_engine(models, p, k, s, n, *, max_bs=4, max_new=40, max_prompt=40,
     spec = fa3_spec.SpecConfig(page_size=p, topk=k, num_steps=s, num_draft_tokens=n,
                                max_bs=max_bs, max_context_len=max_prompt + max_new + n)
     spec = dataclasses.replace(spec, num_pages=spec.pool_pages(2 * max_bs, draft_attention))
-    lc = LoopConfig(spec, max_new_tokens=max_new, backend="torch",
+    lc = LoopConfig(spec, max_new_tokens=max_new, attention_backend="torch",
                     draft_attention=draft_attention)
     return EagleEngine(lc, models, max_reqs=2 * max_bs, **kw)
 
@@ -67,7 +67,7 @@ def run_both(p, k, s, n, draft="derived", requests=14, max_bs=8, eos=-1,
     submit_all(eng, prompts, news, eos_id=eos)
     out = eng.run()
     ref = greedy_generate(models, prompts, news, eos_ids=[eos] * requests, page_size=p,
-                          backend="torch")
+                          attention_backend="torch")
     assert eng.stats["admitted"] == requests > max_bs  # rows were freed and reused (joins)
     return [out[i] for i in range(requests)], ref, eng
 
@@ -154,7 +154,7 @@ def test_high_acceptance_draft_reaches_long_runs():
 def test_eos_stops_requests_early():
     models = models_for()
     prompts, news = workload(6, 2)
-    ref = greedy_generate(models, prompts, news, page_size=2, backend="torch")
+    ref = greedy_generate(models, prompts, news, page_size=2, attention_backend="torch")
     eos = ref[0][5]  # a token request 0 emits: it (and maybe others) stop there
     mean, eng = check_exact(2, 4, 5, 8, requests=6, max_bs=4, eos=eos)
     assert len(eng.results()[0]) == ref[0].index(eos) + 1
@@ -163,14 +163,14 @@ def test_eos_stops_requests_early():
 def test_several_eos_ids_stop_at_the_first_of_any():
     models = models_for()
     prompts, news = workload(4, 2)
-    free = greedy_generate(models, prompts, news, page_size=2, backend="torch")
+    free = greedy_generate(models, prompts, news, page_size=2, attention_backend="torch")
     eos = [free[0][9], free[1][4], free[2][6]]  # Llama 3.1 has three
     eng = make_engine(models, 2, 4, 5, 8, max_bs=2)
     ids = submit_all(eng, prompts, news, eos_id=eos)
     out = eng.run()
     got = [out[i] for i in ids]
     assert got == greedy_generate(models, prompts, news, eos_ids=[eos] * 4, page_size=2,
-                                  backend="torch")
+                                  attention_backend="torch")
     for row, g in zip(free, got):  # each stops at the first of any of the ids, if any
         stops = [j for j, t in enumerate(row) if t in eos]
         assert g == (row[: stops[0] + 1] if stops else row)
@@ -198,7 +198,7 @@ def test_device_output_buffer_matches_host_readback():
     for _ in range(4):
         eng.step()
     device = eng.device_outputs()
-    ref = greedy_generate(models, prompts, news, page_size=2, backend="torch")
+    ref = greedy_generate(models, prompts, news, page_size=2, attention_backend="torch")
     assert device and all(ref[rid][: len(toks)] == toks for rid, toks in device.items())
 
 
@@ -382,14 +382,14 @@ def test_buckets_are_sorted_deduplicated_and_take_integer_likes_and_iterators():
 
 
 def test_the_auto_attention_backend_is_resolved_when_the_engine_is_built():
-    """Found on the H200: an engine given ``backend="auto"`` whose first FA3 lookup
+    """Found on the H200: an engine given ``attention_backend="auto"`` whose first FA3 lookup
     happened while dynamo traced the compiled iteration failed to compile (the
     lookup imports). The engine resolves it eagerly; its ``lc`` says which."""
     eng = make_engine(models_for(), 2, 4, 2, 4)
-    lc = dataclasses.replace(eng.lc, backend="auto")
+    lc = dataclasses.replace(eng.lc, attention_backend="auto")
     auto = EagleEngine(lc, models_for(), max_reqs=8)
-    assert lc.backend == "auto" and auto.lc.backend == "torch"
-    assert auto.lc == dataclasses.replace(lc, backend="torch")
+    assert lc.attention_backend == "auto" and auto.lc.attention_backend == "torch"
+    assert auto.lc == dataclasses.replace(lc, attention_backend="torch")
 
 
 def test_a_failed_admission_leaves_the_engine_as_it_was():
@@ -411,7 +411,7 @@ def test_a_failed_admission_leaves_the_engine_as_it_was():
     assert eng.active == 0 and eng.stats["admitted"] == 0  # no slot taken
     assert not eng.state["seq_lens"].any()  # no live row on the device
     out = eng.run()  # the requests were still queued: served, in order, exactly
-    ref = greedy_generate(models, prompts, news, page_size=2, backend="torch")
+    ref = greedy_generate(models, prompts, news, page_size=2, attention_backend="torch")
     assert [out[r] for r in rids] == ref
 
 
@@ -422,17 +422,17 @@ def test_out_of_vocabulary_prompt_tokens_are_refused_not_clamped():
         with pytest.raises(ValueError, match=rf"token {bad} at position 1 .*vocab_size=512"):
             eng.submit([3, bad, 4], 4)
         with pytest.raises(ValueError, match=rf"prompts\[1\]: token {bad} at position 1"):
-            greedy_generate(models, [[1], [3, bad]], [4, 4], backend="torch")
+            greedy_generate(models, [[1], [3, bad]], [4, 4], attention_backend="torch")
     assert not eng.has_work
     with pytest.raises(ValueError, match="one count >= 1 per prompt"):
-        greedy_generate(models, [[1], [2]], [4], backend="torch")
+        greedy_generate(models, [[1], [2]], [4], attention_backend="torch")
 
 
 def test_cli_check_greedy_json_and_exit_status(tmp_path, monkeypatch):
     out = tmp_path / "eagle.json"
     argv = ["--preset", "tiny", "--device", "cpu", "--batch", "3", "--requests", "5",
             "--page-size", "16", "--topk", "4", "--num-steps", "3", "--num-draft-tokens", "6",
-            "--max-new-tokens", "12", "--prompt-len", "20", "--check-greedy", "--backend",
+            "--max-new-tokens", "12", "--prompt-len", "20", "--check-greedy", "--attention-backend",
             "torch", "--json", str(out), "--quiet"]
     assert cli.main(argv) == 0
     res = json.loads(out.read_text())
@@ -461,7 +461,7 @@ def test_cli_refuses_non_positive_sizes_as_a_usage_error(flag, capsys):
 
 _SMALL = ["--device", "cpu", "--batch", "2", "--requests", "3", "--page-size", "16", "--topk",
           "2", "--num-steps", "2", "--num-draft-tokens", "3", "--max-new-tokens", "6",
-          "--prompt-len", "8", "--backend", "torch"]
+          "--prompt-len", "8", "--attention-backend", "torch"]
 
 
 @pytest.mark.parametrize("argv", [
@@ -569,7 +569,8 @@ def test_a_bad_request_is_refused_at_submit_and_the_others_are_served(call, erro
         call(eng)
     last = eng.submit([3, 1, 4, 1], 4)
     got = eng.run()
-    want = greedy_generate(models, [[5, 9, 2], [3, 1, 4, 1]], [4, 4], page_size=2, backend="torch")
+    want = greedy_generate(models, [[5, 9, 2], [3, 1, 4, 1]], [4, 4], page_size=2,
+                           attention_backend="torch")
     assert [got[first], got[last]] == want
 
 

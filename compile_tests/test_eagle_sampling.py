@@ -46,7 +46,7 @@ def make_engine(models, p, k, s, n, *, max_bs, max_new, max_prompt=40, backend="
     spec = fa3_spec.SpecConfig(page_size=p, topk=k, num_steps=s, num_draft_tokens=n,
                                max_bs=max_bs, max_context_len=max_prompt + max_new + n, num_pages=1)
     spec = dataclasses.replace(spec, num_pages=1 + 2 * max_bs * -(-spec.draft_row_len // p))
-    lc = LoopConfig(spec, max_new_tokens=max_new, backend=backend, sampling=sampling)
+    lc = LoopConfig(spec, max_new_tokens=max_new, attention_backend=backend, sampling=sampling)
     return EagleEngine(lc, models, max_reqs=2 * max_bs, **engine_kw)
 
 
@@ -63,7 +63,7 @@ def test_greedy_rows_stay_exact_to_greedy_in_a_batch_with_sampled_rows():
                for i in range(12)]
     eng = make_engine(models, 2, 4, 3, 6, max_bs=6, max_new=24)
     got = run_requests(eng, prompts, news, sampled)
-    ref = greedy_generate(models, prompts, news, page_size=2, backend="torch")
+    ref = greedy_generate(models, prompts, news, page_size=2, attention_backend="torch")
     assert eng.stats["admitted"] == 12 > 6  # joins and finishes, rows reused
     assert [got[i] for i in range(0, 12, 2)] == [ref[i] for i in range(0, 12, 2)]
     assert any(got[i] != ref[i] for i in range(1, 12, 2))  # the others really sample
@@ -133,7 +133,7 @@ def exact_law(models, t, k, p, num_tokens=3, temperature_scale=1.0):
         prefixes = list(law)
         logits = []
         greedy_generate(models, [PROMPT + list(q) for q in prefixes], [1] * len(prefixes),
-                        backend="torch", logits_out=logits)
+                        attention_backend="torch", logits_out=logits)
         rows = len(prefixes)
         probs = filtered_probs(logits[0].double(), torch.full((rows,), t * temperature_scale),
                                torch.full((rows,), k), torch.full((rows,), p))
@@ -211,7 +211,7 @@ def test_the_loop_distribution_test_rejects_a_too_cold_loop(monkeypatch):
 def test_cli_samples_reproducibly_at_a_sampling_seed(tmp_path):
     argv = ["--preset", "tiny", "--device", "cpu", "--batch", "2", "--requests", "3",
             "--page-size", "2", "--topk", "4", "--num-steps", "3", "--num-draft-tokens", "6",
-            "--max-new-tokens", "10", "--prompt-len", "12", "--backend", "torch", "--quiet",
+            "--max-new-tokens", "10", "--prompt-len", "12", "--attention-backend", "torch", "--quiet",
             "--temperature", "0.9", "--top-p", "0.95", "--sampling-top-k", "40",
             "--sampling-seed", "3"]
     runs = []
@@ -260,7 +260,7 @@ def test_gpu_the_captured_sampled_iteration_makes_no_host_sync_and_keeps_greedy_
 
     def run(sampled_rows):
         eng = make_engine(models, 2, 4, 5, 8, max_bs=8, max_new=24, device="cuda", graphs=True,
-                          backend="fa3", buckets=[8])
+                          attention_backend="fa3", buckets=[8])
         eng.capture()
         params = [dict(temperature=1.0, top_p=0.9, seed=i) if i in sampled_rows else {}
                   for i in range(8)]

@@ -78,7 +78,7 @@ def test_the_target_makes_one_plan_per_call_and_every_layer_reads_it(models, reg
         md = fa3_spec.CascadeMetadata(md, dataclasses.replace(md, causal=False))
     tokens, pos = torch.arange(3, 12), torch.arange(9)
     graph = _graph(lambda: m.target_forward(tokens, pos, slots, md, pool.target_kv,
-                                            backend="fa3"))
+                                            attention_backend="fa3"))
     plans = _nodes(graph, PLAN)
     assert len(plans) == len(md.calls)
     if regions is None:
@@ -113,7 +113,7 @@ def test_without_plans_each_call_plans_for_itself(models, monkeypatch):
     target = models.target
     pool, slots, md = one_prompt_prefill(models, 9, page_size=2)
     graph = _graph(lambda: target.forward(torch.arange(3, 12), torch.arange(9), slots, md,
-                                          pool.target_kv, backend="fa3"))
+                                          pool.target_kv, attention_backend="fa3"))
     assert not _nodes(graph, PLAN) and len(_nodes(graph, FA3)) == 3
 
 
@@ -121,12 +121,13 @@ def test_one_layer_plans_inside_its_call_and_the_torch_backend_plans_nothing(mod
     one = dataclasses.replace(models.target, layers=models.target.layers[:1])
     pool, slots, md = one_prompt_prefill(models, 9, page_size=2)
     tokens, pos = torch.arange(3, 12), torch.arange(9)
-    graph = _graph(lambda: one.forward(tokens, pos, slots, md, pool.target_kv, backend="fa3"))
+    graph = _graph(lambda: one.forward(tokens, pos, slots, md, pool.target_kv,
+                                       attention_backend="fa3"))
     assert not _nodes(graph, PLAN)
     (call,) = _nodes(graph, FA3)
     assert len(call.args) < 17 or call.args[16] is None
     graph = _graph(lambda: models.target.forward(tokens, pos, slots, md, pool.target_kv,
-                                                 backend="torch"))
+                                                 attention_backend="torch"))
     assert not _nodes(graph, PLAN) and not _nodes(graph, FA3)
 
 
@@ -159,13 +160,14 @@ def test_bad_plans_are_refused_by_name(models):
     q = torch.randn(9, models.target.shape.num_heads, models.head_dim, dtype=torch.bfloat16)
     k, v = pool.target_kv.k[0], pool.target_kv.v[0]
     with pytest.raises(ValueError, match="plans must be a tuple of 1 plans"):
-        cascade_attention(q, k, v, md, backend="torch", plans=())
+        cascade_attention(q, k, v, md, attention_backend="torch", plans=())
     with pytest.raises(TypeError, match="plans: the single call's plan must be a 1-D int32"):
-        cascade_attention(q, k, v, md, backend="torch", plans=(torch.zeros(13),))
+        cascade_attention(q, k, v, md, attention_backend="torch", plans=(torch.zeros(13),))
     plan13 = torch.zeros(13, dtype=torch.int32)
     with pytest.raises(ValueError, match=r"plans cannot be used with window_size=\(4, 0\)"):
-        cascade_attention(q, k, v, md, backend="torch", plans=(plan13,), window_size=(4, 0))
+        cascade_attention(q, k, v, md, attention_backend="torch", plans=(plan13,), window_size=(4,
+                                                                                                0))
     # The torch backend ignores a well-formed plan: the same output.
     plan = torch.zeros(17, dtype=torch.int32)
-    assert torch.equal(cascade_attention(q, k, v, md, backend="torch", plans=(plan,)),
-                       cascade_attention(q, k, v, md, backend="torch"))
+    assert torch.equal(cascade_attention(q, k, v, md, attention_backend="torch", plans=(plan,)),
+                       cascade_attention(q, k, v, md, attention_backend="torch"))

@@ -90,7 +90,7 @@ def test_the_draft_step_compiles_two_frames_across_buckets_with_a_small_max_bs()
     base = make_world(cfg, 8, seed=0)
     model = ToyModel.create(layers=1, num_pages=base.num_pages, page_size=2, num_heads=4,
                             num_kv_heads=2, head_dim=16, dtype=torch.float32, device="cpu")
-    step = make_step("draft_decode", cfg, model, base.req_to_token, backend="torch")
+    step = make_step("draft_decode", cfg, model, base.req_to_token, attention_backend="torch")
     torch._dynamo.reset()
     counter = RecordingBackend("eager")
     compiled = torch.compile(step, fullgraph=True, backend=counter)

@@ -50,7 +50,7 @@ def test_fa3_matches_dense_reference(p, k, mode, dtype):
         for step in (range(cfg.num_steps - 1) if mode == "draft_decode" else [0]):
             md = build(mode, cfg, step=step, **world.mode_kwargs(mode, tree=tree, draft_attention="branch"))
             q = torch.randn(num_queries(world, mode), HEADS, 128, device="cuda", dtype=dtype)
-            out = fa3_spec.cascade_attention(q, kc, vc, md, backend="fa3")
+            out = fa3_spec.cascade_attention(q, kc, vc, md, attention_backend="fa3")
             ref = dense_attention(q, kc, vc, expected_key_slots(world, mode, step=step, tree=tree, draft_attention="branch"))
             assert not torch.isnan(out).any()
             err = _rel_err(out, ref)
@@ -73,10 +73,11 @@ def test_fa3_ancestor_draft_decode_matches_dense_reference(p, k):
         prefix = fa3_spec.build_draft_prefix_metadata(
             cfg, req_to_token=kw["req_to_token"], req_pool_indices=kw["req_pool_indices"],
             seq_lens=kw["seq_lens"], draft_attention="ancestors")
-        md = fa3_spec.build_draft_decode_metadata(cfg, step, prefix=prefix, **kw)
+        md = fa3_spec.build_draft_decode_metadata(cfg, step, draft_attention="ancestors",
+                                                   prefix=prefix, **kw)
         q = torch.randn(num_queries(world, "draft_decode"), HEADS, 128, device="cuda",
                         dtype=torch.bfloat16)
-        out = fa3_spec.cascade_attention(q, kc, vc, md, backend="fa3")
+        out = fa3_spec.cascade_attention(q, kc, vc, md, attention_backend="fa3")
         ref = dense_attention(q, kc, vc, expected_key_slots(world, "draft_decode", step=step,
                                                             draft_attention="ancestors"))
         assert not torch.isnan(out).any()
@@ -93,7 +94,7 @@ def test_head_dims_and_fp16(head_dim, dtype):
     kc, vc = fill_kv_cache(world, num_kv_heads=KV_HEADS, head_dim=head_dim, dtype=dtype)
     md = build("draft_decode", cfg, step=3, **world.mode_kwargs("draft_decode", draft_attention="branch"))
     q = torch.randn(num_queries(world, "draft_decode"), HEADS, head_dim, device="cuda", dtype=dtype)
-    out = fa3_spec.cascade_attention(q, kc, vc, md, backend="fa3")
+    out = fa3_spec.cascade_attention(q, kc, vc, md, attention_backend="fa3")
     ref = dense_attention(q, kc, vc, expected_key_slots(world, "draft_decode", step=3, draft_attention="branch"))
     err = _rel_err(out, ref)
     _record("head_dim", f"D={head_dim} {dtype}", err)
@@ -108,7 +109,7 @@ def test_empty_batch_and_all_padding(mode):
         kc, vc = fill_kv_cache(world, num_kv_heads=KV_HEADS, head_dim=128, dtype=torch.bfloat16)
         md = build(mode, cfg, step=1, **world.mode_kwargs(mode, draft_attention="branch"))
         q = torch.randn(num_queries(world, mode), HEADS, 128, device="cuda", dtype=torch.bfloat16)
-        out = fa3_spec.cascade_attention(q, kc, vc, md, backend="fa3")
+        out = fa3_spec.cascade_attention(q, kc, vc, md, attention_backend="fa3")
         assert out.shape == q.shape and torch.equal(out, torch.zeros_like(out))
 
 
@@ -123,7 +124,7 @@ def test_whole_step_compiles_captures_and_replays(mode):
 
     def step(q, *tensors):
         md = build(mode, cfg, step=3, req_to_token=r2t, **dict(zip(names, tensors)))
-        return fa3_spec.cascade_attention(q, kc, vc, md, backend="fa3")
+        return fa3_spec.cascade_attention(q, kc, vc, md, attention_backend="fa3")
 
     nq = num_queries(worlds[0], mode)
     qs = [torch.randn(nq, HEADS, 128, device="cuda", dtype=torch.bfloat16) for _ in worlds]
@@ -183,7 +184,7 @@ def test_layers_sharing_a_plan_give_each_calls_own_bits(p, k, mode, splits):
     for step in steps:
         md = build(mode, cfg, step=step, **world.mode_kwargs(mode, draft_attention="branch"))
         q = torch.randn(num_queries(world, mode), HEADS, 128, device="cuda", dtype=torch.bfloat16)
-        kw = dict(backend="fa3", num_splits=splits, return_lse=True)
+        kw = dict(attention_backend="fa3", num_splits=splits, return_lse=True)
         want = fa3_spec.cascade_attention(q, kc, vc, md, **kw)
 
         def layers():

@@ -67,8 +67,10 @@ def _compare(mode, p, k, tree, *, fp8=False, tol=1e-2, **kw):
         md = fa3_spec.build_metadata(mode, world.cfg, step=step, **world.mode_kwargs(mode, tree=tree, draft_attention="branch"))
         q = torch.randn(num_queries(world, mode), HEADS, DIM, device="cuda", generator=g,
                         dtype=torch.bfloat16)
-        out, lse = fa3_spec.cascade_attention(q, kc, vc, md, backend="fa3", return_lse=True, **kw)
-        ref, ref_lse = fa3_spec.cascade_attention(q, kc, vc, md, backend="torch", return_lse=True, **kw)
+        out, lse = fa3_spec.cascade_attention(q, kc, vc, md, attention_backend="fa3",
+                                              return_lse=True, **kw)
+        ref, ref_lse = fa3_spec.cascade_attention(q, kc, vc, md, attention_backend="torch",
+                                                  return_lse=True, **kw)
         assert torch.isfinite(out).all(), (mode, step)
         assert torch.equal(torch.isneginf(lse), torch.isneginf(ref_lse)), (mode, step)
         finite = torch.isfinite(ref_lse)
@@ -120,7 +122,7 @@ def test_window_on_non_causal_multi_query_rows_is_refused_on_both_backends(windo
     q = torch.randn(num_queries(world, "target_verify"), HEADS, DIM, device="cuda", dtype=torch.bfloat16)
     for backend in ("fa3", "torch"):
         with pytest.raises(ValueError, match="non-causal"):
-            fa3_spec.cascade_attention(q, kc, vc, md, backend=backend, window_size=window)
+            fa3_spec.cascade_attention(q, kc, vc, md, attention_backend=backend, window_size=window)
 
 @pytest.mark.parametrize("mode, tree", [("decode", True), ("target_verify", False)])
 def test_our_sink_equals_fa3s_own_sinks_argument_on_a_single_call(mode, tree):
@@ -130,7 +132,8 @@ def test_our_sink_equals_fa3s_own_sinks_argument_on_a_single_call(mode, tree):
     md = fa3_spec.build_metadata(mode, world.cfg, **world.mode_kwargs(mode, tree=tree, draft_attention="branch"))
     q = torch.randn(num_queries(world, mode), HEADS, DIM, device="cuda", dtype=torch.bfloat16)
     sinks = _sinks(3)
-    ours, ours_lse = fa3_spec.cascade_attention(q, kc, vc, md, backend="fa3", sinks=sinks, return_lse=True)
+    ours, ours_lse = fa3_spec.cascade_attention(q, kc, vc, md, attention_backend="fa3",
+                                                sinks=sinks, return_lse=True)
     native, native_lse, *_ = providers.kvcache_forward()(
         q, kc, vc, cache_seqlens=md.cache_seqlens, page_table=md.page_table, cu_seqlens_q=md.cu_seqlens_q,
         max_seqlen_q=md.max_seqlen_q, softmax_scale=DIM ** -0.5, causal=md.causal, num_splits=1,
@@ -149,8 +152,8 @@ def test_softcap_is_refused_in_python_naming_the_provider():
     md = fa3_spec.build_metadata("decode", world.cfg, **world.mode_kwargs("decode", draft_attention="branch"))
     q = torch.randn(world.batch_size, HEADS, DIM, device="cuda", dtype=torch.bfloat16)
     with pytest.raises(NotImplementedError, match="softcap=30.0 is not supported by the FA3 provider"):
-        fa3_spec.cascade_attention(q, kc, vc, md, backend="fa3", softcap=30.0)
-    ref = fa3_spec.cascade_attention(q, kc, vc, md, backend="torch", softcap=30.0)
+        fa3_spec.cascade_attention(q, kc, vc, md, attention_backend="fa3", softcap=30.0)
+    ref = fa3_spec.cascade_attention(q, kc, vc, md, attention_backend="torch", softcap=30.0)
     assert torch.isfinite(ref).all()
     _record("softcap", "refused", provider=provider_version())
 
@@ -183,7 +186,7 @@ def test_record_the_lse_fa3_returns_for_empty_rows():
     assert all(set(v) <= {"inf", "-inf"} for v in seen.values()), seen
     md = fa3_spec.FA3Metadata(table, seqlens, cu, torch.tensor([0, 3, 3, 5], dtype=torch.int32, device="cuda"),
                               1, 4, 2, False)
-    out, lse = fa3_spec.cascade_attention(q, k, v, md, backend="fa3", return_lse=True)
+    out, lse = fa3_spec.cascade_attention(q, k, v, md, attention_backend="fa3", return_lse=True)
     assert torch.isneginf(lse[:, 1:2]).all() and torch.isneginf(lse[:, 3]).all()
     assert torch.equal(out[[1, 3]], torch.zeros_like(out[[1, 3]]))
 
@@ -198,9 +201,11 @@ def test_step_with_sinks_and_fp8_compiles_captures_and_replays():
     cfg = worlds[0].cfg
 
     def step(q, sinks, kd, vd, rpi, seq, loc, buf=None):
-        md = fa3_spec.build_draft_decode_metadata(cfg, 3, req_to_token=r2t, req_pool_indices=rpi,
+        md = fa3_spec.build_draft_decode_metadata(cfg, 3, draft_attention="branch",
+                                                  req_to_token=r2t, req_pool_indices=rpi,
                                                   seq_lens=seq, out_cache_loc=loc)
-        return fa3_spec.cascade_attention(q, kc, vc, md, backend="fa3", sinks=sinks, k_descale=kd,
+        return fa3_spec.cascade_attention(q, kc, vc, md, attention_backend="fa3", sinks=sinks,
+                                          k_descale=kd,
                                           v_descale=vd, out=buf)
 
     def args(w, seed):
@@ -228,8 +233,8 @@ def test_step_with_sinks_and_fp8_compiles_captures_and_replays():
         want = step(*batch)
         assert torch.equal(buf, out)  # written in place by the replay
         ref = fa3_spec.cascade_attention(batch[0], kc, vc, fa3_spec.build_draft_decode_metadata(
-            cfg, 3, req_to_token=r2t, req_pool_indices=batch[4], seq_lens=batch[5], out_cache_loc=batch[6]),
-            backend="torch", sinks=batch[1], k_descale=batch[2], v_descale=batch[3])
+            cfg, 3, draft_attention="branch", req_to_token=r2t, req_pool_indices=batch[4], seq_lens=batch[5], out_cache_loc=batch[6]),
+            attention_backend="torch", sinks=batch[1], k_descale=batch[2], v_descale=batch[3])
         worst = max(worst, _rel_err(out, want))
         assert _rel_err(out, want) <= 1e-2 and _rel_err(out, ref) <= 6e-2
     _record("capture_replay", "draft P=2 K=8 fp8+sinks", rel_err_vs_eager=worst)

@@ -41,7 +41,8 @@ def _engine(models, p, k, s, n, *, batch, max_new, prompt_len, buckets, compile_
     spec = fa3_spec.SpecConfig(page_size=p, topk=k, num_steps=s, num_draft_tokens=n,
                                max_bs=batch, max_context_len=prompt_len + max_new + n)
     spec = dataclasses.replace(spec, num_pages=spec.pool_pages(2 * batch, draft_attention))
-    lc = LoopConfig(spec, max_new_tokens=max_new, backend="fa3", draft_attention=draft_attention)
+    lc = LoopConfig(spec, max_new_tokens=max_new, attention_backend="fa3",
+                    draft_attention=draft_attention)
     if compile_regions is None:
         return EagleEngine(lc, models, max_reqs=2 * batch, buckets=buckets, graphs=graphs,
                            compile_backend=compile_backend, device="cuda")
@@ -71,7 +72,8 @@ def check(preset, p, k, s, n, *, batch=4, requests=8, max_new=32, prompt_len=48,
     with HostSyncProbe(eng) as probe:
         out = eng.run()
     logits = []
-    ref = greedy_generate(models, prompts, news, page_size=p, backend="fa3", device="cuda",
+    ref = greedy_generate(models, prompts, news, page_size=p, attention_backend="fa3",
+                          device="cuda",
                           logits_out=logits)
     exact, ties, unexplained, gaps = 0, 0, [], []
     for i in range(requests):

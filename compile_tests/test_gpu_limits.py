@@ -81,7 +81,7 @@ def test_captured_draft_loop_at_batch_512_and_128k_context(p):
                             num_kv_heads=2, head_dim=128, device="cuda")
 
     def step(**b):
-        out = draft_iteration(cfg, model, req_to_token=r2t, backend="fa3", **b)
+        out = draft_iteration(cfg, model, req_to_token=r2t, attention_backend="fa3", **b)
         flags = fa3_spec.error_flags(cfg, "draft_decode", step=cfg.num_steps - 2,
                                      num_pages=num_pages, req_to_token=r2t,
                                      req_pool_indices=b["req_pool_indices"],
@@ -128,14 +128,15 @@ def test_captured_draft_loop_topk_10_with_8_steps():
                             num_kv_heads=2, head_dim=128, device="cuda")
     batch = _batch(cfg, r2t, seq, model, 0)
     initial = (model.k_cache.clone(), model.v_cache.clone())
-    step = torch.compile(lambda **b: draft_iteration(cfg, model, req_to_token=r2t, backend="fa3", **b),
+    step = torch.compile(lambda **b: draft_iteration(cfg, model, req_to_token=r2t,
+                                                     attention_backend="fa3", **b),
                          fullgraph=True, backend="aot_eager")
     graph, out = capture(step, **batch)
     model.k_cache.copy_(initial[0]); model.v_cache.copy_(initial[1])
     graph.replay()
     got = out.clone()
     model.k_cache.copy_(initial[0]); model.v_cache.copy_(initial[1])
-    torch_ref = draft_iteration(cfg, model, req_to_token=r2t, backend="torch", **batch)
+    torch_ref = draft_iteration(cfg, model, req_to_token=r2t, attention_backend="torch", **batch)
     assert got.shape == (16, 10, 7, model.hidden)
     assert torch.isfinite(got).all() and _rel(got, torch_ref) <= 1e-2
 

@@ -27,7 +27,7 @@ def _setup(mode, p, k, backend="aot_eager", buckets=(1, 2, 4, 8), tree=True):
     model = ToyModel.create(layers=2, num_pages=base.num_pages, page_size=p, num_heads=8,
                             num_kv_heads=2, head_dim=128, dtype=torch.bfloat16, device="cuda")
     tree = tree and k > 1
-    step = make_step(mode, cfg, model, base.req_to_token, backend="fa3", tree=tree)
+    step = make_step(mode, cfg, model, base.req_to_token, attention_backend="fa3", tree=tree)
     runner = CUDAGraphRunner(step, buckets=list(buckets),
                              policy=CompilePolicy(compile_backend=backend),
                              example=lambda bs: example_batch(mode, cfg, model, bs, device="cuda",
@@ -88,7 +88,8 @@ def test_one_compile_serves_all_buckets_above_one():
 
 
 def test_inductor_draft_iteration_capture():
-    cfg, base, model, step, runner = _setup("draft_decode", 2, 8, backend="inductor", buckets=(4,))
+    cfg, base, model, step, runner = _setup("draft_decode", 2, 8, compile_backend="inductor",
+                                            buckets=(4,))
     runner.capture()
     initial = (model.k_cache.clone(), model.v_cache.clone())
     batch = _batch("draft_decode", cfg, base, model, 3, 9)

@@ -41,7 +41,7 @@ def test_draft_iteration_matches_dense_oracle(p, k):
     hidden = torch.randn(4, k, model.hidden, generator=torch.Generator().manual_seed(1))
     loc = world.out_cache_loc.view(4, k, cfg.num_steps)
     got = draft_iteration(cfg, model, **world.batch(), out_cache_loc=loc, hidden=hidden,
-                          backend="torch")
+                          attention_backend="torch")
     # Oracle: the same layers, attention over docs/semantics.md's key slots per query.
     oracle.copy_slots(*fa3_spec.draft_tail_copy_slots(cfg, seq_lens=world.seq_lens, out_cache_loc=loc))
     x, outs = hidden.reshape(4 * k, -1), []
@@ -63,7 +63,7 @@ def test_verify_and_extend_match_dense_oracle(mode, tree):
     model = _model(world, 2)
     oracle = _clone(model)
     hidden = torch.randn(4, 5, model.hidden, generator=torch.Generator().manual_seed(2))
-    step = make_step(mode, cfg, model, world.req_to_token, backend="torch", tree=tree)
+    step = make_step(mode, cfg, model, world.req_to_token, attention_backend="torch", tree=tree)
     got = step(**world_batch(mode, world, hidden, tree=tree))
     slots = expected_key_slots(world, mode, tree=tree, draft_attention="branch")
     r2t, x = world.req_to_token, hidden.reshape(20, -1)
@@ -85,7 +85,7 @@ def test_runner_padding_leaves_real_rows_unchanged(mode, tree):
                               max_context_len=40)
     world = make_world(cfg, 8, seed=1)
     model = _model(world, 2)
-    step = make_step(mode, cfg, model, world.req_to_token, backend="torch", tree=tree)
+    step = make_step(mode, cfg, model, world.req_to_token, attention_backend="torch", tree=tree)
     runner = CUDAGraphRunner(step, buckets=[2, 4, 8], policy=CompilePolicy.eager(),
                              example=lambda bs: example_batch(mode, cfg, model, bs, device="cpu",
                                                               tree=tree))
@@ -109,7 +109,7 @@ def test_whole_draft_iteration_is_one_graph():
     world = make_world(cfg, 3, seed=4)
     model = ToyModel.create(layers=1, num_pages=world.num_pages, page_size=2, num_heads=2,
                             num_kv_heads=1, head_dim=8, dtype=torch.float32)
-    step = make_step("draft_decode", cfg, model, world.req_to_token, backend="torch")
+    step = make_step("draft_decode", cfg, model, world.req_to_token, attention_backend="torch")
     batch = world_batch("draft_decode", world, torch.randn(3, 4, model.hidden))
     recorder = RecordingBackend("aot_eager")
     initial = model.k_cache.clone()
@@ -133,7 +133,7 @@ def test_two_configs_share_one_process_through_the_runner():
     for steps in (3, 2):
         cfg = fa3_spec.SpecConfig(page_size=2, topk=2, num_steps=steps, num_draft_tokens=3,
                                   max_bs=4, max_context_len=16)
-        step = make_step("draft_decode", cfg, model, base.req_to_token, backend="torch")
+        step = make_step("draft_decode", cfg, model, base.req_to_token, attention_backend="torch")
         runner = CUDAGraphRunner(step, buckets=[2, 4],
                                  policy=CompilePolicy(compile_backend=symbol_recorder(record)),
                                  example=lambda bs: example_batch("draft_decode", cfg, model, bs,

@@ -15,7 +15,7 @@ def _assert_same_as_per_step(cfg, kwargs):
     together = fa3_spec.build_draft_iteration_metadata(cfg, **kwargs)
     assert len(together) == cfg.num_steps - 1
     for step, got in enumerate(together):
-        want = fa3_spec.build_draft_decode_metadata(cfg, step, **kwargs)
+        want = fa3_spec.build_draft_decode_metadata(cfg, step, draft_attention="branch", **kwargs)
         a, spec_a = torch.utils._pytree.tree_flatten(got)
         b, spec_b = torch.utils._pytree.tree_flatten(want)
         assert spec_a == spec_b  # same static ints (max_seqlen_k, page size, causal)

@@ -62,7 +62,7 @@ def _fa3_call_args(monkeypatch, md, window_size=(-1, -1), num_splits=None):
 
     monkeypatch.setattr(cascade, "fa3_paged_attention", record)
     q, k = _QK
-    cascade.attention_call(q, k, k, md, softmax_scale=0.5, backend="fa3",
+    cascade.attention_call(q, k, k, md, softmax_scale=0.5, attention_backend="fa3",
                            num_splits=num_splits, window_size=window_size)
     (args,) = calls
     return [(a.data_ptr(), a.shape, a.stride()) if isinstance(a, torch.Tensor) else a

@@ -24,10 +24,11 @@ def test_builders_and_runner_with_one_step(p, k):
         fa3_spec.build_metadata(mode, cfg, **w.mode_kwargs(mode, draft_attention="branch"))
         assert int(fa3_spec.error_flags(cfg, mode, **w.mode_kwargs(mode, draft_attention="branch"))) == 0
     with pytest.raises(ValueError, match="no draft-decode step"):
-        fa3_spec.build_draft_decode_metadata(cfg, 0, **w.batch(), out_cache_loc=w.out_cache_loc)
+        fa3_spec.build_draft_decode_metadata(cfg, 0, draft_attention="branch", **w.batch(),
+                                             out_cache_loc=w.out_cache_loc)
     model = ToyModel.create(layers=1, num_pages=w.num_pages, page_size=p, num_heads=2,
                             num_kv_heads=1, head_dim=8, dtype=torch.float32)
-    step = make_step("draft_decode", cfg, model, w.req_to_token, backend="torch")
+    step = make_step("draft_decode", cfg, model, w.req_to_token, attention_backend="torch")
     runner = CUDAGraphRunner(step, buckets=[2, 4], policy=CompilePolicy.eager(),
                              example=lambda bs: example_batch("draft_decode", cfg, model, bs,
                                                               device="cpu"))

@@ -67,6 +67,10 @@ def test_prefix_reuse_gives_identical_steps():
 
     prefix = build_draft_prefix_metadata(cfg, **world.batch(), draft_attention="branch")
     for step in range(cfg.num_steps - 1):
-        a = build_draft_decode_metadata(cfg, step, **world.mode_kwargs("draft_decode", draft_attention="branch"))
-        b = build_draft_decode_metadata(cfg, step, prefix=prefix, **world.mode_kwargs("draft_decode", draft_attention="branch"))
+        a = build_draft_decode_metadata(cfg, step, draft_attention="branch",
+                                        **world.mode_kwargs("draft_decode",
+                                                            draft_attention="branch"))
+        b = build_draft_decode_metadata(cfg, step, draft_attention="branch", prefix=prefix,
+                                        **world.mode_kwargs("draft_decode",
+                                                            draft_attention="branch"))
         assert metadata_mismatches(a, b) == []

@@ -145,7 +145,7 @@ def test_library_steps_do_not_write_their_inputs(mode, tree):
     world = make_world(cfg, 4, seed=3)
     model = ToyModel.create(layers=1, num_pages=world.num_pages, page_size=2, num_heads=2,
                             num_kv_heads=1, head_dim=8, dtype=torch.float32)
-    step = make_step(mode, cfg, model, world.req_to_token, backend="torch", tree=tree)
+    step = make_step(mode, cfg, model, world.req_to_token, attention_backend="torch", tree=tree)
     rows = cfg.topk if mode == "draft_decode" else cfg.num_draft_tokens
     batch = world_batch(mode, world, torch.randn(4, rows, model.hidden), tree=tree)
     before = {k: v.clone() for k, v in batch.items()}
@@ -252,7 +252,7 @@ def test_runner_refuses_a_broadcastable_out_cache_loc_and_float_seq_lens():
 
     def step(req_pool_indices, seq_lens, out_cache_loc):
         return fa3_spec.build_draft_decode_metadata(
-            CFG, 1, req_to_token=world.req_to_token, req_pool_indices=req_pool_indices,
+            CFG, 1, draft_attention="branch", req_to_token=world.req_to_token, req_pool_indices=req_pool_indices,
             seq_lens=seq_lens, out_cache_loc=out_cache_loc).expand.cache_seqlens
 
     runner = _eager_runner(step, _draft_example(CFG))
@@ -272,7 +272,7 @@ def test_runner_returns_expand_rows_and_cu_seqlens_whole():
 
     def step(req_pool_indices, seq_lens, out_cache_loc):
         md = fa3_spec.build_draft_decode_metadata(
-            CFG, 2, req_to_token=world.req_to_token, req_pool_indices=req_pool_indices,
+            CFG, 2, draft_attention="branch", req_to_token=world.req_to_token, req_pool_indices=req_pool_indices,
             seq_lens=seq_lens, out_cache_loc=out_cache_loc)
         return md.expand.page_table, md.expand.cu_seqlens_q, md.prefix.cu_seqlens_k, md.prefix.page_table
 

@@ -85,7 +85,7 @@ def test_views_read_what_builders_read(upstream, shape):
             up = upstream.backend(cfg, r2t, step=step)
             up.draft_decode(**batch.inputs("draft_decode"))
             view = sgl.metadata_views(cfg, up.buffers, "draft_decode", step=step, bs=bucket)
-            want = build_draft_decode_metadata(spec, step, **real,
+            want = build_draft_decode_metadata(spec, step, draft_attention="branch", **real,
                                                out_cache_loc=loc if k > 1 else None)
             _check(view, want, up.buffers, raw * k, f"{where} draft step {step}")
 
@@ -117,7 +117,7 @@ def test_views_follow_refills(upstream):
         batch = sglang_batch(cfg, r2t, 3, 3, g, seq_lens=lens)
         up.draft_decode(**batch.inputs("draft_decode"))
         want = build_draft_decode_metadata(
-            cfg.spec_config(), 1, req_to_token=r2t, req_pool_indices=batch.req_pool_indices,
+            cfg.spec_config(), 1, draft_attention="branch", req_to_token=r2t, req_pool_indices=batch.req_pool_indices,
             seq_lens=batch.seq_lens, out_cache_loc=batch.out_cache_loc)
         assert key_slots_read(view, 12) == key_slots_read(want, 12), lens
 

@@ -6,7 +6,7 @@ query's own position) keeps its last ``W + 1`` entries. The metadata is
 compared by what FA3 reads (`key_slots_read`, which applies the carried
 ``window_left``), as multisets, in every mode x page size {1, 2, 16, 64} x
 topk {1, 4, 8} for windows that cut the prefix, the drafts, or nothing;
-then through `cascade_attention(backend="torch")` against the float32 dense
+then through `cascade_attention(attention_backend="torch")` against the float32 dense
 oracle, compiled fullgraph (aot_eager). CPU cost: about 20 s on 2 cores.
 The GPU test at the end compares FA3 with the torch backend (skips on CPU).
 """
@@ -123,7 +123,7 @@ def test_swa_attention_matches_the_dense_oracle(p, k):
     for (mode, step, tree), w in itertools.product(list(_cases(world)), (3, 40)):
         md = _build(world, mode, step, tree, w)
         q = torch.randn(num_queries(world, mode), HQ, DIM, generator=g)
-        out = fa3_spec.cascade_attention(q, kc, vc, md, backend="torch")
+        out = fa3_spec.cascade_attention(q, kc, vc, md, attention_backend="torch")
         slots = windowed_slots(world, mode, step, tree, w)
         torch.testing.assert_close(out, dense_attention(q, kc, vc, slots), atol=2e-5, rtol=2e-5)
         # The window must matter here, or the comparison proves nothing.
@@ -144,7 +144,8 @@ def test_swa_metadata_and_attention_compile_fullgraph(mode, p, k, tree):
 
     def step(q, kc, vc, *tensors):
         md = fa3_spec.build_metadata(mode, cfg, step=1, window_left=9, **dict(zip(names, tensors)))
-        return fa3_spec.cascade_attention(q, kc, vc, md, backend="torch", return_lse=True), md
+        return fa3_spec.cascade_attention(q, kc, vc, md, attention_backend="torch",
+                                          return_lse=True), md
 
     compiled = torch.compile(step, fullgraph=True, backend="aot_eager")
     with torch._dynamo.config.patch(error_on_recompile=True):
@@ -171,7 +172,7 @@ def test_window_left_errors_name_the_argument():
     kc, vc = fill_kv_cache(world, num_kv_heads=HKV, head_dim=DIM)
     q = torch.randn(world.batch_size, HQ, DIM)
     with pytest.raises(ValueError, match="already carries its window"):
-        fa3_spec.cascade_attention(q, kc, vc, md, backend="torch", window_size=(4, -1))
+        fa3_spec.cascade_attention(q, kc, vc, md, attention_backend="torch", window_size=(4, -1))
 
 
 @pytest.mark.parametrize("w", [2**62 + 1, 2**63, 2**64, 10**30])
@@ -209,7 +210,9 @@ def test_gpu_fa3_swa_matches_the_torch_reference(p, k):
         md = _build(world, mode, step, tree, w)
         q = torch.randn(num_queries(world, mode), hq, dim, generator=g, device="cuda",
                         dtype=torch.bfloat16)
-        got, got_lse = fa3_spec.cascade_attention(q, kc, vc, md, backend="fa3", return_lse=True)
-        want, want_lse = fa3_spec.cascade_attention(q, kc, vc, md, backend="torch", return_lse=True)
+        got, got_lse = fa3_spec.cascade_attention(q, kc, vc, md, attention_backend="fa3",
+                                                  return_lse=True)
+        want, want_lse = fa3_spec.cascade_attention(q, kc, vc, md, attention_backend="torch",
+                                                    return_lse=True)
         torch.testing.assert_close(got.float(), want.float(), atol=2e-2, rtol=2e-2)
         torch.testing.assert_close(got_lse, want_lse, atol=2e-2, rtol=2e-2)

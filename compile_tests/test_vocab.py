@@ -147,7 +147,8 @@ def _wide_engine(models):
     spec = fa3_spec.SpecConfig(page_size=2, topk=8, num_steps=5, num_draft_tokens=8,
                                max_bs=4, max_context_len=30 + 24 + 8)
     spec = dataclasses.replace(spec, num_pages=spec.pool_pages(8, LoopConfig.draft_attention))
-    return EagleEngine(LoopConfig(spec, max_new_tokens=24, backend="torch"), models, max_reqs=8)
+    return EagleEngine(LoopConfig(spec, max_new_tokens=24, attention_backend="torch"), models,
+                       max_reqs=8)
 
 
 def test_the_loop_on_a_vocabulary_wider_than_the_blocks_equals_greedy():
@@ -163,7 +164,7 @@ def test_the_loop_on_a_vocabulary_wider_than_the_blocks_equals_greedy():
     ids = [eng.submit(p, m) for p, m in zip(prompts, news)]
     out = eng.run()
     assert [out[i] for i in ids] == greedy_generate(models, prompts, news, page_size=2,
-                                                    backend="torch")
+                                                    attention_backend="torch")
     acc = eng.stats["accept_lens"]
     assert sum(acc) / len(acc) > 1.5  # drafts accepted: the top-k path chose real tokens
 

@@ -157,7 +157,7 @@ def audit_function(
     same: Callable[[object, object], list],
     reference_problems: Optional[Callable[[int, object], list]] = None,
     restore: Callable[[], None] = lambda: None,
-    backend: str = "aot_eager",
+    compile_backend: str = "aot_eager",
     device: str = "cpu",
     mode: str = "function",
     scope: str = "function",
@@ -174,11 +174,11 @@ def audit_function(
             between two outputs of ``fn``.
         reference_problems: ``(i, eager_output) -> problems`` against an
             independent reference (optional).
-        restore, backend, device: as for `audit_callable`.
+        restore, compile_backend, device: as for `audit_callable`.
         mode, scope, config, step: labels copied into the row.
     """
     row = audit_callable(fn, tuple(args[0]), variants=[tuple(a) for a in args[1:]],
-                         backend=backend, device=device, restore=restore, name=mode,
+                         compile_backend=compile_backend, device=device, restore=restore, name=mode,
                          same=lambda got, want: same(got[0], want[0]),
                          reference=reference_problems)
     return dataclasses.replace(row, scope=scope, config=dict(config or {}), step=step)
@@ -444,7 +444,7 @@ def audit_callable(
     example,
     *,
     variants: Iterable = (),
-    backend: str = "aot_eager",
+    compile_backend: str = "aot_eager",
     device: Optional[str] = None,
     same: Optional[Callable[[object, object], list]] = None,
     reference: Optional[Callable[[int, object], list]] = None,
@@ -466,7 +466,7 @@ def audit_callable(
             ``example`` (same structure and types; tensors of the same shapes,
             dtypes and devices). A recompile on one of them is a
             value-dependent guard; give at least one to measure recompiles.
-        backend: ``torch.compile`` backend (``aot_eager``, ``eager``, ``inductor``).
+        compile_backend: the ``torch.compile`` backend (``aot_eager``, ``eager``, ``inductor``).
         device: ``"cpu"`` or ``"cuda"``; default: ``"cuda"`` when a tensor of
             ``example`` is on CUDA. Host syncs and CUDA-graph capture are
             measured on CUDA only (``host_syncs = None``, ``cuda_graph =
@@ -527,11 +527,13 @@ def audit_callable(
         device = "cuda" if any(x.is_cuda for x in leaves) else "cpu"
     label = name or getattr(fn, "__qualname__", None) or type(fn).__name__
     with _quiet_torch():
-        return _audit(fn, calls, label=label, start=start, backend=backend, device=device,
+        return _audit(fn, calls, label=label, start=start, compile_backend=compile_backend,
+                      device=device,
                       same=same, reference=reference, writable=writable, restore=restore)
 
 
-def _audit(fn: Callable, calls: list, *, label: str, start: float, backend: str, device: str,
+def _audit(fn: Callable, calls: list, *, label: str, start: float, compile_backend: str,
+           device: str,
            same: Callable, reference: Optional[Callable], writable: set,
            restore: Callable) -> AuditRow:
     """The runs behind `audit_callable`, on checked ``calls``."""
@@ -574,7 +576,7 @@ def _audit(fn: Callable, calls: list, *, label: str, start: float, backend: str,
     # 3. fullgraph compile on the example and each variant: parity, recompiles,
     #    data-dependent nodes, in-place ops on inputs.
     torch._dynamo.reset()
-    counter = RecordingBackend(backend)
+    counter = RecordingBackend(compile_backend)
     compiled = torch.compile(fn, fullgraph=True, backend=counter)
     compiles = True
     for i, call in enumerate(calls):

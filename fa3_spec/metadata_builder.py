@@ -34,6 +34,7 @@ from .builders.draft import (
     build_draft_iteration_metadata,
     build_draft_prefix_metadata,
     draft_positions,
+    draft_slots,
     draft_tail_copy_slots,
 )
 from .builders.prefill import build_prefill_metadata
@@ -199,15 +200,7 @@ class MetadataBuilder(FrozenModule):
         slots this builder's semantics reads, the other kind refused."""
         if mode != "draft_decode":
             return inputs
-        wanted, other = (("ancestor_slots", "out_cache_loc") if self.draft_attention == "ancestors"
-                         else ("out_cache_loc", "ancestor_slots"))
-        if inputs.get(other) is not None:
-            raise ValueError(f"{other} is not read by a builder with draft_attention="
-                             f"{self.draft_attention!r}; pass {wanted}")
-        if inputs.get(wanted) is None and self.cfg.topk > 1:
-            raise ValueError(f"{wanted} is required for mode 'draft_decode' with topk > 1 "
-                             f"(draft_attention={self.draft_attention!r})")
-        return {k: v for k, v in inputs.items() if k != other}
+        return draft_slots(self.cfg, self.draft_attention, inputs)
 
 
 def shared_pool_pages(builders: Iterable[MetadataBuilder], max_reqs: int) -> int:

@@ -119,8 +119,8 @@ class RecordingBackend:
     under ``fullgraph=True`` by capturing it as an unbacked symbol.
     """
 
-    def __init__(self, backend: str = "aot_eager", options: Optional[dict] = None):
-        self.backend = backend
+    def __init__(self, compile_backend: str = "aot_eager", options: Optional[dict] = None):
+        self.compile_backend = compile_backend
         self.options = dict(options or {})  # inductor config patches (inductor backend only)
         self.frame_count = 0
         self.data_dependent: list = []  # "op_kind:op" per data-dependent node
@@ -160,8 +160,8 @@ class RecordingBackend:
                 written = inputs.get(_storage(node.args[0]))
                 if written is not None:
                     self.inplace_on_inputs.append((written, op, where))
-        compiler = torch._dynamo.lookup_backend(self.backend)
-        if self.options and self.backend == "inductor":
+        compiler = torch._dynamo.lookup_backend(self.compile_backend)
+        if self.options and self.compile_backend == "inductor":
             from torch._inductor import config as inductor_config
 
             with inductor_config.patch(self.options):

@@ -5,8 +5,9 @@ Importing this package registers the custom ops, with their fakes:
 ``fa3_spec::store_kv``.
 """
 
-from .cascade import (BACKENDS, attention_call, cascade_attention, fa3_equivalent_key_bound,
-                      fa3_plans, resolve_backend)
+from .cascade import (ATTENTION_BACKENDS, attention_call, cascade_attention,
+                      fa3_equivalent_key_bound,
+                      fa3_plans, resolve_attention_backend)
 from .fa3_op import default_num_splits, fa3_paged_attention, fa3_scheduler_plan, plan_entries
 from .kv_store import (STORE_KV_IMPLS, fused_store_applies, fused_store_available, store_kv,
                        store_kv_fused, store_kv_index_copy)
@@ -18,7 +19,7 @@ from .providers import (
 from .reference import paged_attention_reference, visible_keys
 
 __all__ = [
-    "BACKENDS",
+    "ATTENTION_BACKENDS",
     "FEATURES",
     "STORE_KV_IMPLS",
     "add_attention_sink",
@@ -40,7 +41,7 @@ __all__ = [
     "provider_plans",
     "provider_supports",
     "provider_version",
-    "resolve_backend",
+    "resolve_attention_backend",
     "store_kv",
     "store_kv_fused",
     "store_kv_index_copy",

@@ -23,7 +23,7 @@ from .merge import add_attention_sink, merge_float
 from .providers import fa3_available, find_provider, require
 from .reference import paged_attention_reference
 
-BACKENDS = ("auto", "fa3", "torch")
+ATTENTION_BACKENDS = ("auto", "fa3", "torch")
 
 #: The FP8 format FA3 reads (its largest finite value is 448).
 FP8 = torch.float8_e4m3fn
@@ -115,20 +115,21 @@ def _check_plans(plans, calls, q, window: tuple) -> tuple:
     return tuple(plans)
 
 
-def resolve_backend(backend: str, device) -> str:
-    """``backend`` (one of `BACKENDS`) as the attention on ``device`` runs it:
-    ``"auto"`` is ``"fa3"`` where FA3 runs there (`fa3_available`), else
+def resolve_attention_backend(attention_backend: str, device) -> str:
+    """``attention_backend`` (one of `ATTENTION_BACKENDS`) as the attention on
+    ``device`` runs it: ``"auto"`` is ``"fa3"`` where FA3 runs there (`fa3_available`), else
     ``"torch"``. Call it eagerly before compiling a step that says
     ``"auto"`` or ``"fa3"``: the first lookup of the provider imports it
     (an eager call with ``"fa3"`` looks it up too)."""
-    if backend not in BACKENDS:
-        raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
-    if backend == "auto":
+    if attention_backend not in ATTENTION_BACKENDS:
+        raise ValueError(f"attention_backend must be one of {ATTENTION_BACKENDS}, "
+                         f"got {attention_backend!r}")
+    if attention_backend == "auto":
         device = torch.device(device)
         return "fa3" if device.type == "cuda" and fa3_available(device) else "torch"
-    if backend == "fa3" and not torch.compiler.is_compiling():
+    if attention_backend == "fa3" and not torch.compiler.is_compiling():
         find_provider()  # found now, so that a compiled step can ask about it
-    return backend
+    return attention_backend
 
 
 def _check_window(window_size, metadata) -> tuple:
@@ -252,7 +253,7 @@ def attention_call(
     md: FA3Metadata,
     *,
     softmax_scale: float,
-    backend: str,
+    attention_backend: str,
     num_splits: Optional[int] = None,
     softcap: float = 0.0,
     window_size: tuple = (-1, -1),
@@ -281,7 +282,7 @@ def attention_call(
     v_view = _as_page_size(v_cache, md.page_size, "v_cache")
     extra = dict(softcap=softcap, window_size=window_size, q_descale=q_descale,
                  k_descale=k_descale, v_descale=v_descale)
-    if backend == "torch":
+    if attention_backend == "torch":
         compute = torch.float64 if q.dtype == torch.float64 else torch.float32
         return paged_attention_reference(q, k_view, v_view, md, softmax_scale,
                                          compute_dtype=compute, **extra)
@@ -387,7 +388,7 @@ def cascade_attention(
     metadata: Union[FA3Metadata, CascadeMetadata],
     *,
     softmax_scale: Optional[float] = None,
-    backend: str = "auto",
+    attention_backend: str = "auto",
     num_splits: Optional[int] = None,
     return_lse: bool = False,
     window_size: tuple = (-1, -1),
@@ -416,7 +417,7 @@ def cascade_attention(
         metadata: `FA3Metadata` (one call) or `CascadeMetadata` (prefix call
             + expand call, merged by log-sum-exp).
         softmax_scale: default ``D ** -0.5``.
-        backend: ``"fa3"`` (the custom op), ``"torch"`` (pure-PyTorch
+        attention_backend: ``"fa3"`` (the custom op), ``"torch"`` (pure-PyTorch
             reference, CPU or GPU), ``"auto"`` (FA3 on sm90 if importable).
         num_splits: FA3 split count (static, >= 1); default from static bounds.
         return_lse: also return the float32 ``[H_q, total_q]`` LSE (natural
@@ -481,7 +482,7 @@ def cascade_attention(
     calls = _calls(metadata)
     _check(q, k_cache, v_cache)
     _check_query_rows(q, calls)
-    backend = resolve_backend(backend, q.device)
+    attention_backend = resolve_attention_backend(attention_backend, q.device)
     if num_splits is not None and (isinstance(num_splits, bool) or not isinstance(num_splits, int)
                                    or num_splits < 1):
         raise ValueError(
@@ -489,9 +490,9 @@ def cascade_attention(
     window = _check_window(window_size, metadata)
     softcap = _check_softcap(softcap)
     fp8 = k_cache.dtype == FP8
-    if backend == "fa3" and softcap > 0:
+    if attention_backend == "fa3" and softcap > 0:
         require("softcap", f"softcap={softcap}")
-    if backend == "fa3" and fp8:
+    if attention_backend == "fa3" and fp8:
         require("fp8_kv", "an FP8 KV cache")
 
     first = calls[0][1]
@@ -514,7 +515,7 @@ def cascade_attention(
     for (_, md), plan in zip(calls, plans):
         rows = {n: _per_row(t, md, num_requests, n) for n, t in descales.items()}
         results.append(attention_call(
-            q, k_cache, v_cache, md, softmax_scale=scale, backend=backend, num_splits=num_splits,
+            q, k_cache, v_cache, md, softmax_scale=scale, attention_backend=attention_backend, num_splits=num_splits,
             softcap=softcap, window_size=window, scheduler_metadata=plan, **rows,
         ))
     o, lse = results[0]

@@ -43,7 +43,7 @@ def find_provider() -> Optional[tuple]:
             raise RuntimeError(
                 "fa3_spec looks for its FA3 provider by importing it, which cannot happen "
                 "inside torch.compile: call fa3_spec.attention.fa3_available() once before "
-                "compiling (or run the step once eagerly), or pass backend='fa3' or 'torch'")
+                "compiling (or run the step once eagerly), or pass attention_backend='fa3' or 'torch'")
         _FOUND["provider"] = _discover()
     return _FOUND["provider"]
 
@@ -79,7 +79,7 @@ def fa3_available(device: Optional[torch.device] = None) -> bool:
     """True when CUDA is a Hopper GPU (sm90) and a provider imports.
 
     Cached per device after its first (eager) call, so that a compiled step
-    that resolves ``backend="auto"`` reads a constant."""
+    that resolves ``attention_backend="auto"`` reads a constant."""
     key = ("available", None if device is None else str(device))
     if key not in _FOUND:
         if not torch.cuda.is_available():
@@ -96,7 +96,7 @@ def _provider_module():
         raise RuntimeError(
             "no FA3 provider found: install the tokenspeed-fa3 wheel "
             "(pip install 'fa3-spec[fa3]') or a flash-attn Hopper build, or use "
-            "backend='torch'"
+            "attention_backend='torch'"
         )
     return found[1]
 
@@ -230,9 +230,9 @@ def require(feature: str, what: str) -> None:
     if label == "none":
         raise NotImplementedError(
             f"{what} needs an FA3 provider with {feature!r} on a CUDA GPU, and none is "
-            "available here; use backend='torch'"
+            "available here; use attention_backend='torch'"
         )
     raise NotImplementedError(
         f"{what} is not supported by the FA3 provider {label} "
-        f"(this build lacks {feature!r}); use backend='torch' for this layer"
+        f"(this build lacks {feature!r}); use attention_backend='torch' for this layer"
     )

@@ -16,10 +16,11 @@ With ``P == 1`` there is no tail (``last = 0``) and the prefix call reads all
 iteration: build it once and reuse it (`build_draft_prefix_metadata`).
 
 That is the ``"branch"`` semantics (sglang's): branch ``t`` reads its own
-slots, whichever leaf now occupies it. With ``ancestor_slots`` instead of
-``out_cache_loc`` a leaf attends its true ancestors (``"ancestors"``,
-`fa3_spec.builders.ancestors`): the prefix call reads all ``seq_len`` tokens
-and the expand call the leaf's path, from any slots.
+slots, whichever leaf now occupies it. Under ``"ancestors"``
+(`fa3_spec.builders.ancestors`), which reads ``ancestor_slots`` instead of
+``out_cache_loc``, a leaf attends its true ancestors: the prefix call reads
+all ``seq_len`` tokens and the expand call the leaf's path, from any slots.
+The caller states the semantics (`draft_slots`).
 
 One implementation serves both entry points: `build_draft_iteration_metadata`
 builds steps ``0 .. S-2`` together, and `build_draft_decode_metadata` (one
@@ -117,6 +118,30 @@ def refuse_both(out_cache_loc, ancestor_slots) -> None:
             "leaf attends its true ancestors), not both")
 
 
+#: The draft-slot input each ``draft_attention`` reads.
+SLOTS_OF = {"branch": "out_cache_loc", "ancestors": "ancestor_slots"}
+
+
+def draft_slots(cfg: SpecConfig, draft_attention: str, inputs: dict) -> dict:
+    """``inputs`` (a draft-decode step's keywords) with only the draft slots
+    ``draft_attention`` reads: ``out_cache_loc`` for ``"branch"``,
+    ``ancestor_slots`` for ``"ancestors"``.
+
+    The semantics is the caller's choice, never guessed from which tensor
+    came: `ValueError` when the other kind is given, or when the needed one
+    is missing with topk > 1 (a chain's drafts follow the prefix in its row).
+    """
+    wanted = SLOTS_OF[check_draft_attention(draft_attention)]
+    other = SLOTS_OF["ancestors" if draft_attention == "branch" else "branch"]
+    if inputs.get(other) is not None:
+        raise ValueError(f"{other} is not read with draft_attention={draft_attention!r}; "
+                         f"pass {wanted}")
+    if inputs.get(wanted) is None and check_config(cfg).topk > 1:
+        raise ValueError(f"{wanted} is required for a draft-decode step with topk > 1 "
+                         f"(draft_attention={draft_attention!r})")
+    return {k: v for k, v in inputs.items() if k != other}
+
+
 def build_draft_decode_metadata(
     cfg: SpecConfig,
     step: int,
@@ -124,6 +149,7 @@ def build_draft_decode_metadata(
     req_to_token: torch.Tensor,
     req_pool_indices: torch.Tensor,
     seq_lens: torch.Tensor,
+    draft_attention: str,
     out_cache_loc: Optional[torch.Tensor] = None,
     ancestor_slots: Optional[torch.Tensor] = None,
     prefix: Optional[FA3Metadata] = None,
@@ -133,6 +159,11 @@ def build_draft_decode_metadata(
     Args:
         cfg: static configuration.
         step: static draft step; ``decode_length = step + 1``.
+        draft_attention: what a draft leaf attends besides the prefix:
+            ``"branch"`` (sglang's semantics, reads ``out_cache_loc``) or
+            ``"ancestors"`` (reads ``ancestor_slots``). Required here, so
+            that the semantics is stated, not read off the tensor passed;
+            `fa3_spec.MetadataBuilder` binds it once.
         req_to_token, req_pool_indices, seq_lens: as in `build_decode_metadata`.
         out_cache_loc: int ``B*K*S`` draft slots in upstream's row-major
             ``[B, K, S]`` order (flat or shaped), in the layout of
@@ -176,10 +207,12 @@ def build_draft_decode_metadata(
     ancestor steps depend on the previous step's selection, so each is built
     in its turn.
     """
-    refuse_both(out_cache_loc, ancestor_slots)
+    slots = draft_slots(cfg, draft_attention, dict(out_cache_loc=out_cache_loc,
+                                                   ancestor_slots=ancestor_slots))
+    out_cache_loc, ancestor_slots = slots.get("out_cache_loc"), slots.get("ancestor_slots")
     batch = SpecBatch.create(cfg, req_to_token=req_to_token, req_pool_indices=req_pool_indices,
                              seq_lens=seq_lens,
-                             out_cache_loc=out_cache_loc if check_config(cfg).topk > 1 else None,
+                             out_cache_loc=out_cache_loc if cfg.topk > 1 else None,
                              ancestor_slots=ancestor_slots)
     return draft_decode_metadata(batch, step, prefix=prefix)
 

@@ -79,7 +79,7 @@ def _audit_callable(args: argparse.Namespace, device: str) -> int:
     print(f"fa3-spec audit: {args.callable}, {len(variants)} variants, torch "
           f"{torch.__version__}, device {device}, backend {args.compile_backend}", flush=True)
     try:
-        row = audit_callable(fn, example, variants=variants, backend=args.compile_backend,
+        row = audit_callable(fn, example, variants=variants, compile_backend=args.compile_backend,
                              device=device, writable=args.writable, name=args.callable)
     except EagerCallFailed as exc:  # nothing can be measured on a call that does not run
         _usage(exc)
@@ -129,7 +129,7 @@ def _audit(args: argparse.Namespace) -> int:
     )
     rows = []
     for i, case in enumerate(cases, 1):
-        row = audit_case(case, backend=args.compile_backend, device=device)
+        row = audit_case(case, compile_backend=args.compile_backend, device=device)
         rows.append(row)
         if args.verbose:
             print(f"[{i}/{len(cases)}] {case.mode} P={case.cfg.page_size} K={case.cfg.topk} "

@@ -143,7 +143,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--num-layers", type=_positive, default=None,
                    help="override the preset's depth")
     p.add_argument("--eos", type=int, default=-1, help="EOS token id (-1: none)")
-    p.add_argument("--backend", default="auto", choices=["auto", "fa3", "torch"])
+    p.add_argument("--attention-backend", default="auto", choices=["auto", "fa3", "torch"],
+                   help="attention: FA3, pure PyTorch, or 'auto' (FA3 on CUDA when it loads)")
     p.add_argument("--buckets", type=_positive, nargs="+", default=None, metavar="B",
                    help="batch sizes to capture, the largest equal to --batch (default: the "
                         "powers of two up to 256 below --batch, plus --batch); a batch runs in "
@@ -152,7 +153,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "speed")
     p.add_argument("--graphs", action=argparse.BooleanOptionalAction, default=None,
                    help="capture one CUDA graph per bucket (default: on with CUDA)")
-    p.add_argument("--compile", default="auto", choices=list(COMPILE_BACKENDS),
+    p.add_argument("--compile-backend", default="auto", choices=list(COMPILE_BACKENDS),
                    help="torch.compile backend of the iteration; 'none': no compile (with graphs: "
                         "eager capture, for debugging); default 'auto': inductor on CUDA, none on CPU")
     p.add_argument("--compile-cache", metavar="PATH", default=None,
@@ -311,7 +312,7 @@ def _describe(c: dict, scripted: Optional[tuple], model: Optional[dict] = None) 
             f"{c['device']}, batch {c['batch']}, {c['requests']} requests, P={c['page_size']} "
             f"topk={c['topk']} steps={c['num_steps']} N={c['num_draft_tokens']} "
             f"draft attention {c['draft_attention']}, "
-            f"max_new_tokens={c['max_new_tokens']}, backend {c['backend']}, "
+            f"max_new_tokens={c['max_new_tokens']}, attention {c['attention_backend']}, "
             f"buckets {c['buckets']}, graphs {'on' if c['graphs'] else 'off'}{label}")
 
 
@@ -382,11 +383,11 @@ def run_eagle(args: argparse.Namespace, *, log=print) -> dict:
         max_reqs = 2 * args.batch
         # Enough pages for every row's largest reservation, plus the reserved page 0.
         spec = dataclasses.replace(spec, num_pages=spec.pool_pages(max_reqs, args.draft_attention))
-        lc = LoopConfig(spec, max_new_tokens=max_new, backend=args.backend,
+        lc = LoopConfig(spec, max_new_tokens=max_new, attention_backend=args.attention_backend,
                         max_eos=max(4, len(eos)), sampling=args.temperature > 0,
                         draft_attention=args.draft_attention)
         engine = EagleEngine(lc, models, max_reqs=max_reqs, buckets=args.buckets, graphs=graphs,
-                             compile_backend=args.compile, cache_path=args.compile_cache,
+                             compile_backend=args.compile_backend, cache_path=args.compile_cache,
                              device=device, seed=args.seed,
                              acceptance=scripted_acceptance(scripted) if scripted else None)
         for i, (prompt, m) in enumerate(zip(prompts, news)):
@@ -404,8 +405,8 @@ def run_eagle(args: argparse.Namespace, *, log=print) -> dict:
                   seed=args.seed, draft=args.draft,
                   alpha=None if loaded else DEFAULT_ALPHA if args.alpha is None else args.alpha,
                   noise=args.noise, num_layers=models.num_target_layers, eos=list(eos),
-                  backend=args.backend, buckets=engine.buckets, graphs=graphs,
-                  compile=engine.policy.compile_backend or "none",
+                  attention_backend=args.attention_backend, buckets=engine.buckets, graphs=graphs,
+                  compile_backend=engine.policy.compile_backend or "none",
                   compile_regions=engine.policy.regions,
                   scripted=list(scripted) if scripted else None,
                   temperature=args.temperature, top_p=args.top_p,
@@ -475,7 +476,7 @@ def run_eagle(args: argparse.Namespace, *, log=print) -> dict:
         every = _Every(log)
         greedy_start = time.perf_counter()
         ref = greedy_generate(models, prompts, news, eos_ids=[eos] * n_req,
-                              page_size=args.page_size, backend=args.backend, device=device,
+                              page_size=args.page_size, attention_backend=args.attention_backend, device=device,
                               logits_out=logits,
                               on_step=lambda i, steps: every(
                                   lambda: f"  greedy step {i}/{steps}"))
@@ -486,7 +487,7 @@ def run_eagle(args: argparse.Namespace, *, log=print) -> dict:
                 one = time.perf_counter()
                 alone = greedy_generate(
                     models, [prompt], [m], eos_ids=[eos], page_size=args.page_size,
-                    backend=args.backend, device=device,
+                    attention_backend=args.attention_backend, device=device,
                     on_step=lambda i, steps, r=r: every(
                         lambda: f"  greedy step {i}/{steps} (request {r} alone)"))[0]
                 entry["greedy_tokens_per_s"] = len(alone) / (time.perf_counter() - one)

@@ -18,7 +18,7 @@ from .models import KVCache, SpecModel
 
 def decode_step(models: SpecModel, spec: SpecConfig, kv: KVCache, req_to_token: torch.Tensor,
                 req_pool_indices: torch.Tensor, seq_lens: torch.Tensor, tokens: torch.Tensor, *,
-                backend: str = "auto", num_splits: Optional[int] = None) -> torch.Tensor:
+                attention_backend: str = "auto", num_splits: Optional[int] = None) -> torch.Tensor:
     """Run the target on one new token per request; return its logits ``[B, V]``.
 
     Args:
@@ -38,6 +38,7 @@ def decode_step(models: SpecModel, spec: SpecConfig, kv: KVCache, req_to_token: 
     rows = req_pool_indices.to(torch.int64).clamp(0, req_to_token.shape[0] - 1)
     cols = seq_lens.to(torch.int64).clamp(0, req_to_token.shape[1] - 1)
     slots = torch.where(live, req_to_token[rows, cols].to(torch.int64), 0)
-    hidden = models.target_forward(tokens, seq_lens, slots, md, kv, backend=backend,
+    hidden = models.target_forward(tokens, seq_lens, slots, md, kv,
+                                   attention_backend=attention_backend,
                                    num_splits=num_splits)
     return models.target_logits(hidden)

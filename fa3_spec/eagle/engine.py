@@ -33,7 +33,7 @@ from typing import Callable, Dict, List, Optional, Sequence, Tuple, Union
 
 import torch
 
-from ..attention import resolve_backend
+from ..attention import resolve_attention_backend
 from ..frozen import FrozenModule
 from ..graphs import CompilePolicy, CUDAGraphRunner, check_buckets
 from .acceptance import AcceptanceHook
@@ -74,7 +74,7 @@ class EagleEngine:
 
     Args:
         lc: `LoopConfig` (``lc.spec.max_bs`` = batch rows; ``lc.spec.num_pages``
-            = pool size). ``lc.backend="auto"`` is resolved here (``"fa3"``
+            = pool size). ``lc.attention_backend="auto"`` is resolved here (``"fa3"``
             where FA3 runs on ``device``, else ``"torch"``); the engine's
             ``lc`` says which. ``lc.spec.topk`` must not exceed the draft's
             vocabulary (``models.draft_vocab_size`` when it has one, else ``vocab_size``).
@@ -123,7 +123,9 @@ class EagleEngine:
         self.device = torch.device(device)
         # Resolved here, eagerly: a compiled iteration cannot look for the FA3
         # provider (an import) while dynamo traces it.
-        lc = dataclasses.replace(lc, backend=resolve_backend(lc.backend, self.device))
+        lc = dataclasses.replace(lc,
+                                 attention_backend=resolve_attention_backend(lc.attention_backend,
+                                                                             self.device))
         self.lc = lc
         self.spec = lc.spec
         self.models = models
@@ -301,7 +303,7 @@ class EagleEngine:
         params = SamplingParams.stack([r.sampling for r in batch], device=dev)
         first, h, scores, cand, _ = prefill_forward(
             self.models, self.spec, pool.target_kv, pool.draft_kv, pool.req_to_token,
-            [r.row for r in batch], [r.prompt for r in batch], backend=self.lc.backend,
+            [r.row for r in batch], [r.prompt for r in batch], attention_backend=self.lc.attention_backend,
             num_splits=self.lc.num_splits, sampling=params if self.lc.sampling else None)
         idx = torch.tensor([r.slot for r in batch], dtype=torch.int64, device=dev)
         lens = torch.tensor([len(r.prompt) for r in batch], dtype=torch.int64, device=dev)

@@ -22,7 +22,7 @@ from .prefill import check_max_new_tokens, check_prompt, eos_set, prefill_forwar
 def greedy_generate(models: SpecModel, prompts: Sequence[Sequence[int]],
                     max_new_tokens: Sequence[int], *,
                     eos_ids: Optional[Sequence[Union[int, Sequence[int]]]] = None,
-                    page_size: int = 1, backend: str = "auto", device="cpu",
+                    page_size: int = 1, attention_backend: str = "auto", device="cpu",
                     logits_out: Optional[list] = None,
                     on_step: Optional[Callable[[int, int], None]] = None) -> List[List[int]]:
     """Plain greedy decoding of the target (no speculation): the reference.
@@ -66,7 +66,7 @@ def greedy_generate(models: SpecModel, prompts: Sequence[Sequence[int]],
     rows = [pool.allocate(len(p), steps) for p in prompts]
     r2t = pool.req_to_token
     first, _, _, _, logits = prefill_forward(models, spec, pool.target_kv, None, r2t, rows,
-                                              prompts, backend=backend)
+                                              prompts, attention_backend=attention_backend)
     if logits_out is not None:
         logits_out.append(logits.float().cpu())
     rpi = torch.tensor(rows, dtype=torch.int64, device=device)
@@ -76,7 +76,8 @@ def greedy_generate(models: SpecModel, prompts: Sequence[Sequence[int]],
     if on_step is not None:
         on_step(1, steps)
     for i in range(2, steps + 1):
-        logits = decode_step(models, spec, pool.target_kv, r2t, rpi, seq, cur, backend=backend)
+        logits = decode_step(models, spec, pool.target_kv, r2t, rpi, seq, cur,
+                             attention_backend=attention_backend)
         if logits_out is not None:
             logits_out.append(logits.float().cpu())
         cur = logits.argmax(-1)

@@ -101,7 +101,7 @@ class LoopConfig:
         spec: fa3_spec's `SpecConfig` (``num_pages`` = the pool size).
         max_new_tokens: width of the device output buffer (largest
             ``max_new_tokens`` of a request).
-        backend: attention backend (``"torch"``, ``"fa3"``, ``"auto"``).
+        attention_backend: the attention (``"torch"``, ``"fa3"``, ``"auto"``).
         num_splits: FA3 split count (None: fa3_spec's default).
         max_eos: EOS ids a request may have at most (the state's ``eos``
             set per row is this wide, padded with -1; Llama 3.1 has 3).
@@ -121,7 +121,7 @@ class LoopConfig:
 
     spec: SpecConfig
     max_new_tokens: int
-    backend: str = "auto"
+    attention_backend: str = "auto"
     num_splits: Optional[int] = None
     max_eos: int = 4
     sampling: bool = True
@@ -228,12 +228,14 @@ def _draft_steps(lc: LoopConfig, models: SpecModel, draft_kv: KVCache, view: Bat
     for i in range(cfg.num_draft_decode_steps):
         if ancestors:
             path = draft_ancestor_slots(path, parent_branch, loc[:, :, i])
-            md = build_draft_decode_metadata(cfg, i, **batch, ancestor_slots=path, prefix=prefix)
+            md = build_draft_decode_metadata(cfg, i, draft_attention="ancestors", **batch,
+                                             ancestor_slots=path, prefix=prefix)
         else:
             md = steps[i]
         positions = view.seq_lens[owner] + i
         out = models.draft_forward(tokens.reshape(-1), hidden.reshape(bs * k, -1), positions,
-                                   loc[owner, branch, i], md, draft_kv, backend=lc.backend,
+                                   loc[owner, branch,
+                                       i], md, draft_kv, attention_backend=lc.attention_backend,
                                    num_splits=lc.num_splits)
         top_lp, top_tok = models.draft_topk(out, k)  # target token ids
         cum = (scores.unsqueeze(-1) + top_lp.view(bs, k, k)).view(bs, k * k)
@@ -331,7 +333,7 @@ def verify_phase(lc: LoopConfig, models: SpecModel, target_kv: KVCache,
     positions = view.seq_lens.unsqueeze(1) + depth
     hidden = models.target_forward(tokens.reshape(-1), positions.reshape(-1),
                                    verify_slots.reshape(-1), md, target_kv,
-                                   backend=lc.backend, num_splits=lc.num_splits)
+                                   attention_backend=lc.attention_backend, num_splits=lc.num_splits)
     logits = models.target_logits(hidden).view(bs, n, -1)
     next_tokens = vocab_argmax(logits)
 
@@ -390,7 +392,7 @@ def extend_phase(lc: LoopConfig, models: SpecModel, draft_kv: KVCache,
     ext_slots = req_to_token[view.rows[row], pos.clamp(0, req_to_token.shape[1] - 1)]
     ext_slots = torch.where(owned, in_pool(ext_slots, cfg.page_size, cfg.num_pages), 0)
     h_ext = models.draft_forward(ext_tokens, ext_hidden, pos, ext_slots, md_ext, draft_kv,
-                                 backend=lc.backend, num_splits=lc.num_splits)
+                                 attention_backend=lc.attention_backend, num_splits=lc.num_splits)
     last = (md_ext.cu_seqlens_q[1:].to(torch.int64) - 1).clamp(0, h_ext.shape[0] - 1)
     live_row = live.unsqueeze(1)
     draft_hidden = torch.where(live_row, h_ext[last], 0)

@@ -132,7 +132,7 @@ def mlp(shape: LayerShape, w: LayerWeights, x: torch.Tensor) -> torch.Tensor:
 def layer_body(shape: LayerShape, w: LayerWeights, x: torch.Tensor,
                deltas: Sequence[torch.Tensor], attn_in: Optional[torch.Tensor],
                cos: torch.Tensor, sin: torch.Tensor, slots: torch.Tensor, metadata,
-               k_cache: torch.Tensor, v_cache: torch.Tensor, backend: str,
+               k_cache: torch.Tensor, v_cache: torch.Tensor, attention_backend: str,
                num_splits: Optional[int],
                plans: Optional[tuple] = None
                ) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -156,7 +156,7 @@ def layer_body(shape: LayerShape, w: LayerWeights, x: torch.Tensor,
         x = x + d
     qkv = attention_inputs(shape, w, x if attn_in is None else attn_in)
     q = rope_and_store(k_cache, v_cache, slots, qkv, cos, sin, shape.num_heads)
-    attn = cascade_attention(q, k_cache, v_cache, metadata, backend=backend,
+    attn = cascade_attention(q, k_cache, v_cache, metadata, attention_backend=attention_backend,
                              num_splits=num_splits, plans=plans)
     attn_out = matmul(attn.reshape(x.shape[0], -1), w.wo)
     return x, attn_out, mlp(shape, w, x + attn_out)

@@ -48,11 +48,11 @@ from typing import List, Optional, Protocol, Tuple, Union
 
 import torch
 
-from ..attention import fa3_plans, provider_plans, resolve_backend
+from ..attention import fa3_plans, provider_plans, resolve_attention_backend
 from ..attention.kv_store import store_kv
 from .gemm import matmul
 from .layer import LayerWeights, layer_output, rms_norm
-from .regions import REGION_BACKENDS, decoder_layer_region
+from .regions import REGION_COMPILE_BACKENDS, decoder_layer_region
 from .vocab import log_prob_topk
 
 
@@ -185,7 +185,7 @@ class RopeTable:
 
 def decoder_layer(shape: ModelShape, w: LayerWeights, x: torch.Tensor, cos: torch.Tensor,
                   sin: torch.Tensor, slots: torch.Tensor, metadata, k_cache: torch.Tensor,
-                  v_cache: torch.Tensor, backend: str, num_splits: Optional[int],
+                  v_cache: torch.Tensor, attention_backend: str, num_splits: Optional[int],
                   attn_in: Optional[torch.Tensor] = None,
                   regions: Optional[str] = None) -> torch.Tensor:
     """One layer on ``x [T, H]``: write K/V of the T tokens at ``slots``, then attend.
@@ -200,7 +200,7 @@ def decoder_layer(shape: ModelShape, w: LayerWeights, x: torch.Tensor, cos: torc
     says which keys each query reads; the K/V just written are among them.
 
     ``regions``: None traces the layer inline; a ``torch.compile`` backend
-    name (`fa3_spec.eagle.regions.REGION_BACKENDS`) runs it, inside an
+    name (`fa3_spec.eagle.regions.REGION_COMPILE_BACKENDS`) runs it, inside an
     enclosing compile, as a ``fa3_spec_eagle::decoder_layer_first`` op (a
     layer whose input is ``x`` as given; the forward's later layers are
     ``decoder_layer``), whose
@@ -210,7 +210,7 @@ def decoder_layer(shape: ModelShape, w: LayerWeights, x: torch.Tensor, cos: torc
     kernels round as inductor's inline code does, not bit for bit alike.
     """
     return layer_output(*decoder_layer_region(shape, w, x, (), attn_in, cos, sin, slots,
-                                              metadata, k_cache, v_cache, backend, num_splits,
+                                              metadata, k_cache, v_cache, attention_backend, num_splits,
                                               regions))
 
 
@@ -267,7 +267,7 @@ class LlamaTarget:
                    RopeTable.create(shape, dtype=dtype, device=device))
 
     def forward(self, tokens: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor,
-                metadata, kv: KVCache, *, backend: str = "auto",
+                metadata, kv: KVCache, *, attention_backend: str = "auto",
                 num_splits: Optional[int] = None,
                 capture: Tuple[int, ...] = ()) -> torch.Tensor:
         """``tokens, positions, slots [T]`` -> last layer output ``[T, H]`` (pre-norm).
@@ -282,7 +282,7 @@ class LlamaTarget:
         cos, sin = self.rope.at(positions)
         slots = _layer_slots(kv, slots)
         plans = None
-        if (len(self.layers) > 1 and resolve_backend(backend, x.device) == "fa3"
+        if (len(self.layers) > 1 and resolve_attention_backend(attention_backend, x.device) == "fa3"
                 and provider_plans()):
             # On FA3, one scheduler plan per call shared by the layers, where the
             # provider plans (fa3_plans): the outputs are the same bit for bit.
@@ -293,7 +293,7 @@ class LlamaTarget:
         for i, w in enumerate(self.layers):
             # x comes back as this layer's input (the stream summed): what capture reads.
             x, *deltas = decoder_layer_region(self.shape, w, x, deltas, None, cos, sin, slots,
-                                              metadata, kv.k[i], kv.v[i], backend, num_splits,
+                                              metadata, kv.k[i], kv.v[i], attention_backend, num_splits,
                                               self.compile_regions, plans)
             if i in capture:
                 captured[i] = x
@@ -369,7 +369,7 @@ class EagleDraft:
                    target.rope)
 
     def forward(self, tokens: torch.Tensor, hidden: torch.Tensor, positions: torch.Tensor,
-                slots: torch.Tensor, metadata, kv: KVCache, *, backend: str = "auto",
+                slots: torch.Tensor, metadata, kv: KVCache, *, attention_backend: str = "auto",
                 num_splits: Optional[int] = None) -> torch.Tensor:
         """``tokens [T]``, ``hidden [T, H]`` (target or previous draft feature) -> ``[T, H]``."""
         e = self.embed[tokens.to(torch.int64).clamp(0, self.shape.vocab_size - 1)]
@@ -378,7 +378,7 @@ class EagleDraft:
             x = x + self.fc_bias
         cos, sin = self.rope.at(positions)
         return decoder_layer(self.shape, self.layer, x, cos, sin, _layer_slots(kv, slots),
-                             metadata, kv.k[0], kv.v[0], backend, num_splits,
+                             metadata, kv.k[0], kv.v[0], attention_backend, num_splits,
                              regions=self.compile_regions)
 
     def input_from_target(self, target: "LlamaTarget", hidden: torch.Tensor) -> torch.Tensor:
@@ -438,7 +438,7 @@ class Eagle3Draft:
         return x if self.fc_bias is None else x + self.fc_bias
 
     def forward(self, tokens: torch.Tensor, hidden: torch.Tensor, positions: torch.Tensor,
-                slots: torch.Tensor, metadata, kv: KVCache, *, backend: str = "auto",
+                slots: torch.Tensor, metadata, kv: KVCache, *, attention_backend: str = "auto",
                 num_splits: Optional[int] = None) -> torch.Tensor:
         """``tokens [T]``, ``hidden [T, H]`` (`input_from_target`, or the previous
         draft output) -> ``[T, H]``, the pre-norm residual stream."""
@@ -450,7 +450,7 @@ class Eagle3Draft:
         residual = normed if self.norm_before_residual else hidden
         cos, sin = self.rope.at(positions)
         return decoder_layer(self.shape, self.layer, residual, cos, sin, _layer_slots(kv, slots),
-                             metadata, kv.k[0], kv.v[0], backend, num_splits, attn_in=attn_in,
+                             metadata, kv.k[0], kv.v[0], attention_backend, num_splits, attn_in=attn_in,
                              regions=self.compile_regions)
 
     def logits(self, hidden: torch.Tensor, rows: Optional[torch.Tensor] = None) -> torch.Tensor:
@@ -487,8 +487,8 @@ class SpecModel(Protocol):
     Optional: ``draft_vocab_size``, the tokens the draft head proposes from
     (a reduced-vocabulary head such as EAGLE-3's ``V_d``, the width of
     ``draft_logits``); ``vocab_size`` when absent. `EagleEngine` refuses a
-    ``topk`` above it. ``with_compile_regions(backend) -> SpecModel``: the
-    same model running its layers as compiled regions of ``backend`` (None:
+    ``topk`` above it. ``with_compile_regions(compile_backend) -> SpecModel``: the
+    same model running its layers as compiled regions of ``compile_backend`` (None:
     inline); `EagleEngine` calls it with the engine's compile backend when
     the regions are on (``compile_regions=True``, or the default under
     inductor; `EagleModels.with_compile_regions`); a model without it is
@@ -504,12 +504,12 @@ class SpecModel(Protocol):
     dtype: torch.dtype
     max_positions: int  # longest context the model's RoPE covers
 
-    def target_forward(self, tokens, positions, slots, metadata, kv, *, backend,
+    def target_forward(self, tokens, positions, slots, metadata, kv, *, attention_backend,
                        num_splits=None) -> torch.Tensor: ...
 
     def target_logits(self, hidden) -> torch.Tensor: ...
 
-    def draft_forward(self, tokens, hidden, positions, slots, metadata, kv, *, backend,
+    def draft_forward(self, tokens, hidden, positions, slots, metadata, kv, *, attention_backend,
                       num_splits=None) -> torch.Tensor: ...
 
     def draft_logits(self, hidden) -> torch.Tensor: ...
@@ -572,32 +572,35 @@ class EagleModels:
         """Target layers whose input the draft reads besides the last output."""
         return getattr(self.draft, "aux_layers", ())
 
-    def with_compile_regions(self, backend: Optional[str]) -> "EagleModels":
+    def with_compile_regions(self, compile_backend: Optional[str]) -> "EagleModels":
         """The same models (weights shared, not copied) whose layers run as
-        compiled regions of ``backend`` (one of
-        `fa3_spec.eagle.regions.REGION_BACKENDS`) or inline (None); see
+        compiled regions of ``compile_backend`` (one of
+        `fa3_spec.eagle.regions.REGION_COMPILE_BACKENDS`) or inline (None); see
         `decoder_layer`. Eagerly both are the same calls."""
-        if backend is not None and backend not in REGION_BACKENDS:
-            raise ValueError(f"backend must be None or one of {REGION_BACKENDS}, got {backend!r}")
-        return EagleModels(dataclasses.replace(self.target, compile_regions=backend),
-                           dataclasses.replace(self.draft, compile_regions=backend))
+        if compile_backend is not None and compile_backend not in REGION_COMPILE_BACKENDS:
+            raise ValueError(f"compile_backend must be None or one of {REGION_COMPILE_BACKENDS}, "
+                             f"got {compile_backend!r}")
+        return EagleModels(dataclasses.replace(self.target, compile_regions=compile_backend),
+                           dataclasses.replace(self.draft, compile_regions=compile_backend))
 
     @property
     def max_positions(self) -> int:
         return self.target.rope.max_positions
 
-    def target_forward(self, tokens, positions, slots, metadata, kv, *, backend="auto",
+    def target_forward(self, tokens, positions, slots, metadata, kv, *, attention_backend="auto",
                        num_splits=None):
-        return self.target.forward(tokens, positions, slots, metadata, kv, backend=backend,
+        return self.target.forward(tokens, positions, slots, metadata, kv,
+                                   attention_backend=attention_backend,
                                    num_splits=num_splits, capture=self.capture)
 
     def target_logits(self, hidden):
         return self.target.logits(hidden)
 
-    def draft_forward(self, tokens, hidden, positions, slots, metadata, kv, *, backend="auto",
+    def draft_forward(self, tokens, hidden, positions, slots, metadata, kv, *,
+                      attention_backend="auto",
                       num_splits=None):
         return self.draft.forward(tokens, hidden, positions, slots, metadata, kv,
-                                  backend=backend, num_splits=num_splits)
+                                  attention_backend=attention_backend, num_splits=num_splits)
 
     def draft_logits(self, hidden):
         """Logits over the draft's vocabulary (EAGLE-3: ``V_d``, see `draft_topk`)."""

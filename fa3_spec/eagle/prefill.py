@@ -47,7 +47,7 @@ def check_prompt(name: str, prompt: Sequence[int], vocab_size: int) -> List[int]
 
 def prefill_forward(models: SpecModel, spec: SpecConfig, kv_target: KVCache,
                      kv_draft: Optional[KVCache], req_to_token: torch.Tensor,
-                     rows: List[int], prompts: List[List[int]], *, backend: str,
+                     rows: List[int], prompts: List[List[int]], *, attention_backend: str,
                      num_splits=None, sampling: Optional[SamplingParams] = None):
     """Eager prefill of ``prompts`` into pool ``rows``.
 
@@ -71,7 +71,7 @@ def prefill_forward(models: SpecModel, spec: SpecConfig, kv_target: KVCache,
                                 seq_lens=lens, extend_seq_lens=lens, max_seqlen_q=max_len)
     row, pos, owned = extend_query_positions(md, lens, total)
     slots = torch.where(owned, req_to_token[rpi[row], pos].to(torch.int64), 0)
-    attn = dict(backend=backend, num_splits=num_splits)
+    attn = dict(attention_backend=attention_backend, num_splits=num_splits)
     hidden = models.target_forward(tokens, pos, slots, md, kv_target, **attn)
     last = md.cu_seqlens_q[1:].to(torch.int64) - 1
     logits = models.target_logits(hidden[last])

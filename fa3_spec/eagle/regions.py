@@ -73,13 +73,13 @@ from typing import Dict, List, Optional, Sequence, Tuple
 
 import torch
 
-from ..attention import fa3_equivalent_key_bound, resolve_backend
+from ..attention import fa3_equivalent_key_bound, resolve_attention_backend
 from ..graphs import compile_fullgraph
 from ..metadata import CascadeMetadata, FA3Metadata
 from .layer import LayerShape, LayerWeights, layer_body
 
 #: ``torch.compile`` backends a region may be compiled with.
-REGION_BACKENDS = ("inductor", "aot_eager", "eager")
+REGION_COMPILE_BACKENDS = ("inductor", "aot_eager", "eager")
 
 #: The `FA3Metadata` fields a region passes on: every field attention reads
 #: (a `DraftPrefixMetadata`'s ``draft_attention`` labels the builder's
@@ -148,21 +148,21 @@ def _decode_metadata(tensors: List[torch.Tensor], statics: List[int]):
 def decoder_layer_region(shape, w, x: torch.Tensor, deltas: Sequence[torch.Tensor],
                          attn_in: Optional[torch.Tensor], cos: torch.Tensor, sin: torch.Tensor,
                          slots: torch.Tensor, metadata, k_cache: torch.Tensor,
-                         v_cache: torch.Tensor, backend: str, num_splits: Optional[int],
-                         compiler: Optional[str], plans: Optional[tuple] = None
+                         v_cache: torch.Tensor, attention_backend: str, num_splits: Optional[int],
+                         compile_backend: Optional[str], plans: Optional[tuple] = None
                          ) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """One decoder layer through a ``fa3_spec_eagle`` layer op (``decoder_layer_first``
     without ``deltas``, else ``decoder_layer``) while
     an enclosing function is compiled; `layer_body` itself eagerly, or when
-    ``compiler`` is None (the layers inline).
+    ``compile_backend`` is None (the layers inline).
 
     Args: as `fa3_spec.eagle.layer.layer_body` (``shape`` a `ModelShape`,
     ``w`` a `LayerWeights`, ``x [T, H]`` with ``deltas``, none or two ``[T, H]``,
     ``attn_in [T, H_a]`` or None, ``cos, sin [T, D/2]``, int64 ``slots
     [T]``, ``metadata`` an `FA3Metadata` or `CascadeMetadata`, this layer's
-    ``k_cache, v_cache [num_pages, P, H_kv, D]``, the attention ``backend``
-    and ``num_splits``), ``compiler``, the region's ``torch.compile``
-    backend (one of `REGION_BACKENDS`, or None: inline), and ``plans``, the
+    ``k_cache, v_cache [num_pages, P, H_kv, D]``, the ``attention_backend``
+    and ``num_splits``), ``compile_backend``, the region's ``torch.compile``
+    backend (one of `REGION_COMPILE_BACKENDS`, or None: inline), and ``plans``, the
     FA3 scheduler plans the forward's layers share
     (`fa3_spec.attention.fa3_plans`) or None.
 
@@ -173,17 +173,19 @@ def decoder_layer_region(shape, w, x: torch.Tensor, deltas: Sequence[torch.Tenso
     deltas = list(deltas)
     if len(deltas) not in (0, 2):
         raise ValueError(f"deltas must be empty or the previous layer's two, got {len(deltas)}")
-    if compiler and compiler not in REGION_BACKENDS:
-        raise ValueError(f"compiler must be one of {REGION_BACKENDS}, got {compiler!r}")
-    if not compiler or not torch.compiler.is_compiling():  # (a False from before: inline)
+    if compile_backend and compile_backend not in REGION_COMPILE_BACKENDS:
+        raise ValueError(f"compile_backend must be one of {REGION_COMPILE_BACKENDS}, "
+                         f"got {compile_backend!r}")
+    if not compile_backend or not torch.compiler.is_compiling():  # (a False from before: inline)
         return layer_body(shape, w, x, deltas, attn_in, cos, sin, slots, metadata, k_cache,
-                          v_cache, backend, num_splits, plans)
+                          v_cache, attention_backend, num_splits, plans)
     md_tensors, md_statics = _encode_metadata(metadata,
-                                              fa3=resolve_backend(backend, x.device) == "fa3")
+                                              fa3=resolve_attention_backend(attention_backend,
+                                                                            x.device) == "fa3")
     dims = [shape.hidden_size, shape.num_heads, shape.num_kv_heads, shape.head_dim,
             shape.intermediate_size]
     args = (attn_in, w.as_list(), cos, sin, slots, md_tensors, list(plans or ()), k_cache,
-            v_cache, md_statics, dims, float(shape.rms_eps), backend, num_splits, compiler)
+            v_cache, md_statics, dims, float(shape.rms_eps), attention_backend, num_splits, compile_backend)
     if not deltas:  # the layer's input is x itself, which an op may not return
         return (x, *torch.ops.fa3_spec_eagle.decoder_layer_first(x, *args))
     return tuple(torch.ops.fa3_spec_eagle.decoder_layer(x, *deltas, *args))
@@ -193,19 +195,19 @@ def _run_program(x: torch.Tensor, deltas: List[torch.Tensor], attn_in: Optional[
                  weights: List[torch.Tensor], cos: torch.Tensor, sin: torch.Tensor,
                  slots: torch.Tensor, md_tensors: List[torch.Tensor], plans: List[torch.Tensor],
                  k_cache: torch.Tensor, v_cache: torch.Tensor, md_statics: List[int],
-                 dims: List[int], eps: float, backend: str, num_splits: Optional[int],
-                 compiler: str) -> tuple:
+                 dims: List[int], eps: float, attention_backend: str, num_splits: Optional[int],
+                 compile_backend: str) -> tuple:
     """Both ops' body: the compiled program of this call's key, run.
     ``(x_in, attn_out, mlp_out)`` (`layer_body`), without ``x_in`` when
     ``deltas`` is empty."""
-    key = (tuple(md_statics), tuple(dims), eps, backend, num_splits, compiler,
+    key = (tuple(md_statics), tuple(dims), eps, attention_backend, num_splits, compile_backend,
            len(deltas), attn_in is not None, len(weights), len(plans), str(x.device),
            tuple(t.dtype for t in (x, cos, slots, k_cache, *weights, *md_tensors)))
     with _LOCK:
         fn = _COMPILED.get(key)
         if fn is None:
             fn = _COMPILED[key] = _compile_program(next(_PROGRAM_NUMBERS), md_statics, dims,
-                                                   eps, backend, num_splits, compiler)
+                                                   eps, attention_backend, num_splits, compile_backend)
     # One dispatch state for every call, so the program's guards agree from
     # call to call: grad off, and below the view/in-place tracking key
     # (torch's private RAII guard; under inductor the kernel ran above it on
@@ -225,13 +227,13 @@ def _decoder_layer_op(x: torch.Tensor, delta_attn: torch.Tensor, delta_mlp: torc
                       md_tensors: List[torch.Tensor], plans: List[torch.Tensor],
                       k_cache: torch.Tensor, v_cache: torch.Tensor,
                       md_statics: List[int], dims: List[int],
-                      eps: float, backend: str, num_splits: Optional[int],
-                      compiler: str) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+                      eps: float, attention_backend: str, num_splits: Optional[int],
+                      compile_backend: str) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """A layer after the first: its input is ``(x + delta_attn) + delta_mlp``
     (the previous layer's three parts); ``(x_in, attn_out, mlp_out)``."""
     return _run_program(x, [delta_attn, delta_mlp], attn_in, weights, cos, sin, slots,
-                        md_tensors, plans, k_cache, v_cache, md_statics, dims, eps, backend,
-                        num_splits, compiler)
+                        md_tensors, plans, k_cache, v_cache, md_statics, dims, eps, attention_backend,
+                        num_splits, compile_backend)
 
 
 @torch.library.custom_op("fa3_spec_eagle::decoder_layer_first",
@@ -241,12 +243,12 @@ def _decoder_layer_first_op(x: torch.Tensor, attn_in: Optional[torch.Tensor],
                             slots: torch.Tensor, md_tensors: List[torch.Tensor],
                             plans: List[torch.Tensor], k_cache: torch.Tensor,
                             v_cache: torch.Tensor, md_statics: List[int], dims: List[int],
-                            eps: float, backend: str, num_splits: Optional[int],
-                            compiler: str) -> Tuple[torch.Tensor, torch.Tensor]:
+                            eps: float, attention_backend: str, num_splits: Optional[int],
+                            compile_backend: str) -> Tuple[torch.Tensor, torch.Tensor]:
     """A layer whose input is ``x`` as given (a forward's first layer, a
     draft layer); ``(attn_out, mlp_out)``."""
     return _run_program(x, [], attn_in, weights, cos, sin, slots, md_tensors, plans, k_cache,
-                        v_cache, md_statics, dims, eps, backend, num_splits, compiler)
+                        v_cache, md_statics, dims, eps, attention_backend, num_splits, compile_backend)
 
 
 def _dynamic_rows(t: Optional[torch.Tensor], ndim: int = 1) -> Optional[torch.Tensor]:
@@ -279,7 +281,7 @@ def _decoder_layer_first_fake(x, *_):
 
 
 def _compile_program(index: int, md_statics: List[int], dims: List[int], eps: float,
-                     backend: str, num_splits: Optional[int], compiler: str):
+                     attention_backend: str, num_splits: Optional[int], compile_backend: str):
     """``torch.compile(fullgraph=True)`` of one layer program
     (`fa3_spec.graphs.compile_fullgraph`: inductor gets the library's options).
 
@@ -295,10 +297,10 @@ def _compile_program(index: int, md_statics: List[int], dims: List[int], eps: fl
                 v_cache):
         out = layer_body(shape, LayerWeights.from_list(weights), x, deltas, attn_in, cos, sin,
                          slots, _decode_metadata(md_tensors, statics), k_cache, v_cache,
-                         backend, num_splits, tuple(plans) or None)
+                         attention_backend, num_splits, tuple(plans) or None)
         return out if deltas else out[1:]  # never an input as an output
 
     name = f"decoder_layer_program_{index}"
     code = program.__code__.replace(co_name=name)
     fresh = types.FunctionType(code, program.__globals__, name, None, program.__closure__)
-    return compile_fullgraph(fresh, backend=compiler, dynamic=None)
+    return compile_fullgraph(fresh, compile_backend=compile_backend, dynamic=None)

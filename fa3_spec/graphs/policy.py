@@ -31,9 +31,9 @@ COMPILE_BACKENDS = ("auto", "inductor", "aot_eager", "eager", "none")
 INDUCTOR_OPTIONS: Dict[str, object] = {"combo_kernels": True}
 
 
-def compile_fullgraph(fn: Callable, *, backend="inductor", options: Optional[dict] = None,
+def compile_fullgraph(fn: Callable, *, compile_backend="inductor", options: Optional[dict] = None,
                       **kwargs) -> Callable:
-    """``torch.compile(fn, fullgraph=True, backend=backend, **kwargs)`` with
+    """``torch.compile(fn, fullgraph=True, backend=compile_backend, **kwargs)`` with
     `INDUCTOR_OPTIONS` (or ``options``) when the backend is inductor.
 
     The way to compile an engine step that calls the builders, so that its
@@ -42,7 +42,7 @@ def compile_fullgraph(fn: Callable, *, backend="inductor", options: Optional[dic
     `fa3_spec.probes.RecordingBackend` wrapping inductor, which takes its own
     ``options=``) is passed through untouched.
     """
-    if backend == "inductor":
+    if compile_backend == "inductor":
         merged = dict(INDUCTOR_OPTIONS if options is None else options)
         mode = kwargs.pop("mode", None)
         if mode is not None:  # torch.compile takes mode or options, not both: spell mode as options
@@ -50,7 +50,7 @@ def compile_fullgraph(fn: Callable, *, backend="inductor", options: Optional[dic
 
             merged = {**list_mode_options(mode), **merged}
         kwargs["options"] = merged
-    return torch.compile(fn, fullgraph=True, backend=backend, **kwargs)
+    return torch.compile(fn, fullgraph=True, backend=compile_backend, **kwargs)
 
 
 def size_oblivious(compiled: Callable) -> Callable:
@@ -162,20 +162,20 @@ class CompilePolicy:
           regions' own programs keep the default options.
         """
         device = torch.device(device)
-        backend = "none" if compile_backend is None else compile_backend
-        if backend not in COMPILE_BACKENDS:
+        compile_backend = "none" if compile_backend is None else compile_backend
+        if compile_backend not in COMPILE_BACKENDS:
             raise ValueError(f"compile_backend must be one of {COMPILE_BACKENDS} or None, "
                              f"got {compile_backend!r}")
         cuda = device.type == "cuda"
-        if backend == "auto":
-            backend = "inductor" if cuda else "none"
+        if compile_backend == "auto":
+            compile_backend = "inductor" if cuda else "none"
         if graphs is None:
             graphs = cuda
         if not isinstance(graphs, bool):
             raise TypeError(f"graphs must be a bool or None, got {graphs!r}")
         if graphs and not cuda:
             raise ValueError("graphs=True needs a CUDA device")
-        inductor = backend == "inductor"
+        inductor = compile_backend == "inductor"
         dynamic = len([b for b in buckets if b > 1]) > 1 or not inductor
         regions = inductor and regions_available
         options = dict(INDUCTOR_OPTIONS)
@@ -183,8 +183,8 @@ class CompilePolicy:
             options["constant_and_index_propagation"] = False
             if regions:
                 options["combo_kernels"] = False
-        compiled = backend != "none"
-        return cls(compile_backend=backend if compiled else None, graphs=graphs,
+        compiled = compile_backend != "none"
+        return cls(compile_backend=compile_backend if compiled else None, graphs=graphs,
                    dynamic_batch=dynamic,
-                   size_oblivious=dynamic and backend in ("aot_eager", "eager"),
+                   size_oblivious=dynamic and compile_backend in ("aot_eager", "eager"),
                    regions=regions, inductor_options=tuple(options.items()))

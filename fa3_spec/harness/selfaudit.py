@@ -180,7 +180,7 @@ def _builder_subject(case: AuditCase, device: str) -> _Subject:
 
 
 def _step_subject(case: AuditCase, device: str) -> _Subject:
-    from ..attention import resolve_backend
+    from ..attention import resolve_attention_backend
     from .toy import ToyModel, make_step, step_inputs, world_batch
     from .worlds import rebase_world
 
@@ -194,8 +194,9 @@ def _step_subject(case: AuditCase, device: str) -> _Subject:
     model = ToyModel.create(layers=1, num_pages=base.num_pages, page_size=cfg.page_size,
                             num_heads=4, num_kv_heads=2, head_dim=64, dtype=dtype, device=device)
     initial = (model.k_cache.clone(), model.v_cache.clone())
-    backend = resolve_backend("auto", device)
-    step = make_step(step_mode, cfg, model, base.req_to_token, backend=backend, tree=case.tree)
+    attention_backend = resolve_attention_backend("auto", device)
+    step = make_step(step_mode, cfg, model, base.req_to_token, attention_backend=attention_backend,
+                     tree=case.tree)
     names = list(step_inputs(step_mode, tree=case.tree))
     g = torch.Generator().manual_seed(0)
     rows = cfg.topk if step_mode == "draft_decode" else cfg.num_draft_tokens
@@ -235,7 +236,8 @@ def _loop_subject(case: AuditCase, device: str) -> _Subject:
     models = make_models("tiny", seed=0, device=device,
                          dtype=torch.bfloat16 if device != "cpu" else torch.float32)
     spec = dc.replace(cfg, num_pages=cfg.pool_pages(2 * cfg.max_bs, case.draft_attention))
-    lc = LoopConfig(spec, max_new_tokens=24, backend="auto" if device != "cpu" else "torch",
+    lc = LoopConfig(spec, max_new_tokens=24,
+                    attention_backend="auto" if device != "cpu" else "torch",
                     draft_attention=case.draft_attention)
     engine = EagleEngine(lc, models, device=device)
     prompts, news = workload(cfg.max_bs - 1, page_size=cfg.page_size, max_prompt=32, max_new=24,
@@ -273,7 +275,8 @@ def _loop_subject(case: AuditCase, device: str) -> _Subject:
     return _Subject(fn, [[st[n] for n in names] for st in states], same, None, restore)
 
 
-def audit_case(case: AuditCase, *, backend: str = "aot_eager", device: str = "cpu") -> AuditRow:
+def audit_case(case: AuditCase, *, compile_backend: str = "aot_eager",
+               device: str = "cpu") -> AuditRow:
     """Audit one case (`fa3_spec.audit.audit_function`: `audit_callable`, labelled)."""
     cfg = case.cfg
     subject = {"builder": _builder_subject, "step": _step_subject,
@@ -281,7 +284,7 @@ def audit_case(case: AuditCase, *, backend: str = "aot_eager", device: str = "cp
     return audit_function(
         subject.fn, subject.args, same=subject.same,
         reference_problems=subject.reference_problems, restore=subject.restore,
-        backend=backend, device=device, mode=case.mode, scope=case.scope,
+        compile_backend=compile_backend, device=device, mode=case.mode, scope=case.scope,
         config=dict(page_size=cfg.page_size, topk=cfg.topk, num_steps=cfg.num_steps,
                     num_draft_tokens=cfg.num_draft_tokens,
                     tree=case.tree if case.mode == "target_verify" else None,

@@ -127,9 +127,10 @@ def _batch(req_to_token, req_pool_indices, seq_lens) -> dict:
     return dict(req_to_token=req_to_token, req_pool_indices=req_pool_indices, seq_lens=seq_lens)
 
 
-def _attend_with(md, backend: str, num_splits: Optional[int]):
+def _attend_with(md, attention_backend: str, num_splits: Optional[int]):
     def attend(q, k_cache, v_cache):
-        return cascade_attention(q, k_cache, v_cache, md, backend=backend, num_splits=num_splits)
+        return cascade_attention(q, k_cache, v_cache, md, attention_backend=attention_backend,
+                                 num_splits=num_splits)
     return attend
 
 
@@ -142,7 +143,7 @@ def draft_iteration(
     seq_lens: torch.Tensor,
     out_cache_loc: torch.Tensor,
     hidden: torch.Tensor,
-    backend: str = "auto",
+    attention_backend: str = "auto",
     num_splits: Optional[int] = None,
 ) -> torch.Tensor:
     """All draft-decode steps of one iteration.
@@ -162,7 +163,7 @@ def draft_iteration(
     model.copy_slots(*draft_tail_copy_slots(cfg, seq_lens=seq_lens, out_cache_loc=loc))
     outs = []
     for step, md in enumerate(build_draft_iteration_metadata(cfg, **batch, out_cache_loc=loc)):
-        x = model.forward(x, loc[:, step], _attend_with(md, backend, num_splits))
+        x = model.forward(x, loc[:, step], _attend_with(md, attention_backend, num_splits))
         outs.append(x)
     if not outs:  # num_steps == 1: no draft-decode step
         return x.new_zeros((bs, k, 0, model.hidden))
@@ -178,7 +179,7 @@ def target_verify_step(
     seq_lens: torch.Tensor,
     hidden: torch.Tensor,
     tree_mask: Optional[torch.Tensor] = None,
-    backend: str = "auto",
+    attention_backend: str = "auto",
     num_splits: Optional[int] = None,
 ) -> torch.Tensor:
     """The verify pass over N draft tokens at row positions ``seq_len + c``.
@@ -189,7 +190,8 @@ def target_verify_step(
     batch = _batch(req_to_token, req_pool_indices, seq_lens)
     md = build_target_verify_metadata(cfg, **batch, tree_mask=tree_mask)
     slots = verify_slots(cfg, **batch)
-    x = model.forward(hidden.reshape(bs * n, model.hidden), slots, _attend_with(md, backend, num_splits))
+    attend = _attend_with(md, attention_backend, num_splits)
+    x = model.forward(hidden.reshape(bs * n, model.hidden), slots, attend)
     return x.view(bs, n, model.hidden)
 
 
@@ -211,7 +213,7 @@ def draft_extend_step(
     seq_lens: torch.Tensor,
     extend_seq_lens: torch.Tensor,
     hidden: torch.Tensor,
-    backend: str = "auto",
+    attention_backend: str = "auto",
     num_splits: Optional[int] = None,
 ) -> torch.Tensor:
     """Draft extend: the packed accepted tokens re-read by the draft model.
@@ -238,7 +240,8 @@ def draft_extend_step(
         cols = position.clamp(0, req_to_token.shape[1] - 1)
         slots = req_to_token[view.rows[row], cols].to(torch.int64)
         slots = torch.where(owned, slots, 0)
-    x = model.forward(hidden.reshape(bs * n, model.hidden), slots, _attend_with(md, backend, num_splits))
+    attend = _attend_with(md, attention_backend, num_splits)
+    x = model.forward(hidden.reshape(bs * n, model.hidden), slots, attend)
     return x.view(bs, n, model.hidden)
 
 
@@ -268,7 +271,7 @@ def step_inputs(mode: str, *, tree: bool = False) -> tuple:
 
 
 def make_step(mode: str, cfg: SpecConfig, model: ToyModel, req_to_token: torch.Tensor, *,
-              tree: bool = False, backend: str = "auto",
+              tree: bool = False, attention_backend: str = "auto",
               num_splits: Optional[int] = None) -> Callable:
     """``step(**batch)`` of ``mode`` (one of `STEP_MODES`) over an engine's pool.
 
@@ -280,7 +283,8 @@ def make_step(mode: str, cfg: SpecConfig, model: ToyModel, req_to_token: torch.T
     """
     step_inputs(mode, tree=tree)  # validates the mode
     plan = MetadataBuilder(cfg, draft_attention="branch")
-    common = dict(req_to_token=req_to_token, backend=backend, num_splits=num_splits)
+    common = dict(req_to_token=req_to_token, attention_backend=attention_backend,
+                  num_splits=num_splits)
     if mode == "draft_decode":
         return lambda **b: draft_iteration(plan.cfg, model, **common, **b)
     if mode == "target_verify":

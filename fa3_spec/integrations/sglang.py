@@ -300,10 +300,12 @@ def draft_decode(cfg: SglangConfig, buffers: Buffers, step: int, *, req_to_token
     check_buffers(cfg, buffers, "draft_decode", step=step)
     kwargs = dict(req_to_token=req_to_token, req_pool_indices=req_pool_indices, seq_lens=seq_lens)
     if cfg.topk == 1:
-        _write_chain(buffers[DECODE], build_draft_decode_metadata(spec, step, **kwargs),
+        _write_chain(buffers[DECODE],
+                     build_draft_decode_metadata(spec, step, draft_attention="branch", **kwargs),
                      table="page_table_draft_decode")
         return
-    casc = build_draft_decode_metadata(spec, step, out_cache_loc=out_cache_loc, **kwargs)
+    casc = build_draft_decode_metadata(spec, step, draft_attention="branch",
+                                       out_cache_loc=out_cache_loc, **kwargs)
     _write_draft_prefix(cfg, buffers, casc.prefix, req_to_token, req_pool_indices, seq_lens)
     _write_draft_expand(cfg, buffers, casc.expand, _runs(cfg, out_cache_loc, seq_lens.shape[0]),
                         step)
