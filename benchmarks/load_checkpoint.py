@@ -199,14 +199,14 @@ def loop(models, args, label: str) -> dict:
     eng.step()  # admission (prefill) and the first iteration: not timed
     if cuda:
         torch.cuda.synchronize()
-    start, iters = time.perf_counter(), eng.stats["iterations"]
+    start, iters = time.perf_counter(), eng.stats.iterations
     done = eng.run()
     if cuda:
         torch.cuda.synchronize()
     seconds = time.perf_counter() - start
     tokens = sum(len(o) for o in done.values())
     return dict(models=label, draft_attention=lc.draft_attention, tokens=tokens,
-                iterations=eng.stats["iterations"] - iters,
+                iterations=eng.stats.iterations - iters,
                 seconds=seconds, tokens_per_s=tokens / seconds,
                 acceptance=workload.SCRIPTED)
 

@@ -71,10 +71,9 @@ def acceptance_pair(models, p, k, args) -> dict:
         for prompt, m in zip(prompts, news):
             eng.submit(prompt, m)
         out = eng.run()
-        acc = eng.stats["accept_lens"]
         outputs[mode] = [out[i] for i in range(len(prompts))]
-        row[mode] = round(sum(acc) / len(acc), 4)
-        row[f"{mode}_iterations"] = eng.stats["iterations"]
+        row[mode] = round(eng.stats.mean_accept_len, 4)
+        row[f"{mode}_iterations"] = eng.stats.iterations
     row["ancestors_minus_branch"] = round(row["ancestors"] - row["branch"], 4)
     row["same_tokens"] = outputs["branch"] == outputs["ancestors"]
     return row

@@ -61,10 +61,9 @@ def bench(models, args, batch: int, variant: str) -> dict:
         if cuda:
             torch.cuda.synchronize()
         ms = 1e3 * (time.perf_counter() - start) / args.iters
-    acc = eng.stats["accept_lens"]
     return dict(variant=variant, batch=batch, draft_attention=lc.draft_attention,
                 ms_per_iteration=round(ms, 3),
-                mean_accept_len=round(sum(acc) / max(len(acc), 1), 3),
+                mean_accept_len=round(eng.stats.mean_accept_len, 3),
                 host_syncs_per_iteration=syncs.worst,
                 active_rows_at_end=eng.active)
 

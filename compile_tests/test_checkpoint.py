@@ -161,8 +161,7 @@ def run_loop(models, prompts, news, eos=-1, **kw):
     eng = make_engine(models, **kw)
     ids = [eng.submit(p, m, eos_id=eos) for p, m in zip(prompts, news)]
     out = eng.run()
-    acc = eng.stats["accept_lens"]
-    return [out[i] for i in ids], sum(acc) / len(acc), eng
+    return [out[i] for i in ids], eng.stats.mean_accept_len, eng
 
 
 @pytest.mark.parametrize("draft", ["derived", "random"])

@@ -64,7 +64,7 @@ def test_greedy_rows_stay_exact_to_greedy_in_a_batch_with_sampled_rows():
     eng = make_engine(models, 2, 4, 3, 6, max_bs=6, max_new=24)
     got = run_requests(eng, prompts, news, sampled)
     ref = greedy_generate(models, prompts, news, page_size=2, attention_backend="torch")
-    assert eng.stats["admitted"] == 12 > 6  # joins and finishes, rows reused
+    assert eng.stats.admitted == 12 > 6  # joins and finishes, rows reused
     assert [got[i] for i in range(0, 12, 2)] == [ref[i] for i in range(0, 12, 2)]
     assert any(got[i] != ref[i] for i in range(1, 12, 2))  # the others really sample
     assert all(len(got[i]) == news[i] for i in range(12))
@@ -153,8 +153,7 @@ def loop_draws(models, p, k, s, n, group, draws, seed0):
               for i in range(draws)]
     out = run_requests(eng, [PROMPT] * draws, [3] * draws, params)
     assert all(len(o) == 3 for o in out)
-    acc = eng.stats["accept_lens"]
-    return [tuple(o) for o in out], sum(acc) / len(acc)
+    return [tuple(o) for o in out], eng.stats.mean_accept_len
 
 
 def law_test(law, seqs, alt=None):
@@ -277,4 +276,4 @@ def test_gpu_the_captured_sampled_iteration_makes_no_host_sync_and_keeps_greedy_
     assert again == mixed
     print("EAGLE-GPU-SAMPLING", json.dumps(dict(
         host_syncs_per_iteration=probe.worst,
-        mean_accept_len=sum(eng.stats["accept_lens"]) / len(eng.stats["accept_lens"]))))
+        mean_accept_len=eng.stats.mean_accept_len)))

@@ -51,7 +51,7 @@ def test_grid_exact_to_greedy(p, k, s, n, draft, draft_attention):
     mean, eng = check_exact(p, k, s, n, draft=draft, draft_attention=draft_attention)
     print(f"\nEAGLE-SWEEP P={p} topk={k} steps={s} N={n} draft={draft} "
           f"draft_attention={draft_attention}: "
-          f"mean accept length {mean:.2f} over {eng.stats['iterations']} iterations")
+          f"mean accept length {mean:.2f} over {eng.stats.iterations} iterations")
     if draft == "random":
         assert mean < 1.5
     elif min(n - 1, s) + 1 >= 4:  # a path of 3+ drafts is possible

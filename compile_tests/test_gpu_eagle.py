@@ -89,12 +89,11 @@ def check(preset, p, k, s, n, *, batch=4, requests=8, max_new=32, prompt_len=48,
             ties += 1
         else:
             unexplained.append(dict(request=i, position=j, gap=gap, bound=bound))
-    acc = eng.stats["accept_lens"]
     report = dict(test=label, draft_attention=draft_attention, preset=preset, layers=models.num_target_layers, page_size=p,
                   topk=k, num_steps=s, num_draft_tokens=n, batch=batch, requests=requests,
                   exact_requests=exact, near_tie_divergences=ties,
                   unexplained_divergences=len(unexplained), divergence_gaps=gaps,
-                  mean_accept_len=round(sum(acc) / len(acc), 3), iterations=eng.stats["iterations"],
+                  mean_accept_len=round(eng.stats.mean_accept_len, 3), iterations=eng.stats.iterations,
                   host_syncs_per_iteration=probe.worst,
                   compile=compile_backend, buckets=eng.buckets,
                   dynamic_batch=eng.policy.dynamic_batch,

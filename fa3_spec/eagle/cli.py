@@ -423,9 +423,9 @@ def run_eagle(args: argparse.Namespace, *, log=print) -> dict:
     every = _Every(log)
 
     def progress(eng, host):
-        acc = eng.stats["accept_lens"]
-        every(lambda: f"  iteration {eng.stats['iterations']}: {eng.stats['finished']}/{n_req} "
-                      f"done, mean accept {sum(acc) / max(len(acc), 1):.2f}")
+        st = eng.stats
+        every(lambda: f"  iteration {st.iterations}: {st.finished}/{n_req} "
+                      f"done, mean accept {st.mean_accept_len:.2f}")
 
     if device == "cuda":
         torch.cuda.synchronize()
@@ -438,22 +438,23 @@ def run_eagle(args: argparse.Namespace, *, log=print) -> dict:
     seconds = time.perf_counter() - start
     got = [outputs[i] for i in range(n_req)]
     tokens = sum(len(o) for o in got)
-    acc = engine.stats["accept_lens"]
+    stats = engine.stats
     syncs = probe.counts if args.count_syncs else []
     result = dict(
         exact=None,
         mismatches=None,
         tokens=tokens,
-        iterations=engine.stats["iterations"],
-        mean_accept_len=sum(acc) / len(acc) if acc else None,
-        accept_len_histogram={str(k): acc.count(k) for k in sorted(set(acc))},
+        iterations=stats.iterations,
+        mean_accept_len=stats.mean_accept_len if stats.row_iterations else None,
+        accept_len_histogram={str(a): c for a, c in enumerate(stats.accept_hist.tolist())  # ok-host
+                              if c},
+        acceptance_by_depth_and_rank=stats.as_dict()["acceptance_rates"][1:],
         host_syncs_per_iteration=(max(syncs) if syncs else None),
         host_syncs_measured_iterations=len(syncs),
         tokens_per_s=tokens / seconds if seconds > 0 else None,
         seconds=seconds,
-        ms_per_iteration=1e3 * seconds / max(engine.stats["iterations"], 1),
-        host_launch_ms_per_iteration=(1e3 * sum(engine.stats["launch_s"])
-                                      / max(len(engine.stats["launch_s"]), 1)),
+        ms_per_iteration=1e3 * seconds / max(stats.iterations, 1),
+        host_launch_ms_per_iteration=1e3 * stats.launch_seconds / max(stats.iterations, 1),
         capture_s=capture_s,
         scripted_acceptance=(f"SCRIPTED: emitted tokens per iteration forced to {list(scripted)}; "
                              "outputs are not the model's" if scripted else None),

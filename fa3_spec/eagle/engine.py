@@ -42,6 +42,7 @@ from .models import SpecModel
 from .pool import KVPool
 from .prefill import check_max_new_tokens, check_prompt, eos_set, prefill_forward
 from .sampling import RequestSampling, SamplingParams
+from .stats import EngineStats
 
 #: State keys the host reads back after every iteration.
 READBACK = ("out_tokens", "out_len", "seq_lens", "accept_len", "tree_tokens", "parents", "path")
@@ -61,6 +62,26 @@ class Request:
     accept_lens: List[int] = dataclasses.field(default_factory=list)  # per iteration
     admitted_s: float = 0.0  # host clock at admission
     finished_s: float = 0.0  # host clock when its finish was read back
+    error: Optional[str] = None  # why it could not be admitted (then no output)
+    started: bool = False  # its state row is live on the device
+    emitted: int = 0  # output tokens the host has read back
+
+
+@dataclasses.dataclass(frozen=True)
+class RequestResult:
+    """A finished request, as `EagleEngine.pop_results` hands it over.
+
+    ``tokens``: its output (None when it failed); ``accept_lens``: tokens
+    accepted per iteration (`EagleEngine.request_stats`); ``seconds``: from admission to the host reading
+    its finish (shared with the batch it ran in); ``seed``: its sampling
+    seed; ``error``: why it could not be admitted, or None.
+    """
+
+    tokens: Optional[List[int]]
+    accept_lens: List[int]
+    seconds: float
+    seed: int
+    error: Optional[str] = None
 
 
 def _draft_vocab_size(models: SpecModel) -> int:
@@ -78,8 +99,10 @@ class EagleEngine:
             where FA3 runs on ``device``, else ``"torch"``); the engine's
             ``lc`` says which. ``lc.spec.topk`` must not exceed the draft's
             vocabulary (``models.draft_vocab_size`` when it has one, else ``vocab_size``).
-        models: a `SpecModel`.
-        max_reqs: ``req_to_token`` rows (default ``2 * max_bs``).
+        models: a `SpecModel`. ``lc.spec.max_context_len`` must not exceed
+            its RoPE table (``models.max_positions``): a position past it
+            would be rotated as the last one, silently wrong.
+        max_reqs: ``req_to_token`` rows, an int >= 1 (None: ``2 * max_bs``).
         buckets: batch sizes to run/capture, ints in ``[1, max_bs]`` that
             include ``max_bs`` (`fa3_spec.graphs.check_buckets`; default: the
             powers of two up to 256 below ``max_bs``, plus ``max_bs``). A
@@ -115,6 +138,14 @@ class EagleEngine:
                  compile_backend: Optional[str] = "auto", cache_path: Optional[str] = None,
                  device="cpu", seed: int = 0, acceptance: Optional[AcceptanceHook] = None,
                  policy: Optional[CompilePolicy] = None):
+        if max_reqs is not None and (isinstance(max_reqs, bool) or not isinstance(max_reqs, int)
+                                     or max_reqs < 1):
+            raise ValueError(f"max_reqs must be an int >= 1 (None: 2 * max_bs), got {max_reqs!r}")
+        if lc.spec.max_context_len > models.max_positions:
+            raise ValueError(
+                f"lc.spec.max_context_len={lc.spec.max_context_len} exceeds the model's RoPE "
+                f"table of {models.max_positions} positions (max_position_embeddings): "
+                "positions past it would be rotated as the last one")
         if lc.spec.topk > _draft_vocab_size(models):
             raise ValueError(
                 f"topk={lc.spec.topk} exceeds the draft's vocabulary of "
@@ -149,7 +180,7 @@ class EagleEngine:
         elif policy.graphs and self.device.type != "cuda":
             raise ValueError("policy.graphs needs a CUDA device")
         self.policy = policy
-        self.pool = KVPool(lc.spec, max_reqs=max_reqs or 2 * self.max_bs,
+        self.pool = KVPool(lc.spec, max_reqs=2 * self.max_bs if max_reqs is None else max_reqs,
                            target_layers=models.num_target_layers,
                            draft_layers=models.num_draft_layers, num_kv_heads=models.num_kv_heads,
                            head_dim=models.head_dim, dtype=models.dtype, device=device, seed=seed,
@@ -176,14 +207,13 @@ class EagleEngine:
                                       buffers=self.bucket_state, warmup=1, cache_path=cache_path)
         self._waiting: List[Request] = []
         self._slots: List[Optional[Request]] = [None] * self.max_bs
-        self._done: Dict[int, Request] = {}
+        self._done: Dict[int, Request] = {}  # finished or failed, until collected
         self._next_rid = 0
-        self._seeds: Dict[int, int] = {}
         self._pending = None  # (host copy, event, bucket) of the last launched iteration
         self._pinned = [None, None]
         self._parity = 0
-        self.stats = dict(iterations=0, accept_lens=[], launch_s=[],
-                          iteration_s=[], admitted=0, finished=0)
+        #: Running aggregates (`fa3_spec.eagle.stats.EngineStats`).
+        self.stats = EngineStats(max_depth=lc.max_depth, topk=lc.spec.topk)
 
     # ------------------------------------------------------------- requests
     def submit(self, prompt: Sequence[int], max_new_tokens: int,
@@ -229,12 +259,24 @@ class EagleEngine:
         rid = self._next_rid
         self._next_rid += 1
         self._waiting.append(Request(rid, prompt, max_new_tokens, eos, sampling))
-        self._seeds[rid] = sampling.seed
         return rid
 
+    def _request(self, rid: int) -> Request:
+        for req in self._waiting:
+            if req.rid == rid:
+                return req
+        for req in self._slots:
+            if req is not None and req.rid == rid:
+                return req
+        if rid in self._done:
+            return self._done[rid]
+        raise KeyError(f"no request {rid!r} here: never submitted, or already collected "
+                       "by pop_results")
+
     def seed_of(self, rid: int) -> int:
-        """The sampling seed of request ``rid`` (given, or drawn at submission)."""
-        return self._seeds[rid]
+        """The sampling seed of request ``rid`` (given, or drawn at submission),
+        until its result is collected."""
+        return self._request(rid).sampling.seed
 
     @property
     def active(self) -> int:
@@ -254,24 +296,44 @@ class EagleEngine:
         return None if req is None else req.rid
 
     def results(self) -> Dict[int, List[int]]:
-        return {rid: r.output for rid, r in self._done.items()}
+        """Outputs of the finished requests not yet collected, by id (failed
+        requests are in `failures`). The engine keeps them: a long-running
+        caller collects them with `pop_results` instead."""
+        return {rid: r.output for rid, r in self._done.items() if r.error is None}
+
+    def failures(self) -> Dict[int, str]:
+        """Requests that could not be admitted (their prefill raised), not yet
+        collected: id -> the error. The other requests ran on."""
+        return {rid: r.error for rid, r in self._done.items() if r.error is not None}
 
     def request_stats(self) -> Dict[int, dict]:
-        """Per finished request: ``accept_lens`` (tokens emitted per iteration)
-        and ``seconds`` from its admission to the host reading its finish
-        (it shares those seconds with the batch it ran in)."""
+        """Per finished request not yet collected: ``accept_lens`` (tokens
+        accepted per iteration: accepted drafts + 1; the last may exceed what
+        EOS or ``max_new_tokens`` let it emit) and ``seconds`` from its
+        admission to the host reading its finish (shared with its batch)."""
         return {rid: dict(accept_lens=list(r.accept_lens), seconds=r.finished_s - r.admitted_s)
-                for rid, r in self._done.items()}
+                for rid, r in self._done.items() if r.error is None}
+
+    def pop_results(self) -> Dict[int, RequestResult]:
+        """Hand over every finished (or failed) request and forget it: the
+        engine's memory does not grow with the requests it has served."""
+        done, self._done = self._done, {}
+        return {rid: RequestResult(r.output, r.accept_lens, r.finished_s - r.admitted_s,
+                                   r.sampling.seed, r.error)
+                for rid, r in done.items()}
 
     # ------------------------------------------------------------ admission
     def _admit(self) -> None:
         """Admit waiting requests into free rows: pool rows and pages, prefill,
         then their state rows.
 
-        All or nothing: if anything fails (the prefill, a device write), the
-        batch's rows, slots and pages are freed, its requests go back to the
-        head of the queue, no state row is live (``seq_lens``, which makes a
-        row live, is written last), and the error propagates.
+        A request that cannot be admitted does not hold up the others: if the
+        batch's prefill fails, each of its requests is tried alone, and one
+        that fails alone is finished with its error (`failures`) and its row
+        and pages freed. An interrupt (not an ``Exception``) frees the batch,
+        puts it back at the head of the queue and propagates. No state row is
+        live before its prefill succeeded (``seq_lens``, which makes a row
+        live, is written last).
         """
         batch: List[Request] = []
         free = [i for i, r in enumerate(self._slots) if r is None]
@@ -283,19 +345,45 @@ class EagleEngine:
                 req.row = self.pool.allocate(len(req.prompt), req.max_new_tokens)
                 self._waiting.pop(0)
                 req.slot = free.pop(0)
-                req.since = self.stats["iterations"]
+                req.since = self.stats.iterations
                 req.admitted_s = time.perf_counter()
                 self._slots[req.slot] = req
                 batch.append(req)
             if batch:
-                self._start(batch)
+                self._start_each(batch)
         except BaseException:
-            for req in batch:
-                self.pool.release(req.row)
-                self._slots[req.slot] = None
-                req.row = req.slot = -1
-            self._waiting[:0] = batch
+            pending = [req for req in batch if not req.started and req.error is None]
+            self._unassign(pending)
+            self._waiting[:0] = pending
             raise
+
+    def _unassign(self, batch: List[Request]) -> None:
+        for req in batch:
+            self.pool.release(req.row)
+            self._slots[req.slot] = None
+            req.row = req.slot = -1
+
+    def _start_each(self, batch: List[Request]) -> None:
+        """`_start` the batch; if it raises, each request alone (module docstring)."""
+        try:
+            self._start(batch)
+            return
+        except Exception as exc:  # noqa: BLE001 (re-raised below for a lone request's peers)
+            if len(batch) == 1:
+                self._fail(batch[0], exc)
+                return
+        for req in batch:
+            try:
+                self._start([req])
+            except Exception as exc:  # noqa: BLE001 (recorded on the request)
+                self._fail(req, exc)
+
+    def _fail(self, req: Request, exc: Exception) -> None:
+        self._unassign([req])
+        req.error = f"{type(exc).__name__}: {exc}"
+        req.finished_s = time.perf_counter()
+        self._done[req.rid] = req
+        self.stats.failed += 1
 
     def _start(self, batch: List[Request]) -> None:
         """Prefill ``batch`` (rows and slots assigned) and write its state rows."""
@@ -329,7 +417,9 @@ class EagleEngine:
         for key, value in params._asdict().items():
             st[key][idx] = value
         st["seq_lens"][idx] = torch.where(done, 0, lens)  # last: the rows are live from here
-        self.stats["admitted"] += len(batch)
+        for req in batch:
+            req.started = True
+        self.stats.admitted += len(batch)
 
     # ------------------------------------------------------------- iteration
     def bucket_for(self, rows: int) -> int:
@@ -371,7 +461,7 @@ class EagleEngine:
             self.capture()
         start = time.perf_counter()
         self.runner.replay(bucket, bucket)
-        self.stats["launch_s"].append(time.perf_counter() - start)
+        self.stats.launch_seconds += time.perf_counter() - start
 
     def _readback(self, bucket: int):
         view = self.bucket_state(bucket)
@@ -396,20 +486,25 @@ class EagleEngine:
         # not one tensor index per slot.
         seq = host["seq_lens"].tolist()  # ok-host
         out_len, accept = host["out_len"].tolist(), host["accept_len"].tolist()  # ok-host
+        counted = host["accept_len"].clone()
+        emitted = 0
         for slot in range(len(seq)):
             req = self._slots[slot]
             if req is None or req.since > iteration:  # admitted after this copy was taken
+                counted[slot] = 0
                 continue
             if accept[slot] > 0:
-                self.stats["accept_lens"].append(accept[slot])
                 req.accept_lens.append(accept[slot])
+            emitted += out_len[slot] - max(req.emitted, 1)  # the prefill's token: not counted
+            req.emitted = out_len[slot]
             if seq[slot] == 0:  # finished (padding on the device already)
                 req.output = host["out_tokens"][slot, : out_len[slot]].tolist()  # ok-host
                 self.pool.release(req.row)
                 self._slots[slot] = None
                 self._done[req.rid] = req
                 req.finished_s = time.perf_counter()
-                self.stats["finished"] += 1
+                self.stats.finished += 1
+        self.stats.record(counted, host["parents"], host["path"], emitted)
         if on_iteration is not None:
             on_iteration(self, host)
 
@@ -422,17 +517,19 @@ class EagleEngine:
             bucket = self.bucket_for(occupied[-1] + 1)
             start = time.perf_counter()
             self.launch(bucket)
-            launched = self._readback(bucket) + (self.stats["iterations"], start)
-            self.stats["iterations"] += 1
+            launched = self._readback(bucket) + (self.stats.iterations, start)
+            self.stats.iterations += 1
         if self._pending is not None:
             host, event, iteration, started = self._pending
             self._consume(host, event, iteration, on_iteration)
-            self.stats["iteration_s"].append(time.perf_counter() - started)
+            self.stats.readback_seconds += time.perf_counter() - started
+            self.stats.readbacks += 1
         self._pending = launched
         return self.has_work
 
     def run(self, progress: Optional[Callable] = None) -> Dict[int, List[int]]:
-        """Run until every submitted request has finished; returns outputs by id."""
+        """Run until every submitted request has finished; returns the outputs
+        by id (`results`; requests that could not be admitted: `failures`)."""
         while self.step(progress):
             pass
         return self.results()

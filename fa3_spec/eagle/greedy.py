@@ -39,7 +39,9 @@ def greedy_generate(models: SpecModel, prompts: Sequence[Sequence[int]],
     Raises:
         ValueError: no prompts, an empty prompt, a prompt token outside
             ``[0, vocab_size)``, ``max_new_tokens`` (or ``eos_ids``) not one
-            per prompt, or a ``max_new_tokens`` below 1.
+            per prompt, a ``max_new_tokens`` below 1, or a prompt plus its
+            ``max_new_tokens`` longer than the model's RoPE table
+            (``models.max_positions``).
     """
     prompts = [check_prompt(f"prompts[{i}]", p, models.vocab_size) for i, p in enumerate(prompts)]
     max_new_tokens = [check_max_new_tokens(f"max_new_tokens[{i}]", m)
@@ -52,6 +54,10 @@ def greedy_generate(models: SpecModel, prompts: Sequence[Sequence[int]],
     if eos_ids is not None and len(eos_ids) != len(prompts):
         raise ValueError(f"eos_ids must give one id per prompt ({len(prompts)}), got "
                          f"{len(eos_ids)}")
+    reach = max(len(p) + m for p, m in zip(prompts, max_new_tokens))
+    if reach > models.max_positions:
+        raise ValueError(f"a prompt plus its max_new_tokens reaches {reach} positions, beyond the "
+                         f"model's RoPE table of {models.max_positions} (max_position_embeddings)")
     bs = len(prompts)
     steps = max(max_new_tokens)
     ctx = max(len(p) for p in prompts) + steps + 1

@@ -146,6 +146,16 @@ def check_sampling_params(temperature: float, top_k: int, top_p: float,
 
 
 # ------------------------------------------------------------------ distribution
+def min_temperature(dtype: torch.dtype) -> float:
+    """The smallest temperature sampled as given in a computation of ``dtype``
+    (float32 for half-precision and float32 logits, float64 for float64): the
+    smallest normal number, about 1.2e-38 and 2.2e-308. Below it a row is
+    decoded greedily, the limit of sampling as the temperature goes to 0;
+    above it the division is safe (`filtered_probs` divides logits shifted
+    by their maximum, which stay <= 0)."""
+    return torch.finfo(dtype).tiny
+
+
 def filtered_probs(logits: torch.Tensor, temperature: torch.Tensor, top_k: torch.Tensor,
                    top_p: torch.Tensor) -> torch.Tensor:
     """The target's sampling distribution per row: temperature, then top-k, then top-p.
@@ -156,8 +166,9 @@ def filtered_probs(logits: torch.Tensor, temperature: torch.Tensor, top_k: torch
 
     Returns:
         Probabilities ``[B, ..., V]`` in float32 (float64 for float64 logits),
-        each row summing to 1. A row with ``temperature == 0`` is the one-hot
-        of ``logits.argmax(-1)`` (the first maximum), whatever its top-k/top-p.
+        each row summing to 1. A row with ``temperature == 0``, or below
+        `min_temperature` of the computation's dtype, is the one-hot of
+        ``logits.argmax(-1)`` (the first maximum), whatever its top-k/top-p.
 
     Semantics (ties at a cut are kept, as Hugging Face's warpers keep them):
     top-k keeps the tokens whose tempered logit is ``>=`` the k-th largest;
@@ -171,8 +182,11 @@ def filtered_probs(logits: torch.Tensor, temperature: torch.Tensor, top_k: torch
     v = logits.shape[-1]
     view = (-1,) + (1,) * (logits.dim() - 1)
     t = temperature.to(dtype).view(view)
-    greedy = t <= 0
-    z = logits.to(dtype) / torch.where(greedy, 1.0, t)
+    greedy = t < min_temperature(dtype)
+    x = logits.to(dtype)
+    # Shifted by the row's maximum before the division, so a small temperature
+    # sends the other logits towards -inf instead of the largest one to +inf.
+    z = (x - x.amax(-1, keepdim=True)) / torch.where(greedy, 1.0, t)
     k = top_k.view(view)
     k = torch.where((k <= 0) | (k > v), v, k)
     p_cut = top_p.to(dtype).view(view)
