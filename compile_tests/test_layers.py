@@ -5,12 +5,13 @@ Wings: the *library* (everything an engine imports: config, batch, metadata,
 builders, expand, tree, checks, modes, attention, graphs, probes, audit,
 integrations) and the *harness* (``fa3_spec.harness``: worlds, oracles, the
 upstream-style reference, the toy steps, the self-audit), the reference EAGLE
-consumer (``fa3_spec.eagle``) and the ``fa3-spec`` command (``fa3_spec.cli``). Arrows run from harness and
+consumer (``fa3_spec.eagle``), the draft-head trainer built on it
+(``fa3_spec.train``) and the ``fa3-spec`` command (``fa3_spec.cli``). Arrows run from harness and
 consumer to the library only. Imports inside functions count too.
 
 Private modules (a ``_`` name, such as ``fa3_spec._validate``) belong to the
 library *core*: ``fa3_spec/*.py``, ``builders/``, ``attention/`` and ``graphs/``. Everything
-else (``eagle/``, ``integrations/``, ``harness/``, ``cli/``, ``benchmarks/``,
+else (``eagle/``, ``train/``, ``integrations/``, ``harness/``, ``cli/``, ``benchmarks/``,
 ``notebooks/``) reaches the library through its public modules only.
 """
 
@@ -21,7 +22,7 @@ import pathlib
 import pytest
 
 ROOT = pathlib.Path(__file__).resolve().parents[1] / "fa3_spec"
-CONSUMERS = ("fa3_spec.harness", "fa3_spec.eagle", "fa3_spec.cli")
+CONSUMERS = ("fa3_spec.harness", "fa3_spec.eagle", "fa3_spec.train", "fa3_spec.cli")
 CORE_PACKAGES = ("builders", "attention", "graphs")
 
 
@@ -141,7 +142,8 @@ def test_consumers_import_no_private_module():
 
 def test_the_consumer_list_covers_every_wing():
     wings = {m.split("/")[0] if "/" in m else ".".join(m.split(".")[:2]) for m in CONSUMER_IMPORTS}
-    assert wings == {"fa3_spec.eagle", "fa3_spec.integrations", "fa3_spec.harness", "fa3_spec.cli",
+    assert wings == {"fa3_spec.eagle", "fa3_spec.train", "fa3_spec.integrations", "fa3_spec.harness",
+                     "fa3_spec.cli",
                      "benchmarks", "notebooks"}
     assert not any(_is_core(m) for m in CONSUMER_IMPORTS if m.startswith("fa3_spec"))
     assert {"fa3_spec.config", "fa3_spec.builders.draft", "fa3_spec.attention.cascade"} <= {

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import numbers
 from collections.abc import Iterable
-from typing import List, Optional, Sequence, Tuple, Union
+from typing import List, NamedTuple, Optional, Sequence, Tuple, Union
 
 import torch
 
@@ -45,18 +45,24 @@ def check_prompt(name: str, prompt: Sequence[int], vocab_size: int) -> List[int]
     return tokens
 
 
-def prefill_forward(models: SpecModel, spec: SpecConfig, kv_target: KVCache,
-                     kv_draft: Optional[KVCache], req_to_token: torch.Tensor,
-                     rows: List[int], prompts: List[List[int]], *, attention_backend: str,
-                     num_splits=None, sampling: Optional[SamplingParams] = None):
-    """Eager prefill of ``prompts`` into pool ``rows``.
+class PrefillBatch(NamedTuple):
+    """What one eager prefill of whole prompts feeds a forward: ``tokens``,
+    ``positions``, ``slots`` int64 ``[B * max_len]`` (the prompts packed
+    first, padding queries after them at slot 0), the prefill ``metadata``,
+    each query's batch ``rows`` and whether it is a real one (``owned``,
+    bool)."""
 
-    Returns ``(first_token [B], draft_hidden [B, H], cand_scores [B, K],
-    cand_tokens [B, K], logits [B, V])``: the target's token after each
-    prompt (greedy, or drawn with ``sampling``, counter 0) and its logits
-    and, with a draft cache (else None), the draft's feature and the top-K
-    children of that token.
-    """
+    tokens: torch.Tensor
+    positions: torch.Tensor
+    slots: torch.Tensor
+    metadata: object
+    rows: torch.Tensor
+    owned: torch.Tensor
+
+
+def prefill_batch(spec: SpecConfig, req_to_token: torch.Tensor, rows: List[int],
+                  prompts: List[List[int]]) -> PrefillBatch:
+    """The `PrefillBatch` of ``prompts`` into pool ``rows`` (from empty rows)."""
     device = req_to_token.device
     lens = torch.tensor([len(p) for p in prompts], dtype=torch.int64, device=device)
     tokens = torch.tensor([t for p in prompts for t in p], dtype=torch.int64, device=device)
@@ -71,6 +77,26 @@ def prefill_forward(models: SpecModel, spec: SpecConfig, kv_target: KVCache,
                                 seq_lens=lens, extend_seq_lens=lens, max_seqlen_q=max_len)
     row, pos, owned = extend_query_positions(md, lens, total)
     slots = torch.where(owned, req_to_token[rpi[row], pos].to(torch.int64), 0)
+    return PrefillBatch(tokens, pos, slots, md, row, owned)
+
+
+def prefill_forward(models: SpecModel, spec: SpecConfig, kv_target: KVCache,
+                     kv_draft: Optional[KVCache], req_to_token: torch.Tensor,
+                     rows: List[int], prompts: List[List[int]], *, attention_backend: str,
+                     num_splits=None, sampling: Optional[SamplingParams] = None):
+    """Eager prefill of ``prompts`` into pool ``rows``.
+
+    Returns ``(first_token [B], draft_hidden [B, H], cand_scores [B, K],
+    cand_tokens [B, K], logits [B, V])``: the target's token after each
+    prompt (greedy, or drawn with ``sampling``, counter 0) and its logits
+    and, with a draft cache (else None), the draft's feature and the top-K
+    children of that token.
+    """
+    device = req_to_token.device
+    batch = prefill_batch(spec, req_to_token, rows, prompts)
+    tokens, pos, slots, md, row = batch.tokens, batch.positions, batch.slots, batch.metadata, \
+        batch.rows
+    total = tokens.shape[0]
     attn = dict(attention_backend=attention_backend, num_splits=num_splits)
     hidden = models.target_forward(tokens, pos, slots, md, kv_target, **attn)
     last = md.cu_seqlens_q[1:].to(torch.int64) - 1

@@ -1,0 +1,196 @@
+"""Training an EAGLE-3 head (CPU): the draft vocabulary's maps, the training-time
+test forward against the loop's own drafts, the exported layout and its round
+trip through the loader and the loop, training that raises held-out
+acceptance, budgets, resume and refusals."""
+
+import dataclasses
+import json
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+import fa3_spec
+from fa3_spec.eagle import EagleEngine, EagleModels, LoopConfig, greedy_generate, make_models
+from fa3_spec.eagle.checkpoint import load_draft
+from fa3_spec.train.export import ARCHITECTURE, save_head
+from fa3_spec.train.features import target_features
+from fa3_spec.train.head import Eagle3Head, default_aux_layers
+from fa3_spec.train.trainer import STATE_FILE, TrainConfig, train_draft
+from fa3_spec.train.vocab import DraftVocab, draft_vocab_from_counts
+
+
+@pytest.fixture(autouse=True)
+def _one_thread(one_thread):
+    yield
+
+
+_TARGETS = {}
+
+
+def target(dtype=torch.float32):
+    if dtype not in _TARGETS:
+        _TARGETS[dtype] = make_models("tiny", seed=0, num_layers=8, dtype=dtype).target
+    return _TARGETS[dtype]
+
+
+def perturbed_head(t, vocab, scale=0.5, seed=3):
+    head = Eagle3Head(t, vocab, seed=seed)
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for p in head.parameters():
+            p.add_(torch.randn(p.shape, generator=g) * scale)
+    return head
+
+
+def random_prompts(n, seed=1):
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randint(0, 512, (int(torch.randint(4, 12, (1,), generator=g)),),
+                          generator=g).tolist() for _ in range(n)]
+
+
+# ---------------------------------------------------------------- vocabulary
+def test_the_draft_vocabulary_keeps_the_most_frequent_tokens_and_its_maps_agree():
+    counts = torch.zeros(50, dtype=torch.int64)
+    counts[[7, 3, 40, 12]] = torch.tensor([5, 9, 9, 1])
+    vocab = draft_vocab_from_counts(counts, 6)
+    assert vocab.ids.tolist() == [0, 1, 3, 7, 12, 40]  # 3 and 40 (9), 7, 12, then unseen 0, 1
+    vocab.check()
+    assert torch.equal(torch.arange(6) + vocab.d2t, vocab.ids)  # draft id + d2t lands on ids
+    assert torch.equal(vocab.t2d.nonzero().flatten(), vocab.ids)
+    broken = DraftVocab(vocab.ids, vocab.d2t + 1, vocab.t2d)
+    with pytest.raises(ValueError, match="d2t and t2d disagree"):
+        broken.check()
+    for bad in (0, 51, 2.0, True):
+        with pytest.raises(ValueError, match="size \\(the draft vocabulary\\)"):
+            draft_vocab_from_counts(counts, bad)
+
+
+def test_the_default_auxiliary_layers_are_the_loaders_convention():
+    assert default_aux_layers(32) == (2, 16, 29)
+    with pytest.raises(ValueError, match="pass aux_layers"):
+        default_aux_layers(6)
+
+
+# ------------------------------------------------------- training-time test forward
+def test_the_unrolled_forward_predicts_what_the_loop_drafts(tmp_path):
+    """Step k of the training-time test at position L - 1 + k, fed the loop's
+    own chain, predicts the loop's draft at depth k + 1: the head trains on
+    the computation it serves with (the exported head, loaded by the loader)."""
+    t = target()
+    vocab = draft_vocab_from_counts(torch.randint(0, 50, (512,), generator=torch.Generator()
+                                                  .manual_seed(0)), 256)
+    head = perturbed_head(t, vocab)
+    save_head(head, tmp_path, dtype=torch.float32)
+    models = EagleModels(t, load_draft(tmp_path, t))
+    steps = 4
+    spec = fa3_spec.SpecConfig(page_size=2, topk=1, num_steps=steps, num_draft_tokens=steps + 1,
+                               max_bs=2, max_context_len=64)
+    spec = dataclasses.replace(spec, num_pages=spec.pool_pages(4, "ancestors"))
+    for prompt in ([5, 9, 2, 7, 11, 3], list(range(1, 12))):
+        eng = EagleEngine(LoopConfig(spec, max_new_tokens=16, attention_backend="torch"), models,
+                          max_reqs=4)
+        eng.submit(prompt, 16)
+        eng.admit()
+        eng.launch(1)
+        chain = eng.state["tree_tokens"][0].tolist()  # root, then the drafts of depth 1..
+        batch = target_features(t, [prompt + chain], head.aux_layers, vocab.ids,
+                                attention_backend="torch")
+        with torch.no_grad():
+            logits = head(batch.tokens, batch.features, steps)
+        n = len(prompt)
+        predicted = [int(vocab.ids[logits[k][0, n - 1 + k].argmax()]) for k in range(steps)]
+        assert predicted == chain[1:]
+        assert len(set(chain[1:])) > 1  # a chain that says something
+
+
+# ---------------------------------------------------------------------- export
+def test_the_export_is_the_published_layout_and_runs_exactly_in_the_loop(tmp_path):
+    t32 = target()
+    vocab = draft_vocab_from_counts(torch.arange(512), 128)
+    head = perturbed_head(t32, vocab, scale=0.05)
+    save_head(head, tmp_path)  # bf16, as published
+    config = json.loads((tmp_path / "config.json").read_text())
+    assert config["architectures"] == [ARCHITECTURE] and config["draft_vocab_size"] == 128
+    assert config["tie_word_embeddings"] is False and config["num_hidden_layers"] == 1
+    assert config["eagle_config"]["eagle_aux_hidden_state_layer_ids"] == [1, 3, 4]
+    assert config["max_position_embeddings"] == t32.shape.max_position_embeddings
+    tensors = load_file(str(tmp_path / "model.safetensors"))
+    h = t32.shape.hidden_size
+    assert not any("embed_tokens" in name for name in tensors)
+    assert tensors["fc.weight"].shape == (h, 3 * h)
+    assert tensors["midlayer.self_attn.q_proj.weight"].shape[1] == 2 * h
+    assert tensors["lm_head.weight"].shape == (128, h) and tensors["lm_head.weight"].dtype == \
+        torch.bfloat16
+    assert tensors["d2t"].dtype == torch.int64 and tensors["t2d"].dtype == torch.bool
+    assert torch.equal(torch.arange(128) + tensors["d2t"], tensors["t2d"].nonzero().flatten())
+    # Loaded into a float64 target, the loop stays exact to greedy decoding.
+    t64 = target(torch.float64)
+    models = EagleModels(t64, load_draft(tmp_path, t64))
+    assert torch.equal(models.draft.d2t, vocab.ids)
+    spec = fa3_spec.SpecConfig(page_size=2, topk=4, num_steps=3, num_draft_tokens=6, max_bs=2,
+                               max_context_len=64)
+    spec = dataclasses.replace(spec, num_pages=spec.pool_pages(4, "ancestors"))
+    eng = EagleEngine(LoopConfig(spec, max_new_tokens=20, attention_backend="torch"), models,
+                      max_reqs=4)
+    prompts = [[3, 1, 4, 1, 5], [9, 2, 6]]
+    ids = [eng.submit(p, 20) for p in prompts]
+    out = eng.run()
+    assert [out[i] for i in ids] == greedy_generate(models, prompts, [20, 20],
+                                                    attention_backend="torch")
+
+
+# -------------------------------------------------------------------- training
+CONFIG = TrainConfig(ttt_steps=2, batch_size=8, max_new_tokens=24, draft_vocab=256, eval_every=50,
+                     holdout=8, lr=5e-3, warmup_steps=10, decay_steps=200)
+
+
+def test_training_raises_held_out_first_depth_acceptance(tmp_path):
+    report = train_draft(target(), random_prompts(72), tmp_path, tokens=30000, config=CONFIG,
+                         attention_backend="torch")
+    assert report.stopped == "tokens" and report.tokens >= 30000
+    gain = report.final_top1[0] - report.initial_top1[0]
+    assert gain >= 0.2, (report.initial_top1, report.final_top1)
+    assert [h["step"] for h in report.history] == [50, 100, report.steps]
+    assert (tmp_path / "model.safetensors").is_file() and (tmp_path / STATE_FILE).is_file()
+    load_draft(tmp_path, target())  # what a budget leaves behind loads
+
+
+def test_resume_continues_the_full_state_or_the_weights_alone(tmp_path):
+    cfg = dataclasses.replace(CONFIG, eval_every=5)
+    first = train_draft(target(), random_prompts(24), tmp_path, tokens=2000, config=cfg,
+                        attention_backend="torch")
+    again = train_draft(target(), random_prompts(24), tmp_path, tokens=4000, config=cfg,
+                        attention_backend="torch", resume=True)
+    assert again.steps > first.steps and again.initial_top1 == first.initial_top1
+    assert again.tokens >= 4000
+    # Across machines only the head travels: its weights come back as they were.
+    weights = load_file(str(tmp_path / "model.safetensors"))
+    (tmp_path / STATE_FILE).unlink()
+    seen = []
+    train_draft(target(), random_prompts(24), tmp_path, tokens=1, config=cfg,
+                attention_backend="torch", resume=True,
+                progress=lambda info: seen.append(info["step"]))
+    assert seen == [1]  # a fresh optimizer: the count starts again
+    assert torch.equal(load_file(str(tmp_path / "model.safetensors"))["d2t"], weights["d2t"])
+
+
+@pytest.mark.parametrize("kwargs, match", [
+    (dict(), "give a budget"),
+    (dict(minutes=0), "minutes must be a finite number > 0"),
+    (dict(tokens=float("nan")), "tokens must be a finite number > 0"),
+    (dict(tokens=10, config=dataclasses.replace(CONFIG, draft_vocab=513)), "exceeds the target"),
+    (dict(tokens=10, prompts=random_prompts(8)), "more than config.holdout=8"),
+])
+def test_bad_runs_are_refused_by_name(tmp_path, kwargs, match):
+    kwargs.setdefault("config", CONFIG)
+    prompts = kwargs.pop("prompts", random_prompts(24))
+    with pytest.raises(ValueError, match=match):
+        train_draft(target(), prompts, tmp_path, **kwargs)
+
+
+@pytest.mark.parametrize("field, value", [("ttt_steps", 0), ("lr", float("inf")),
+                                          ("batch_size", 2.0), ("holdout", -1)])
+def test_a_config_out_of_its_domain_is_refused(field, value):
+    with pytest.raises(ValueError, match=field):
+        dataclasses.replace(CONFIG, **{field: value})

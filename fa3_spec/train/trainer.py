@@ -1,0 +1,314 @@
+"""Training an EAGLE-3 head against its target, in one process.
+
+`train_draft` is the whole job: the target regenerates responses to the
+prompts itself (self-distillation, greedy), its features are captured online
+(`fa3_spec.train.features`), and the head (`fa3_spec.train.head`) learns the
+training-time test objective (`fa3_spec.train.objective`) with AdamW, linear
+warmup then cosine decay, and gradient clipping. It stops when either budget
+(minutes, training tokens) runs out and always leaves a loadable head.
+
+Checkpoints: ``OUT/`` holds the exported head (`fa3_spec.train.export`) and
+``OUT/trainer_state.pt``, the full state (weights, optimizer, schedule, data
+position, random state). ``resume=True`` continues from the full state when
+it is there, else from the head's weights alone (a head that travelled
+without its optimizer, whose state is several times the head's size).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import os
+import pathlib
+import random
+import time
+from typing import Callable, List, Optional, Sequence
+
+import torch
+
+from ..eagle.greedy import greedy_generate
+from ..eagle.models import EagleDraft, EagleModels, LlamaTarget
+from .export import EXPORTED_NAMES, save_head
+from .features import target_features
+from .head import Eagle3Head
+from .objective import ttt_loss
+from .vocab import DraftVocab, draft_vocab_from_counts
+
+__all__ = ["TrainConfig", "TrainReport", "train_draft"]
+
+#: File of the full training state inside the output directory.
+STATE_FILE = "trainer_state.pt"
+
+
+@dataclasses.dataclass(frozen=True)
+class TrainConfig:
+    """What a run does besides its budgets.
+
+    ``ttt_steps`` unrolled draft steps (EAGLE-3 trains 7) weighted
+    ``step_decay ** k``; ``batch_size`` sequences per optimizer step, each cut
+    to ``max_len`` tokens; ``max_new_tokens`` of each regenerated response;
+    ``lr`` peak learning rate after ``warmup_steps``, cosine decay to 10% of
+    it over ``decay_steps``; ``clip`` the gradient norm bound;
+    ``draft_vocab`` tokens the head scores; ``eval_every`` optimizer steps
+    between held-out evaluations (and checkpoints); ``holdout`` prompts kept
+    for evaluation (never trained on).
+    """
+
+    ttt_steps: int = 7
+    step_decay: float = 0.8
+    batch_size: int = 8
+    max_len: int = 512
+    max_new_tokens: int = 128
+    lr: float = 3e-4
+    warmup_steps: int = 20
+    decay_steps: int = 2000
+    weight_decay: float = 0.0
+    clip: float = 0.5
+    draft_vocab: int = 16384
+    eval_every: int = 50
+    holdout: int = 8
+    seed: int = 0
+
+    def __post_init__(self):
+        for name in ("ttt_steps", "batch_size", "max_len", "max_new_tokens", "draft_vocab",
+                     "eval_every", "decay_steps"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"{name} must be an int >= 1, got {value!r}")
+        for name in ("warmup_steps", "holdout"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+                raise ValueError(f"{name} must be an int >= 0, got {value!r}")
+        for name in ("lr", "clip", "step_decay"):
+            value = getattr(self, name)
+            if not (isinstance(value, (int, float)) and 0 < value < math.inf):
+                raise ValueError(f"{name} must be a finite number > 0, got {value!r}")
+
+    def learning_rate(self, step: int) -> float:
+        """Linear warmup over ``warmup_steps``, then cosine to 10% at ``decay_steps``."""
+        if step < self.warmup_steps:
+            return self.lr * (step + 1) / self.warmup_steps
+        frac = min(1.0, (step - self.warmup_steps) / max(1, self.decay_steps - self.warmup_steps))
+        return self.lr * (0.1 + 0.45 * (1 + math.cos(math.pi * frac)))
+
+
+@dataclasses.dataclass
+class TrainReport:
+    """What a run did: optimizer ``steps``, training ``tokens`` (scored
+    positions of step 0), ``seconds``, why it stopped, and the held-out
+    per-depth top-1 acceptance before training (``initial_top1``) and at
+    each evaluation (``history``: dicts of step, tokens, loss, top1)."""
+
+    steps: int = 0
+    tokens: int = 0
+    seconds: float = 0.0
+    stopped: str = ""
+    initial_top1: List[float] = dataclasses.field(default_factory=list)
+    history: List[dict] = dataclasses.field(default_factory=list)
+
+    @property
+    def final_top1(self) -> List[float]:
+        return self.history[-1]["top1"] if self.history else self.initial_top1
+
+
+def _check_budget(name: str, value) -> None:
+    if value is None:
+        return
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 < value < math.inf:
+        raise ValueError(f"{name} must be a finite number > 0 (or None), got {value!r}")
+
+
+def regenerate(target: LlamaTarget, prompts: Sequence[Sequence[int]], max_new_tokens: int,
+               eos_ids: Sequence[int], attention_backend: str) -> List[List[int]]:
+    """Each prompt followed by the target's own greedy response (self-distillation)."""
+    models = EagleModels(target, EagleDraft.derived(target))
+    out = greedy_generate(models, prompts, [max_new_tokens] * len(prompts),
+                          eos_ids=[list(eos_ids) or -1] * len(prompts),
+                          attention_backend=attention_backend,
+                          device=target.embed.device)
+    return [list(p) + o for p, o in zip(prompts, out)]
+
+
+def train_draft(target: LlamaTarget, prompts: Sequence[Sequence[int]], out_dir: os.PathLike, *,
+                minutes: Optional[float] = None, tokens: Optional[int] = None,
+                config: TrainConfig = TrainConfig(), eos_ids: Sequence[int] = (),
+                resume: bool = False, attention_backend: str = "auto",
+                holdout_prompts: Optional[Sequence[Sequence[int]]] = None,
+                export_dtype: Optional[torch.dtype] = None,
+                progress: Optional[Callable[[dict], None]] = None) -> TrainReport:
+    """Train an EAGLE-3 head for ``target`` and write it to ``out_dir``.
+
+    Args:
+        target: the frozen target (its device and dtype are the run's: bf16
+            on a GPU, float32 on the CPU are the intended ones).
+        prompts: token lists the target answers; the first
+            ``config.holdout`` are held out unless ``holdout_prompts`` is given.
+        out_dir: where the head and the training state go.
+        minutes, tokens: budgets (at least one); the run stops at the first
+            one reached, after a whole optimizer step.
+        eos_ids: where a regenerated response stops.
+        resume: continue from ``out_dir`` (module docstring).
+        progress: called after each optimizer step with a dict of step,
+            tokens, tokens_per_s, loss, lr (and top1 after an evaluation).
+
+    Raises `ValueError` naming the argument: no budget, a budget <= 0, fewer
+    prompts than the held-out split needs, a draft vocabulary larger than
+    the target's.
+    """
+    _check_budget("minutes", minutes)
+    _check_budget("tokens", tokens)
+    if minutes is None and tokens is None:
+        raise ValueError("give a budget: minutes, tokens or both")
+    prompts = [list(p) for p in prompts]
+    if holdout_prompts is None:
+        if len(prompts) <= config.holdout:
+            raise ValueError(f"prompts: {len(prompts)} given, more than config.holdout="
+                             f"{config.holdout} are needed (the held-out split comes first)")
+        holdout_prompts, prompts = prompts[:config.holdout], prompts[config.holdout:]
+    if not prompts or any(len(p) < 1 for p in prompts):
+        raise ValueError("prompts must be non-empty token lists")
+    if config.draft_vocab > target.shape.vocab_size:
+        raise ValueError(f"config.draft_vocab={config.draft_vocab} exceeds the target's "
+                         f"vocabulary of {target.shape.vocab_size}")
+    out = pathlib.Path(out_dir).expanduser()
+    out.mkdir(parents=True, exist_ok=True)
+    start = time.perf_counter()
+    device = target.embed.device
+    dtype = torch.float32 if device.type == "cpu" else torch.bfloat16
+    export_dtype = export_dtype or (torch.float32 if dtype == torch.float32 else torch.bfloat16)
+    rng = random.Random(config.seed)
+    torch.manual_seed(config.seed)
+
+    def cut(seqs):
+        return [s[: config.max_len] for s in seqs if len(s) >= 3]
+
+    held = cut(regenerate(target, holdout_prompts, config.max_new_tokens, eos_ids,
+                          attention_backend)) if holdout_prompts else []
+    state_path = out / STATE_FILE
+    state = torch.load(state_path, weights_only=False) if resume and state_path.is_file() else None
+    exported = out / "model.safetensors"
+    if state is not None:
+        vocab = DraftVocab(*(t.to("cpu") for t in state["vocab"]))
+    elif resume and exported.is_file():
+        from safetensors.torch import load_file
+        vocab = DraftVocab.from_ids(load_file(str(exported))["t2d"].nonzero().flatten(),
+                                    target.shape.vocab_size)
+    else:
+        # The draft vocabulary from the tokens the target emits on the training prompts.
+        first = cut(regenerate(target, prompts[: config.batch_size * 4], config.max_new_tokens,
+                               eos_ids, attention_backend))
+        counts = torch.zeros(target.shape.vocab_size, dtype=torch.int64)
+        for s in first:
+            counts += torch.bincount(torch.tensor(s), minlength=target.shape.vocab_size)
+        vocab = draft_vocab_from_counts(counts, config.draft_vocab)
+    head = Eagle3Head(target, vocab, seed=config.seed, dtype=torch.float32)
+    opt = torch.optim.AdamW(head.parameters(), lr=config.lr, weight_decay=config.weight_decay,
+                            betas=(0.9, 0.95))
+    report = TrainReport()
+    order = list(range(len(prompts)))
+    cursor = 0
+    if state is not None:
+        head.load_state_dict(state["head"])
+        opt.load_state_dict(state["optimizer"])
+        report = TrainReport(**state["report"])
+        order, cursor = state["order"], state["cursor"]
+        rng.setstate(state["rng"])
+    elif resume and exported.is_file():
+        _load_exported(head, out)
+    else:
+        rng.shuffle(order)
+
+    def evaluate() -> dict:
+        if not held:
+            return dict(loss=float("nan"), top1=[])
+        head.eval()
+        with torch.no_grad(), _autocast(device, dtype):
+            batch = target_features(target, held, head.aux_layers, head.ids,
+                                    attention_backend=attention_backend)
+            scores = ttt_loss(head(batch.tokens, batch.features, config.ttt_steps, batch.lengths),
+                              batch, head.ids, config.step_decay)
+        head.train()
+        return dict(loss=float(scores.loss), top1=scores.top1)
+
+    def checkpoint() -> None:
+        save_head(head, out, dtype=export_dtype)
+        tmp = out / (STATE_FILE + ".tmp")
+        torch.save(dict(head=head.state_dict(), optimizer=opt.state_dict(),
+                        report=dataclasses.asdict(report), order=order, cursor=cursor,
+                        rng=rng.getstate(), vocab=tuple(vocab), config=dataclasses.asdict(config)),
+                   tmp)
+        os.replace(tmp, state_path)
+
+    if not report.initial_top1:
+        report.initial_top1 = evaluate()["top1"]
+    elapsed0 = report.seconds
+
+    def out_of_budget() -> str:
+        if tokens is not None and report.tokens >= tokens:
+            return "tokens"
+        if minutes is not None and elapsed0 + time.perf_counter() - start >= 60 * minutes:
+            return "minutes"
+        return ""
+
+    pending: List[List[int]] = []
+    while not (stop := out_of_budget()):
+        while len(pending) < config.batch_size:
+            if cursor >= len(order):
+                rng.shuffle(order)
+                cursor = 0
+            take = [prompts[i] for i in order[cursor: cursor + config.batch_size]]
+            cursor += len(take)
+            pending += cut(regenerate(target, take, config.max_new_tokens, eos_ids,
+                                      attention_backend))
+        seqs, pending = pending[: config.batch_size], pending[config.batch_size:]
+        lr = config.learning_rate(report.steps)
+        for group in opt.param_groups:
+            group["lr"] = lr
+        batch = target_features(target, seqs, head.aux_layers, head.ids,
+                                attention_backend=attention_backend)
+        with _autocast(device, dtype):
+            scores = ttt_loss(head(batch.tokens, batch.features, config.ttt_steps, batch.lengths),
+                              batch, head.ids, config.step_decay)
+        opt.zero_grad(set_to_none=True)
+        scores.loss.backward()
+        torch.nn.utils.clip_grad_norm_(head.parameters(), config.clip)
+        opt.step()
+        report.steps += 1
+        report.tokens += scores.positions[0]
+        report.seconds = elapsed0 + time.perf_counter() - start
+        info = dict(step=report.steps, tokens=report.tokens, loss=float(scores.loss.detach()),
+                    lr=lr, tokens_per_s=report.tokens / max(report.seconds, 1e-9))
+        if report.steps % config.eval_every == 0:
+            ev = evaluate()
+            report.history.append(dict(step=report.steps, tokens=report.tokens, **ev))
+            info["top1"] = ev["top1"]
+            checkpoint()
+        if progress is not None:
+            progress(info)
+    report.stopped = stop
+    report.seconds = elapsed0 + time.perf_counter() - start
+    if not report.history or report.history[-1]["step"] != report.steps:
+        report.history.append(dict(step=report.steps, tokens=report.tokens, **evaluate()))
+    checkpoint()
+    return report
+
+
+def _autocast(device: torch.device, dtype: torch.dtype):
+    """bf16 autocast on CUDA (the head's master weights stay float32); nothing on the CPU."""
+    if device.type == "cuda":
+        return torch.autocast("cuda", dtype=dtype)
+    return torch.autocast("cpu", enabled=False)
+
+
+def _load_exported(head: Eagle3Head, directory: pathlib.Path) -> None:
+    """The exported weights of a head into ``head`` (same vocabulary and shape),
+    for a resume that travelled without its optimizer state."""
+    from safetensors.torch import load_file
+
+    tensors = load_file(str(directory / "model.safetensors"))
+    with torch.no_grad():
+        for attr, name in EXPORTED_NAMES.items():
+            getattr(head, attr).copy_(tensors[name].to(getattr(head, attr).dtype))
+        if not torch.equal(tensors["d2t"].to(head.d2t.device), head.d2t):
+            raise ValueError(f"{directory}: the exported head's draft vocabulary differs from "
+                             "this run's; resume from the full state or start afresh")
