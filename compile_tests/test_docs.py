@@ -157,7 +157,7 @@ def _cli_commands():
             if lang != "bash":
                 continue
             for command in body.replace("\\\n", " ").splitlines():
-                m = re.match(r"\s*fa3-spec (\w+)(.*)", command.split("#")[0])
+                m = re.match(r"\s*fa3-spec ([\w-]+)(.*)", command.split("#")[0])
                 if m:
                     out.append((page, m.group(1), re.findall(r"--[\w-]+", m.group(2))))
     return out

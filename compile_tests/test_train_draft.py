@@ -194,3 +194,67 @@ def test_bad_runs_are_refused_by_name(tmp_path, kwargs, match):
 def test_a_config_out_of_its_domain_is_refused(field, value):
     with pytest.raises(ValueError, match=field):
         dataclasses.replace(CONFIG, **{field: value})
+
+
+# ------------------------------------------------------------------ the command
+@pytest.fixture(scope="module")
+def llama_dir(tmp_path_factory):
+    """A tiny Hugging Face Llama (8 layers) with a word-level tokenizer and chat template."""
+    pytest.importorskip("transformers", minversion="5")
+    from test_checkpoint import add_tokenizer, hf_llama
+
+    path = tmp_path_factory.mktemp("llama")
+    hf_llama("gqa-llama3", num_hidden_layers=8).save_pretrained(path)
+    add_tokenizer(path)
+    return path
+
+
+def test_the_command_trains_a_head_that_the_eagle_command_loads(llama_dir, tmp_path, capsys):
+    from fa3_spec.cli import main
+
+    out, report = tmp_path / "head", tmp_path / "report.json"
+    argv = ["train-draft", "--model", str(llama_dir), "--out", str(out), "--tokens", "300",
+            "--device", "cpu", "--batch", "4", "--max-new-tokens", "8", "--ttt-steps", "2",
+            "--draft-vocab", "64", "--json", str(report)]
+    assert main(argv) == 0
+    res = json.loads(report.read_text())
+    assert res["stopped"] == "tokens" and res["tokens"] >= 300 and len(res["final_top1"]) == 2
+    assert json.loads((out / "config.json").read_text())["draft_vocab_size"] == 64
+    assert main(["eagle", "--model", str(llama_dir), "--draft-model", str(out), "--device", "cpu",
+                 "--attention-backend", "torch", "--batch", "2", "--requests", "2",
+                 "--max-new-tokens", "6", "--prompt-len", "5", "--check-greedy", "--quiet"]) == 0
+
+
+@pytest.mark.parametrize("extra, match", [
+    ([], "give a budget"),
+    (["--tokens", "0"], "--tokens"),
+    (["--minutes", "nan"], "--minutes"),
+    (["--tokens", "5", "--draft-vocab", "102"], "exceeds the target's vocabulary of 101"),
+    (["--tokens", "5", "--prompts", "EMPTY"], "holds no prompt"),
+])
+def test_the_command_refuses_bad_input_in_one_line(llama_dir, tmp_path, capsys, extra, match):
+    from fa3_spec.cli import main
+
+    empty = tmp_path / "empty.jsonl"
+    empty.write_text("\n\n")
+    extra = [str(empty) if a == "EMPTY" else a for a in extra]
+    with pytest.raises(SystemExit) as exc:
+        main(["train-draft", "--model", str(llama_dir), "--out", str(tmp_path / "h"),
+              "--device", "cpu", *extra])
+    assert exc.value.code == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) >= 1 and match in err[-1] and "Traceback" not in "\n".join(err)
+
+
+def test_the_command_refuses_a_checkpoint_that_is_not_a_llama(llama_dir, tmp_path, capsys):
+    from fa3_spec.cli import main
+
+    bad = tmp_path / "gpt"
+    bad.mkdir()
+    config = json.loads((llama_dir / "config.json").read_text())
+    config["architectures"] = ["GPT2LMHeadModel"]
+    (bad / "config.json").write_text(json.dumps(config))
+    with pytest.raises(SystemExit) as exc:
+        main(["train-draft", "--model", str(bad), "--out", str(tmp_path / "h"), "--tokens", "5",
+              "--device", "cpu"])
+    assert exc.value.code == 2 and "architectures" in capsys.readouterr().err

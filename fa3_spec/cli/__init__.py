@@ -1,4 +1,4 @@
-"""The ``fa3-spec`` command: ``audit`` and ``eagle``.
+"""The ``fa3-spec`` command: ``audit``, ``eagle`` and ``train-draft``.
 
 Each subcommand's module is imported only when that subcommand runs (or
 prints its help), so ``fa3-spec audit`` never imports the EAGLE engine and
@@ -22,6 +22,9 @@ COMMANDS = {
     "eagle": ("fa3_spec.eagle.cli",
               "run the reference EAGLE loop on a random preset or a Hugging Face checkpoint; "
               "exit 0 done, 1 a greedy mismatch, 2 invalid invocation"),
+    "train-draft": ("fa3_spec.train.cli",
+                    "train an EAGLE-3 draft head for a local Hugging Face Llama against the "
+                    "target itself; exit 0 done, 2 invalid invocation"),
 }
 
 

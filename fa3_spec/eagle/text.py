@@ -44,6 +44,11 @@ class CheckpointTokenizer:
             return None
         return cls(Tokenizer.from_file(str(d / "tokenizer.json")), transformers=False)
 
+    @property
+    def has_chat_template(self) -> bool:
+        """Whether ``encode(..., chat=True)`` can apply the checkpoint's chat template."""
+        return self.transformers and getattr(self._tok, "chat_template", None) is not None
+
     def encode(self, text: str, *, chat: bool = False) -> List[int]:
         """Token ids of ``text``; ``chat``: as one user turn of the checkpoint's chat
         template, with the assistant's turn opened (needs transformers)."""
