@@ -258,3 +258,86 @@ def test_the_command_refuses_a_checkpoint_that_is_not_a_llama(llama_dir, tmp_pat
         main(["train-draft", "--model", str(bad), "--out", str(tmp_path / "h"), "--tokens", "5",
               "--device", "cpu"])
     assert exc.value.code == 2 and "architectures" in capsys.readouterr().err
+
+
+# ------------------------------------------------- sglang's own EAGLE-3 loader
+#: The parameters of sglang 0.5.23's ``LlamaForCausalLMEagle3`` that a head
+#: provides (the embedding is the target's), with their fused shard ids.
+SGLANG_PARAMS = {
+    "model.fc.weight": None, "model.norm.weight": None, "lm_head.weight": None,
+    "model.layers.0.input_layernorm.weight": None, "model.layers.0.hidden_norm.weight": None,
+    "model.layers.0.post_attention_layernorm.weight": None,
+    "model.layers.0.self_attn.qkv_proj.weight": ("q", "k", "v"),
+    "model.layers.0.self_attn.o_proj.weight": None,
+    "model.layers.0.mlp.gate_up_proj.weight": (0, 1),
+    "model.layers.0.mlp.down_proj.weight": None,
+}
+
+
+def sglang_load_weights():
+    """sglang's ``LlamaForCausalLMEagle3.load_weights``, taken from its wheel and
+    run on its own: its weight-name mapping, not a copy of it."""
+    import ast
+
+    from fa3_spec.harness import sglang_upstream as up
+
+    try:
+        path = up.upstream_file(up.EAGLE3_MODEL_FILE)
+    except up.UpstreamUnavailable as exc:
+        pytest.skip(str(exc))
+    tree = ast.parse(path.read_text())
+    cls = next(n for n in tree.body if isinstance(n, ast.ClassDef)
+               and n.name == "LlamaForCausalLMEagle3")
+    fn = next(n for n in cls.body if isinstance(n, ast.FunctionDef) and n.name == "load_weights")
+    fn.decorator_list = []
+    module = ast.Module(body=[fn], type_ignores=[])
+    loaded = []
+
+    def default_weight_loader(param, weight, shard=None):
+        loaded.append((param.name, shard, tuple(weight.shape), weight.dtype))
+
+    import typing
+
+    namespace = dict(torch=torch, default_weight_loader=default_weight_loader,
+                     Iterable=typing.Iterable, Tuple=typing.Tuple)
+    exec(compile(module, str(path), "exec"), namespace)
+    return namespace["load_weights"], loaded
+
+
+def test_sglangs_eagle3_loader_takes_every_exported_tensor(tmp_path):
+    load_weights, loaded = sglang_load_weights()
+
+    class Param:
+        def __init__(self, name):
+            self.name = name
+
+    class Model:
+        def named_parameters(self):
+            return [(name, Param(name)) for name in SGLANG_PARAMS]
+
+    t = target()
+    vocab = draft_vocab_from_counts(torch.arange(512), 128)
+    save_head(Eagle3Head(t, vocab), tmp_path)
+    tensors = load_file(str(tmp_path / "model.safetensors"))
+    model = Model()
+    load_weights(model, tensors.items())
+    s = t.shape
+    h, d = s.hidden_size, s.head_dim
+    got = {(name, shard): shape for name, shard, shape, _ in loaded}
+    want = {("model.fc.weight", None): (h, 3 * h), ("model.norm.weight", None): (h,),
+            ("lm_head.weight", None): (128, h),
+            ("model.layers.0.input_layernorm.weight", None): (h,),
+            ("model.layers.0.hidden_norm.weight", None): (h,),
+            ("model.layers.0.post_attention_layernorm.weight", None): (h,),
+            ("model.layers.0.self_attn.qkv_proj.weight", "q"): (s.num_heads * d, 2 * h),
+            ("model.layers.0.self_attn.qkv_proj.weight", "k"): (s.num_kv_heads * d, 2 * h),
+            ("model.layers.0.self_attn.qkv_proj.weight", "v"): (s.num_kv_heads * d, 2 * h),
+            ("model.layers.0.self_attn.o_proj.weight", None): (h, s.num_heads * d),
+            ("model.layers.0.mlp.gate_up_proj.weight", 0): (s.intermediate_size, h),
+            ("model.layers.0.mlp.gate_up_proj.weight", 1): (s.intermediate_size, h),
+            ("model.layers.0.mlp.down_proj.weight", None): (h, s.intermediate_size)}
+    assert got == want
+    # Every exported tensor went somewhere: the 13 weights, d2t into the hot
+    # token ids (draft id -> target id) and t2d, which sglang skips.
+    assert len(loaded) == len(tensors) - 2
+    assert torch.equal(model.hot_token_id, vocab.ids)

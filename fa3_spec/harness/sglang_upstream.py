@@ -116,6 +116,26 @@ def upstream_source(cache_dir=None, *, fetch: bool = True) -> pathlib.Path:
     return root
 
 
+EAGLE3_MODEL_FILE = "sglang/srt/models/llama_eagle3.py"
+
+
+def upstream_file(name: str, cache_dir=None, *, fetch: bool = True) -> pathlib.Path:
+    """One more file of sglang's wheel (``name``, e.g. `EAGLE3_MODEL_FILE`),
+    extracted next to `SOURCE_FILES` (or read from ``FA3_SPEC_SGLANG_SRC``)."""
+    root = upstream_source(cache_dir, fetch=fetch)
+    path = root / name
+    if path.is_file():
+        return path
+    home = root.parent
+    wheels = sorted(glob.glob(str(home / f"sglang-{SGLANG_VERSION}-*.whl")))
+    if not wheels:
+        raise UpstreamUnavailable(f"{name} is not in {root} and no sglang {SGLANG_VERSION} "
+                                  f"wheel is in {home}")
+    with zipfile.ZipFile(wheels[-1]) as wheel:
+        wheel.extract(name, root)
+    return path
+
+
 def _import_triton(device: torch.device, cache_dir, fetch: bool):
     """Triton, in interpreter mode on CPU. That mode is fixed by the environment
     when Triton is first imported, so a CPU process must start with
