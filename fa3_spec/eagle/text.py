@@ -12,6 +12,8 @@ import json
 import pathlib
 from typing import List, Optional, Tuple
 
+from .checkpoint import eos_token_ids, read_config
+
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "tokenizer_config.json")
 
 
@@ -71,14 +73,14 @@ class CheckpointTokenizer:
 
 def checkpoint_eos_ids(model_dir) -> Tuple[int, ...]:
     """EOS ids of a checkpoint: ``generation_config.json``'s ``eos_token_id`` (one
-    id or a list), else ``config.json``'s; empty if neither says."""
+    id or a list), else ``config.json``'s; empty if neither says. A malformed file
+    or id is a `CheckpointError` naming the file and the field."""
     d = pathlib.Path(model_dir).expanduser()
     for name in ("generation_config.json", "config.json"):
-        path = d / name
-        if path.is_file():
-            eos = json.loads(path.read_text()).get("eos_token_id")
+        if (d / name).is_file():
+            eos = eos_token_ids(read_config(d, name), d / name)
             if eos is not None:
-                return tuple(int(t) for t in (eos if isinstance(eos, list) else [eos]))
+                return eos
     return ()
 
 
