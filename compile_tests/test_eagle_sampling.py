@@ -41,12 +41,12 @@ def _one_thread(one_thread):
     yield
 
 
-def make_engine(models, p, k, s, n, *, max_bs, max_new, max_prompt=40, backend="torch",
+def make_engine(models, p, k, s, n, *, max_bs, max_new, max_prompt=40, attention_backend="torch",
                 sampling=True, **engine_kw):
     spec = fa3_spec.SpecConfig(page_size=p, topk=k, num_steps=s, num_draft_tokens=n,
                                max_bs=max_bs, max_context_len=max_prompt + max_new + n, num_pages=1)
     spec = dataclasses.replace(spec, num_pages=1 + 2 * max_bs * -(-spec.draft_row_len // p))
-    lc = LoopConfig(spec, max_new_tokens=max_new, attention_backend=backend, sampling=sampling)
+    lc = LoopConfig(spec, max_new_tokens=max_new, attention_backend=attention_backend, sampling=sampling)
     return EagleEngine(lc, models, max_reqs=2 * max_bs, **engine_kw)
 
 

@@ -3,10 +3,12 @@
 Skipped without CUDA sm90 + FA3. Exactness in bf16 cannot be bitwise: the
 speculative path (tree cascade, commit copies) and plain greedy decoding
 (one causal decode call per token) round differently, so a divergence is
-accepted only where the reference's top-2 logit gap at the first diverging
-token is a near-tie: ``gap <= NEAR_TIE * max(1, |top-1 logit|)`` (2 % of the
-logit, i.e. a few bf16 ulps of it). Every divergence that is not such a tie
-fails the test. Each test prints one ``EAGLE-GPU {json}`` line with the counts.
+accepted only where its first diverging token is a near tie in the
+reference's logits, as `fa3_spec.eagle.greedy_check` (and ``fa3-spec eagle
+--check-greedy``) judge it: ``|logit(greedy's token) - logit(the loop's
+token)| <= NEAR_TIE * max(1, |top-1 logit|)`` (2 % of the logit, i.e. a few
+bf16 ulps of it). Every divergence that is not such a tie fails the test.
+Each test prints one ``EAGLE-GPU {json}`` line with the counts.
 
 Run on the H200 (FA3 wheel on PYTHONPATH)::
 
@@ -23,6 +25,7 @@ import fa3_spec
 from fa3_spec.attention import fa3_available
 from fa3_spec.eagle import EagleEngine, LoopConfig, greedy_generate, make_models, regions
 from fa3_spec.eagle.cli import workload
+from fa3_spec.eagle.greedy_check import compare_with_greedy
 from fa3_spec.eagle.sync_probe import HostSyncProbe
 from fa3_spec.graphs import CompilePolicy
 
@@ -30,8 +33,6 @@ pytestmark = [
     pytest.mark.gpu,
     pytest.mark.skipif(not fa3_available(), reason="needs CUDA sm90 and an FA3 provider"),
 ]
-
-NEAR_TIE = 0.02
 
 
 def _engine(models, p, k, s, n, *, batch, max_new, prompt_len, buckets, compile_backend,
@@ -75,20 +76,11 @@ def check(preset, p, k, s, n, *, batch=4, requests=8, max_new=32, prompt_len=48,
     ref = greedy_generate(models, prompts, news, page_size=p, attention_backend="fa3",
                           device="cuda",
                           logits_out=logits)
-    exact, ties, unexplained, gaps = 0, 0, [], []
-    for i in range(requests):
-        got, want = out[i], ref[i]
-        if got == want:
-            exact += 1
-            continue
-        j = next((t for t, (a, b) in enumerate(zip(got, want)) if a != b), min(len(got), len(want)))
-        top2 = logits[j][i].topk(2).values
-        gap, bound = float(top2[0] - top2[1]), NEAR_TIE * max(1.0, abs(float(top2[0])))
-        gaps.append(round(gap, 4))
-        if j < min(len(got), len(want)) and gap <= bound:
-            ties += 1
-        else:
-            unexplained.append(dict(request=i, position=j, gap=gap, bound=bound))
+    found = compare_with_greedy([out[i] for i in range(requests)], ref, logits)
+    exact, ties = requests - len(found), sum(d.near_tie for d in found)
+    gaps = [round(d.gap, 4) for d in found if d.gap is not None]
+    unexplained = [dict(request=d.request, position=d.position, gap=d.gap, bound=d.bound)
+                   for d in found if not d.near_tie]
     report = dict(test=label, draft_attention=draft_attention, preset=preset, layers=models.num_target_layers, page_size=p,
                   topk=k, num_steps=s, num_draft_tokens=n, batch=batch, requests=requests,
                   exact_requests=exact, near_tie_divergences=ties,

@@ -20,7 +20,7 @@ pytestmark = [
 ]
 
 
-def _setup(mode, p, k, backend="aot_eager", buckets=(1, 2, 4, 8), tree=True):
+def _setup(mode, p, k, compile_backend="aot_eager", buckets=(1, 2, 4, 8), tree=True):
     cfg = fa3_spec.SpecConfig(page_size=p, topk=k, num_steps=5,
                               num_draft_tokens=8 if k > 1 else 4, max_bs=8, max_context_len=700)
     base = make_world(cfg, 8, seed=0, device="cuda")
@@ -29,7 +29,7 @@ def _setup(mode, p, k, backend="aot_eager", buckets=(1, 2, 4, 8), tree=True):
     tree = tree and k > 1
     step = make_step(mode, cfg, model, base.req_to_token, attention_backend="fa3", tree=tree)
     runner = CUDAGraphRunner(step, buckets=list(buckets),
-                             policy=CompilePolicy(compile_backend=backend),
+                             policy=CompilePolicy(compile_backend=compile_backend),
                              example=lambda bs: example_batch(mode, cfg, model, bs, device="cuda",
                                                               tree=tree))
     return cfg, base, model, step, runner

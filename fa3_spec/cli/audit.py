@@ -22,10 +22,12 @@ parity, and on CUDA host syncs and CUDA-graph capture + replay.
 
 Exit status: 0 when every row is clean; 1 when a row is unclean; 2 for an
 invalid invocation (one line naming the problem, no traceback): a flag that
-needs another (--inputs, --writable without --callable), a module or factory
-that does not load or run, variants whose structure, shapes or dtypes differ
-from the example, a function that raises on its own example, --device cuda
-without CUDA, sizes out of range."""
+needs another (--inputs, --writable without --callable), a --writable name
+that is not an argument of the example call, a module that does not import
+(whatever its import raises), a function or factory that the module does
+not have or that does not run, variants whose structure, shapes or dtypes
+differ from the example, a function that raises on its own example,
+--device cuda without CUDA, sizes out of range."""
 
 
 def _usage(problem: object):
@@ -42,13 +44,32 @@ def _load(spec: str, flag: str):
         _usage(f"{flag} must be package.module:name, got {spec!r}")
     if os.getcwd() not in sys.path:  # as `python3 -m` would: modules of the current directory
         sys.path.insert(0, os.getcwd())
-    try:
+    try:  # the module's own code runs: whatever it raises is the user's to see, in one line
         obj = importlib.import_module(module)
+    except Exception as exc:
+        _usage(f"cannot load {flag} {spec!r}: importing module {module!r} raised "
+               f"{type(exc).__name__}: {exc}")
+    try:
         for part in attr.split("."):
             obj = getattr(obj, part)
-    except (ImportError, AttributeError) as exc:
+    except Exception as exc:  # AttributeError, or what a module's __getattr__ raises
         _usage(f"cannot load {flag} {spec!r}: {type(exc).__name__}: {exc}")
     return obj
+
+
+def _argument_names(fn, call: tuple) -> list:
+    """The names `audit_callable` gives a call's top-level arguments, which
+    ``writable`` refers to: positional ones after ``fn``'s parameters (``arg<i>``
+    past them, or without a signature), keyword ones by their keys."""
+    import inspect
+
+    args, kwargs = call
+    try:
+        params = [p.name for p in inspect.signature(fn).parameters.values()
+                  if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
+    except (TypeError, ValueError):
+        params = []
+    return [params[i] if i < len(params) else f"arg{i}" for i in range(len(args))] + list(kwargs)
 
 
 def _audit_callable(args: argparse.Namespace, device: str) -> int:
@@ -73,9 +94,15 @@ def _audit_callable(args: argparse.Namespace, device: str) -> int:
     example, variants = made
     try:
         variants = list(variants)  # a generator would be used up by the count below
-        check_call_layout(example, variants)
+        calls = check_call_layout(example, variants)
     except (TypeError, ValueError) as exc:
         _usage(f"{args.inputs}: {exc}")
+    names = _argument_names(fn, calls[0])
+    unknown = [w for w in args.writable if w not in names]
+    if unknown:
+        _usage(f"--writable {', '.join(map(repr, unknown))}: no such argument in the example "
+               f"call of {args.callable} (from {args.inputs}); its arguments: "
+               f"{', '.join(sorted(names))}")
     print(f"fa3-spec audit: {args.callable}, {len(variants)} variants, torch "
           f"{torch.__version__}, device {device}, backend {args.compile_backend}", flush=True)
     try:
@@ -154,7 +181,9 @@ def add_parser(subparsers, help: Optional[str] = None) -> argparse.ArgumentParse
                        help="with --callable: factory() (or factory(device=...)) returning "
                        "(example, variants); each a tuple of positional or dict of keyword args")
     audit.add_argument("--writable", nargs="+", default=[], metavar="ARG",
-                       help="with --callable: arguments the function may write (output buffers)")
+                       help="with --callable: arguments the function may write (output buffers), "
+                       "by the names of its parameters (arg<i> for a positional one past them) "
+                       "or the keys of a keyword example")
     audit.add_argument("--json", metavar="PATH", help="write the rows as JSON")
     audit.add_argument("--compile-backend", default="aot_eager",
                        help="torch.compile backend (aot_eager, inductor, eager)")

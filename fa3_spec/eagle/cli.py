@@ -10,17 +10,23 @@ The workload: ``--requests`` prompts of random tokens (default twice
 boundaries (1, P-1, P, P+1, 2P, ...) and random ones, each with its own
 ``max_new_tokens`` (between half and all of ``--max-new-tokens``). With
 ``--check-greedy`` the same prompts are decoded by plain greedy decoding of
-the target and compared token for token; any mismatch makes the exit status 1.
+the target and compared token for token. A request that differs is a
+mismatch (exit status 1) unless its first differing token is a near tie in
+greedy's logits there: ``|logit(greedy's token) - logit(this run's token)|
+<= 0.02 * max(1, |top-1 logit|)`` (bf16 runs round differently in the
+verify forward and in one-token decoding; float64 runs are identical).
+``--strict`` makes any difference a mismatch.
 ``--scripted`` forces the accepted length of each iteration (benchmarks with
 random weights): its output is not the model's and cannot be checked.
 
 ``--model DIR`` loads a local Hugging Face Llama checkpoint instead of a
 preset (``--draft-model DIR``: a published EAGLE-1/2 or EAGLE-3 head; without
 it ``--draft`` makes one from the target), tokenizes ``--prompt`` (repeatable)
-or ``--prompts FILE.jsonl`` with the checkpoint's own tokenizer (``--chat``:
-through its chat template; needs transformers), stops at the checkpoint's
-EOS ids, and prints each completion. Without tokenizer files or prompts it
-runs the token-id workload above on the loaded model.
+or ``--prompts FILE.jsonl`` (one prompt a line: ``"text"`` or ``{"prompt": ...,
+"max_new_tokens": N}``, N a positive integer) with the checkpoint's own
+tokenizer (``--chat``: through its chat template; needs transformers), stops
+at the checkpoint's EOS ids, and prints each completion. Without tokenizer
+files or prompts it runs the token-id workload above on the loaded model.
 
 Sampling: ``--temperature T`` (> 0 builds the loop with lossless speculative
 sampling, docs/semantics.md), ``--top-p P``, ``--sampling-top-k K`` and
@@ -33,15 +39,18 @@ draft head), then progress through both phases (the loop, then the greedy
 reference), then the result.
 
 Exit status: 0 when the run finished (and, with ``--check-greedy``, matched
-greedy decoding exactly); 1 when ``--check-greedy`` found a mismatch; 2 for
-an invalid invocation or configuration, with one line naming the problem and
-no traceback (a size below 1, ``--num-draft-tokens 1``, a tree that cannot
-fill ``--num-draft-tokens``, ``--topk`` above the vocabulary, ``--device
-cuda`` or ``--graphs`` without CUDA, ``--check-greedy`` with ``--scripted``,
-preset options with ``--model`` or text options without it, a checkpoint
-that cannot be loaded, prompts longer than the model's positions,
-``--check-greedy`` or ``--scripted`` with ``--temperature > 0``, a sampling
-value out of range).
+greedy decoding up to near ties, or exactly with ``--strict``); 1 when
+``--check-greedy`` found a mismatch; 2 for an invalid invocation or
+configuration, with one line naming the problem and no traceback (a size
+below 1, ``--alpha`` outside [0, 1], a negative or non-finite ``--noise``,
+``--num-draft-tokens 1``, a tree that cannot fill ``--num-draft-tokens``,
+``--topk`` above the vocabulary, ``--device cuda`` or ``--graphs`` without
+CUDA, ``--check-greedy`` with ``--scripted``, preset options with
+``--model`` or text options without it, a checkpoint that cannot be
+loaded, prompts longer than the model's positions, ``--check-greedy`` or
+``--scripted`` with ``--temperature > 0``, a sampling value out of range, a
+``--prompts`` file with no prompt or a line whose ``max_new_tokens`` is not
+a positive integer, ``--strict`` without ``--check-greedy``).
 """
 
 from __future__ import annotations
@@ -50,6 +59,7 @@ import argparse
 import contextlib
 import dataclasses
 import json
+import pathlib
 import random
 import sys
 import time
@@ -64,15 +74,12 @@ from ..graphs import COMPILE_BACKENDS
 from .acceptance import scripted_acceptance
 from .engine import EagleEngine
 from .greedy import greedy_generate
+from .greedy_check import NEAR_TIE, NEAR_TIE_RULE, compare_with_greedy
 from .prefill import eos_set
 from .sync_probe import HostSyncProbe
 from .iteration import DEFAULT_SCRIPT, LoopConfig
 from .models import make_models
 from .text import CheckpointTokenizer, checkpoint_eos_ids, read_prompts
-
-#: A divergence at a token where greedy decoding's top-2 logits are this close
-#: (relative to the top logit) is a rounding near-tie (reported, bf16 runs).
-NEAR_TIE = 0.02
 
 #: ``--alpha``'s default (presets only).
 DEFAULT_ALPHA = 0.05
@@ -97,6 +104,17 @@ def _non_negative(kind):
 
     parse.__name__ = f"{kind.__name__} >= 0"
     return parse
+
+
+def _unit_interval(text: str) -> float:
+    """argparse type: a float in [0, 1]."""
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number, got {text!r}") from None
+    if not 0 <= value <= 1:
+        raise argparse.ArgumentTypeError(f"must be in [0, 1], got {text}")
+    return value
 
 
 def _top_p(text: str) -> float:
@@ -136,10 +154,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="default float64 on CPU, bfloat16 on CUDA")
     p.add_argument("--draft", default="derived", choices=["derived", "random"],
                    help="derived: agrees with the target mostly; random: mostly rejected")
-    p.add_argument("--alpha", type=float, default=None,
-                   help="residual scale of target layers 1.. (derived draft of a preset; default "
-                        f"{DEFAULT_ALPHA}; smaller: more agreement)")
-    p.add_argument("--noise", type=float, default=0.0, help="relative noise on the derived draft")
+    p.add_argument("--alpha", type=_unit_interval, default=None,
+                   help="residual scale of target layers 1.., in [0, 1] (derived draft of a "
+                        f"preset; default {DEFAULT_ALPHA}; 1: the random target untouched; "
+                        "smaller: more agreement)")
+    p.add_argument("--noise", type=_non_negative(float), default=0.0,
+                   help="relative noise on the derived draft, finite and >= 0")
     p.add_argument("--num-layers", type=_positive, default=None,
                    help="override the preset's depth")
     p.add_argument("--eos", type=int, default=-1, help="EOS token id (-1: none)")
@@ -163,7 +183,14 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="force emitted tokens per iteration from this sequence "
                         f"(default {','.join(map(str, DEFAULT_SCRIPT))}, mean 3.5); output is not the model's")
     p.add_argument("--check-greedy", action="store_true",
-                   help="also decode greedily without speculation and compare")
+                   help="also decode greedily without speculation and compare token for token; "
+                        "a request that differs passes only if its first differing token is a "
+                        "near tie in greedy's logits there: |logit(greedy's token) - "
+                        f"logit(this run's token)| <= {NEAR_TIE} * max(1, |top-1 logit|) "
+                        "(bf16 rounding); the summary and --json give the count of near ties "
+                        "and the worst gap")
+    p.add_argument("--strict", action="store_true",
+                   help="with --check-greedy: any difference is a mismatch, near tie or not")
     p.add_argument("--count-syncs", action=argparse.BooleanOptionalAction, default=True,
                    help="count host syncs per iteration launch (CUDA; adds host time to each "
                         "launch: --no-count-syncs for timings)")
@@ -190,7 +217,8 @@ def add_model_arguments(p: argparse.ArgumentParser) -> None:
     prompts.add_argument("--prompt", metavar="TEXT", action="append",
                          help="a prompt (repeat for several)")
     prompts.add_argument("--prompts", metavar="FILE.jsonl",
-                         help='one prompt a line: "text" or {"prompt": ..., "max_new_tokens": ...}')
+                         help='one prompt a line: "text" or {"prompt": ..., "max_new_tokens": N}, '
+                              "N a positive integer (default --max-new-tokens)")
     g.add_argument("--chat", action="store_true",
                    help="apply the checkpoint's chat template (needs transformers)")
 
@@ -248,15 +276,42 @@ class LoadedModel:
     info: dict
 
 
-def load_model(args: argparse.Namespace, device: str, dtype) -> LoadedModel:
-    """``--model`` / ``--draft-model`` and the prompts, tokenized."""
-    models = from_pretrained(args.model, args.draft_model, draft=args.draft, dtype=dtype,
-                             device=device)
+def prompt_file(path: str) -> List[Tuple[str, Optional[int]]]:
+    """``--prompts FILE``: `read_prompts`'s ``(text, max_new_tokens or None)``
+    per line, refusing what it would coerce (a ``max_new_tokens`` that is not a
+    positive int: a float, a bool, 0) and a file with no prompt.
+
+    Raises:
+        UsageError: naming the file, and the line and field where one is at fault.
+    """
     try:
-        items = [(t, None) for t in args.prompt] if args.prompt else (
-            read_prompts(args.prompts) if args.prompts else [])
+        lines = pathlib.Path(path).expanduser().read_text().splitlines()
     except (OSError, ValueError) as exc:
         raise UsageError(f"--prompts: {exc}") from None
+    for n, line in enumerate(lines, 1):
+        try:
+            item = json.loads(line) if line.strip() else None
+        except json.JSONDecodeError:
+            continue  # read_prompts names the line
+        new = item.get("max_new_tokens") if isinstance(item, dict) else None
+        if new is not None and (isinstance(new, bool) or not isinstance(new, int) or new < 1):
+            raise UsageError(f"--prompts {path}:{n}: max_new_tokens must be a positive integer, "
+                             f"got {json.dumps(new)}")
+    try:
+        items = read_prompts(path)
+    except (OSError, ValueError) as exc:
+        raise UsageError(f"--prompts: {exc}") from None
+    if not items:
+        raise UsageError(f"--prompts {path}: no prompt (the file is empty or only blank lines)")
+    return items
+
+
+def load_model(args: argparse.Namespace, device: str, dtype) -> LoadedModel:
+    """``--model`` / ``--draft-model`` and the prompts (read first), tokenized."""
+    items = ([(t, None) for t in args.prompt] if args.prompt else
+             prompt_file(args.prompts) if args.prompts else [])
+    models = from_pretrained(args.model, args.draft_model, draft=args.draft, dtype=dtype,
+                             device=device)
     tok = CheckpointTokenizer.load(args.model) if items else None
     if args.chat and (tok is None or not tok.transformers):
         raise UsageError("--chat needs transformers and the checkpoint's tokenizer files "
@@ -269,7 +324,7 @@ def load_model(args: argparse.Namespace, device: str, dtype) -> LoadedModel:
         for text, new in items:
             texts.append(text)
             prompts.append(tok.encode(text, chat=args.chat))
-            news.append(new or args.max_new_tokens)
+            news.append(args.max_new_tokens if new is None else new)
     kind = draft_kind(args.draft_model) if args.draft_model else f"{args.draft} (made here)"
     info = dict(path=str(args.model), draft_path=args.draft_model and str(args.draft_model),
                 draft_kind=kind, tokenizer=None if tok is None else (
@@ -441,6 +496,7 @@ def run_eagle(args: argparse.Namespace, *, log=print) -> dict:
     stats = engine.stats
     syncs = probe.counts if args.count_syncs else []
     result = dict(
+        greedy_check=None,
         exact=None,
         mismatches=None,
         tokens=tokens,
@@ -492,20 +548,30 @@ def run_eagle(args: argparse.Namespace, *, log=print) -> dict:
                     on_step=lambda i, steps, r=r: every(
                         lambda: f"  greedy step {i}/{steps} (request {r} alone)"))[0]
                 entry["greedy_tokens_per_s"] = len(alone) / (time.perf_counter() - one)
-        diverge = []
-        for i, (a, b) in enumerate(zip(got, ref)):
-            if a != b:
-                first = next((j for j, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
-                entry = dict(request=i, first_divergence=first, spec_len=len(a), greedy_len=len(b))
-                if first < min(len(a), len(b)):
-                    top2 = logits[first][i].topk(2).values
-                    entry["greedy_top2_gap"] = float(top2[0] - top2[1])
-                    entry["near_tie"] = entry["greedy_top2_gap"] <= NEAR_TIE * max(1.0, abs(float(top2[0])))
-                diverge.append(entry)
-        result.update(exact=not diverge, mismatches=len(diverge), divergences=diverge,
-                      near_tie_divergences=sum(bool(d.get("near_tie")) for d in diverge),
-                      near_tie_rule=f"greedy top-2 logit gap <= {NEAR_TIE} * max(1, |top-1 logit|)")
+        result.update(_greedy_check(compare_with_greedy(got, ref, logits), strict=args.strict))
     return result
+
+
+def _greedy_check(found: list, *, strict: bool) -> dict:
+    """The ``--check-greedy`` part of the result, from `compare_with_greedy`'s
+    divergences: ``greedy_check`` is ``"exact"``, ``"near ties"`` (every
+    divergence starts at a near tie; not with ``strict``) or ``"mismatch"``."""
+    gaps = [d.gap for d in found if d.gap is not None]
+    if not found:
+        verdict = "exact"
+    elif not strict and all(d.near_tie for d in found):
+        verdict = "near ties"
+    else:
+        verdict = "mismatch"
+    return dict(
+        greedy_check=verdict, strict=strict, exact=not found, mismatches=len(found),
+        near_tie_divergences=sum(d.near_tie for d in found),
+        worst_gap=max(gaps, key=abs) if gaps else None, near_tie_rule=NEAR_TIE_RULE,
+        divergences=[dict(request=d.request, first_divergence=d.position, spec_len=d.run_len,
+                          greedy_len=d.greedy_len,
+                          spec_token=None if d.tokens is None else d.tokens[0],
+                          greedy_token=None if d.tokens is None else d.tokens[1],
+                          gap=d.gap, bound=d.bound, near_tie=d.near_tie) for d in found])
 
 
 def usage_error(args: argparse.Namespace) -> Optional[str]:
@@ -518,6 +584,8 @@ def usage_error(args: argparse.Namespace) -> Optional[str]:
     if args.buckets is not None and max(args.buckets) != args.batch:
         return (f"--buckets: the largest must be --batch ({args.batch}), none above it, so "
                 f"that every batch has a bucket; got {sorted(set(args.buckets))}")
+    if args.strict and not args.check_greedy:
+        return "--strict goes with --check-greedy (it says what a greedy mismatch is)"
     if args.temperature > 0 and args.check_greedy:
         return "--check-greedy compares with greedy decoding: it needs --temperature 0"
     if args.temperature > 0 and args.scripted:
@@ -536,8 +604,9 @@ def usage_error(args: argparse.Namespace) -> Optional[str]:
 
 
 def run(args: argparse.Namespace) -> int:
-    """Entry point of ``fa3-spec eagle``: 0 done (exact with ``--check-greedy``),
-    1 when ``--check-greedy`` finds a mismatch; an invalid invocation or
+    """Entry point of ``fa3-spec eagle``: 0 done (with ``--check-greedy``: equal
+    to greedy decoding up to near ties, exactly with ``--strict``), 1 when
+    ``--check-greedy`` finds a mismatch; an invalid invocation or
     configuration (options that do not go together, a checkpoint that cannot
     be loaded) exits with status 2 (`usage_exit`)."""
     log = (lambda *a, **k: None) if args.quiet else print
@@ -553,9 +622,7 @@ def run(args: argparse.Namespace) -> int:
         f"{res['ms_per_iteration']:.2f} ms/iteration, host syncs per iteration: "
         f"{'not measured' if syncs is None else syncs}")
     if res["exact"] is not None:
-        log(f"  greedy check: {'EXACT' if res['exact'] else 'MISMATCH'} "
-            f"({res['mismatches']} of {c['requests']} requests differ, "
-            f"{res['near_tie_divergences']} of them at near-ties)")
+        log(_greedy_summary(res, c["requests"]))
     if res.get("greedy_tokens_per_s") is not None:
         log(f"  plain greedy: {res['greedy_tokens_per_s']:.1f} tokens/s")
     for i, entry in enumerate(res["per_request"] if model else []):
@@ -570,7 +637,22 @@ def run(args: argparse.Namespace) -> int:
         with open(args.json, "w") as fh:
             json.dump(res, fh, indent=1)
         log(f"  wrote {args.json}")
-    return 1 if res["exact"] is False else 0
+    return 1 if res["greedy_check"] == "mismatch" else 0
+
+
+def _greedy_summary(res: dict, requests: int) -> str:
+    """The greedy check's line: the verdict, how many requests differ, how many
+    of those first at a near tie, and the worst gap."""
+    verdict = {"exact": "EXACT", "near ties": "EQUAL UP TO NEAR TIES",
+               "mismatch": "MISMATCH"}[res["greedy_check"]]
+    text = f"  greedy check: {verdict} ({res['mismatches']} of {requests} requests differ"
+    if res["mismatches"]:
+        text += f", {res['near_tie_divergences']} of them first at a near tie"
+        if res["worst_gap"] is not None:
+            text += f"; worst gap {res['worst_gap']:.3g}"
+        text += "; --strict: any difference is a mismatch" if res["strict"] else (
+            f"; near tie: {NEAR_TIE_RULE}")
+    return text + ")"
 
 
 def main(argv: Optional[List[str]] = None) -> int:
