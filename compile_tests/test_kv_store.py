@@ -6,6 +6,7 @@ Triton the sglang parity tests use (`fa3_spec.harness.sglang_upstream`'s
 cache) when none is installed. The CUDA side: test_gpu_kv_store.py.
 """
 
+import json
 import sys
 
 import pytest
@@ -76,15 +77,75 @@ def test_the_fused_kernel_writes_what_index_copy_writes_drops_slots_out_of_range
         assert refused and "store_kv_fused" in raised, name
 
 
+#: A child that records every import of Triton and who asked for it (the importing
+#: module's ``__name__``, for ``import`` statements and ``importlib.import_module``
+#: alike, whether or not Triton is installed or already imported), imports torch and
+#: its compiler front end, then the library and its EAGLE loop, then plants an import
+#: in a module named as the library's to show that the record sees it.
+#:
+#: torch's compiler (``torch._dynamo``, which the library builds on) imports Triton
+#: wherever Triton is installed, as it is with torch's CUDA builds; so what is checked
+#: is the library itself: no fa3_spec module imports Triton at import, and importing
+#: the library brings no Triton module that torch had not.
+IMPORT_PROBE = r"""
+import builtins, importlib, json, sys, types
+
+asked = []
+_import, _import_module = builtins.__import__, importlib.import_module
+
+
+def _triton(name):
+    return name == "triton" or name.startswith("triton.")
+
+
+def recording_import(name, globals=None, locals=None, fromlist=(), level=0):
+    if level == 0 and _triton(name):
+        asked.append([(globals or {}).get("__name__", "?"), name])
+    return _import(name, globals, locals, fromlist, level)
+
+
+def recording_import_module(name, package=None):
+    if _triton(name):
+        asked.append([sys._getframe(1).f_globals.get("__name__", "?"), name])
+    return _import_module(name, package)
+
+
+def loaded():
+    return sorted(m for m in sys.modules if _triton(m))
+
+
+builtins.__import__, importlib.import_module = recording_import, recording_import_module
+import torch
+import torch._dynamo
+by_torch = loaded()
+mark = len(asked)
+import fa3_spec, fa3_spec.eagle
+out = dict(by_torch=by_torch, new=sorted(set(loaded()) - set(by_torch)),
+           by_library=[a for a in asked[mark:] if a[0].split(".")[0] == "fa3_spec"])
+
+# The planted violation: with Triton absent, then with a stand-in already imported.
+planted = {"__name__": "fa3_spec.planted"}
+exec("try:\n    import triton.language\nexcept ImportError:\n    pass", planted)
+sys.modules.setdefault("triton", types.ModuleType("triton"))
+exec("import triton", planted)
+exec("importlib.import_module('triton')", {"__name__": "fa3_spec.planted", "importlib": importlib})
+out["planted"] = [a for a in asked if a[0] == "fa3_spec.planted"]
+print(json.dumps(out))
+"""
+
+
 def _import_job(tmp):
-    return children.run([sys.executable, "-c", "import sys, fa3_spec, fa3_spec.eagle; "
-                         "print('triton' in sys.modules)"])
+    return json.loads(children.run([sys.executable, "-c", IMPORT_PROBE]).stdout.splitlines()[-1])
 
 
 @pytest.mark.children(job=_import_job)
 def test_importing_the_library_does_not_import_triton(child):
     # sglang's CPU kernels need Triton's interpreter, fixed at Triton's first import.
-    assert child.result().stdout.strip() == "False"
+    doc = child.result()
+    assert doc["by_library"] == [] and doc["new"] == [], doc
+    # The record sees an import of Triton from the library, installed or not, new or not.
+    assert doc["planted"] == [["fa3_spec.planted", "triton.language"],
+                              ["fa3_spec.planted", "triton"], ["fa3_spec.planted", "triton"]]
 
 
 @pytest.mark.parametrize("argv, says", [([], "needs CUDA and Triton"),

@@ -2,6 +2,7 @@
 every python block runs on CPU as written, each on its own (a reader pastes one
 block, not the page)."""
 
+import importlib.util
 import pathlib
 import re
 
@@ -47,18 +48,30 @@ def test_every_python_block_imports_what_it_uses():
                     f"README.md:{line}: the block uses {name} without importing it"
 
 
+def _quickstart():
+    """.ci/quickstart.py, which CI runs: it reads the two commands from this README."""
+    spec = importlib.util.spec_from_file_location("quickstart", ROOT / ".ci" / "quickstart.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
 def test_quickstart_opens_with_the_two_commands():
     quick = section(TEXT, "Quickstart")
     blocks = fenced_blocks(quick)
     assert blocks, "the Quickstart has no code block"
     lang, body, _ = blocks[0]
     assert quick.lstrip().startswith("```bash"), "the Quickstart opens with its commands"
-    commands = [ln for ln in body.splitlines() if ln.strip() and not ln.lstrip().startswith("#")]
+    commands = [ln.strip() for ln in body.splitlines()
+                if ln.strip() and not ln.lstrip().startswith("#")]
     assert lang == "bash" and len(commands) == 2, commands
     main_job, tests = commands
     assert "fa3-spec" in main_job and "pytest" in tests
-    # CI runs the README's test command (.ci/run).
-    assert tests.strip() in (ROOT / ".ci" / "run").read_text()
+    # CI runs the test command on the pinned CPU build, then both commands as the
+    # README writes them, in a fresh clone and virtual environment (.ci/quickstart.py).
+    ci = (ROOT / ".ci" / "run").read_text()
+    assert tests in ci and "python3 .ci/quickstart.py" in ci
+    assert _quickstart().quickstart_commands(TEXT) == commands
     # The CPU note comes after the two commands.
     cpu = [i for i, (_, b, _) in enumerate(blocks) if "whl/cpu" in b]
     assert cpu and cpu[0] > 0

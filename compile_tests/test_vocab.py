@@ -168,6 +168,7 @@ def test_the_loop_on_a_vocabulary_wider_than_the_blocks_equals_greedy():
     assert eng.stats.mean_accept_len > 1.5  # drafts accepted: the top-k path chose real tokens
 
 
+@pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 @pytest.mark.parametrize("shape, dtype", [((1, 128256), torch.bfloat16),
                                           ((8, 128256), torch.float32),
