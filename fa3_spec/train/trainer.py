@@ -1,7 +1,8 @@
 """Training an EAGLE-3 head against its target, in one process.
 
 `train_draft` is the whole job: the target regenerates responses to the
-prompts itself (self-distillation, greedy), its features are captured online
+prompts itself (self-distillation, greedy, each prompt answered once and
+reused every epoch), its features are captured online
 (`fa3_spec.train.features`), and the head (`fa3_spec.train.head`) learns the
 training-time test objective (`fa3_spec.train.objective`) with AdamW, linear
 warmup then cosine decay, and gradient clipping. It stops when either budget
@@ -182,6 +183,18 @@ def train_draft(target: LlamaTarget, prompts: Sequence[Sequence[int]], out_dir: 
     def cut(seqs):
         return [s[: config.max_len] for s in seqs if len(s) >= 3]
 
+    # Greedy responses are deterministic: each prompt is answered once and its
+    # sequence reused every epoch (a few hundred KB of token ids).
+    answered: dict = {}
+
+    def answers(indices) -> List[List[int]]:
+        missing = [i for i in indices if i not in answered]
+        if missing:
+            seqs = regenerate(target, [prompts[i] for i in missing], config.max_new_tokens,
+                              eos_ids, attention_backend)
+            answered.update(zip(missing, seqs))
+        return cut([answered[i] for i in indices])
+
     held = cut(regenerate(target, holdout_prompts, config.max_new_tokens, eos_ids,
                           attention_backend)) if holdout_prompts else []
     state_path = out / STATE_FILE
@@ -195,8 +208,7 @@ def train_draft(target: LlamaTarget, prompts: Sequence[Sequence[int]], out_dir: 
                                     target.shape.vocab_size)
     else:
         # The draft vocabulary from the tokens the target emits on the training prompts.
-        first = cut(regenerate(target, prompts[: config.batch_size * 4], config.max_new_tokens,
-                               eos_ids, attention_backend))
+        first = answers(range(min(len(prompts), config.batch_size * 4)))
         counts = torch.zeros(target.shape.vocab_size, dtype=torch.int64)
         for s in first:
             counts += torch.bincount(torch.tensor(s), minlength=target.shape.vocab_size)
@@ -256,10 +268,9 @@ def train_draft(target: LlamaTarget, prompts: Sequence[Sequence[int]], out_dir: 
             if cursor >= len(order):
                 rng.shuffle(order)
                 cursor = 0
-            take = [prompts[i] for i in order[cursor: cursor + config.batch_size]]
+            take = order[cursor: cursor + config.batch_size]
             cursor += len(take)
-            pending += cut(regenerate(target, take, config.max_new_tokens, eos_ids,
-                                      attention_backend))
+            pending += answers(take)
         seqs, pending = pending[: config.batch_size], pending[config.batch_size:]
         lr = config.learning_rate(report.steps)
         for group in opt.param_groups:
