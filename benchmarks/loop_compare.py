@@ -81,7 +81,7 @@ def _count_syncs(fn, cuda: bool):
     return len(syncs)
 
 
-def _measure(fn, tokens_fn, iters: int, cuda: bool) -> dict:
+def measure(fn, tokens_fn, iters: int, cuda: bool) -> dict:
     """Time ``iters`` calls of ``fn`` (one iteration each)."""
     for _ in range(2):
         fn()
@@ -148,7 +148,7 @@ def bench_point(cfg_tuple, batch, args, models, bandwidth=None, tflops=None) -> 
     eng.capture()
     row["capture_a_s"] = round(time.perf_counter() - t0, 2)
     restore()
-    a = _measure(lambda: eng.launch(batch), out_tokens, args.iters, cuda)
+    a = measure(lambda: eng.launch(batch), out_tokens, args.iters, cuda)
     row["a_in_graph"] = a
     a_state = {key: v.clone() for key, v in st.items()}
     restore()
@@ -159,7 +159,7 @@ def bench_point(cfg_tuple, batch, args, models, bandwidth=None, tflops=None) -> 
             else HostMetadataLoop(eng, batch, cuda))
     row["capture_b_s"] = round(time.perf_counter() - t0, 2)
     restore()
-    b = _measure(host.iteration, out_tokens, args.iters, cuda)
+    b = measure(host.iteration, out_tokens, args.iters, cuda)
     row["b_host_metadata"] = b
     row["b_metadata_source"] = host.source
     if args.upstream_note:
@@ -174,7 +174,7 @@ def bench_point(cfg_tuple, batch, args, models, bandwidth=None, tflops=None) -> 
 
     # (c) plain greedy decoding, the same compiled model.
     seg, seq = greedy_segment(eng, batch, cuda)
-    c = _measure(seg.run, lambda: float(seq.sum()), args.iters, cuda)
+    c = measure(seg.run, lambda: float(seq.sum()), args.iters, cuda)
     row["c_greedy"] = c
     restore()
 
