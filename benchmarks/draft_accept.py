@@ -83,13 +83,15 @@ def parser() -> argparse.ArgumentParser:
     ap.add_argument("--strict", action="store_true", help="greedy rows must be identical")
     ap.add_argument("--timed", type=_shape, default=None, metavar="TOPK,STEPS,N")
     ap.add_argument("--iters", type=int, default=20, help="timed iterations")
+    ap.add_argument("--compile-backend", default="auto", choices=["auto", "none"],
+                    help="the timed shape's compile (none: eager kernels, captured)")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--json", metavar="PATH")
     return ap
 
 
 def _engine(models, shape, draft_attention, *, batch, page_size, context, max_new,
-            attention_backend, sampling, graphs, device):
+            attention_backend, sampling, graphs, device, compile_backend="none"):
     k, s, n = shape
     spec = SpecConfig(page_size=page_size, topk=k, num_steps=s, num_draft_tokens=n,
                       max_bs=batch, max_context_len=context + n)
@@ -97,7 +99,7 @@ def _engine(models, shape, draft_attention, *, batch, page_size, context, max_ne
     lc = LoopConfig(spec, max_new_tokens=max_new, attention_backend=attention_backend,
                     sampling=sampling, draft_attention=draft_attention)
     return EagleEngine(lc, models, max_reqs=batch, buckets=[batch], graphs=graphs,
-                       compile_backend="auto" if graphs else "none", device=device)
+                       compile_backend=compile_backend, device=device)
 
 
 def acceptance_row(models, prompts, news, eos, shape, draft_attention, temperature, args, ref):
@@ -139,7 +141,8 @@ def timed_row(models, prompts, shape, args) -> dict:
     context = max(map(len, prompts[:batch])) + max_new
     eng = _engine(models, shape, "ancestors", batch=batch, page_size=args.page_size,
                   context=context, max_new=max_new, attention_backend=args.attention_backend,
-                  sampling=False, graphs=cuda, device=args.device)
+                  sampling=False, graphs=cuda, device=args.device,
+                  compile_backend=args.compile_backend)
     for p in prompts[:batch]:
         eng.submit(p, max_new)
     eng.admit()
