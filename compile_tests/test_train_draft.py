@@ -16,6 +16,7 @@ from fa3_spec.eagle.checkpoint import load_draft
 from fa3_spec.train.export import ARCHITECTURE, save_head
 from fa3_spec.train.features import target_features
 from fa3_spec.train.head import Eagle3Head, default_aux_layers
+from fa3_spec.train.objective import ttt_loss
 from fa3_spec.train.trainer import STATE_FILE, TrainConfig, train_draft
 from fa3_spec.train.vocab import DraftVocab, draft_vocab_from_counts
 
@@ -140,6 +141,25 @@ def test_the_export_is_the_published_layout_and_runs_exactly_in_the_loop(tmp_pat
                                                     attention_backend="torch")
 
 
+def test_only_the_response_is_scored_never_the_prompt():
+    # Step k at position p predicts token p + 2; the loop drafts from the token
+    # after the target's own first one, so p starts at the last prompt position.
+    t = target()
+    vocab = draft_vocab_from_counts(torch.ones(t.shape.vocab_size, dtype=torch.int64), 256)
+    head = Eagle3Head(t, vocab)
+    seqs = random_prompts(3, seed=7)
+    starts = [0, 2, len(seqs[2]) - 2]
+    batch = target_features(t, seqs, head.aux_layers, vocab.ids, starts=starts,
+                            attention_backend="torch")
+    with torch.no_grad():
+        scores = ttt_loss(head(batch.tokens, batch.features, 3, batch.lengths), batch, vocab.ids)
+    want = [sum(max(0, len(q) - 2 - max(k, st) + 1) for q, st in zip(seqs, starts))
+            for k in range(3)]
+    assert scores.positions == want
+    with pytest.raises(ValueError, match="starts"):
+        target_features(t, seqs, head.aux_layers, vocab.ids, starts=[0, -1, 0])
+
+
 # -------------------------------------------------------------------- training
 CONFIG = TrainConfig(ttt_steps=2, batch_size=8, max_new_tokens=24, draft_vocab=256, eval_every=50,
                      holdout=8, lr=5e-3, warmup_steps=10, decay_steps=200)
@@ -151,7 +171,9 @@ def test_training_raises_held_out_first_depth_acceptance(tmp_path):
     assert report.stopped == "tokens" and report.tokens >= 30000
     gain = report.final_top1[0] - report.initial_top1[0]
     assert gain >= 0.2, (report.initial_top1, report.final_top1)
-    assert [h["step"] for h in report.history] == [50, 100, report.steps]
+    evaluated = list(range(50, report.steps + 1, 50))
+    assert [h["step"] for h in report.history] == evaluated + [report.steps] * (
+        evaluated[-1] != report.steps)
     assert (tmp_path / "model.safetensors").is_file() and (tmp_path / STATE_FILE).is_file()
     load_draft(tmp_path, target())  # what a budget leaves behind loads
 

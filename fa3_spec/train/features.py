@@ -10,7 +10,7 @@ the head trains on exactly the features it will read when serving.
 from __future__ import annotations
 
 import dataclasses
-from typing import List, NamedTuple, Sequence
+from typing import List, NamedTuple, Optional, Sequence
 
 import torch
 
@@ -31,7 +31,10 @@ class TargetFeatures(NamedTuple):
     position; ``target_logp [B, T, V_d]`` float32 log-probabilities of the
     target's next token at each position, restricted to the draft vocabulary
     and renormalised there (the soft labels); ``target_top [B, T]`` int64 the
-    target's argmax over its whole vocabulary (for top-1 acceptance).
+    target's argmax over its whole vocabulary (for top-1 acceptance);
+    ``starts`` int64 ``[B]`` the first position a head's prediction is scored
+    at: the last prompt position, whose first draft follows the target's own
+    first token, so only tokens the loop drafts are scored, never the prompt.
     """
 
     tokens: torch.Tensor
@@ -39,12 +42,14 @@ class TargetFeatures(NamedTuple):
     features: torch.Tensor
     target_logp: torch.Tensor
     target_top: torch.Tensor
+    starts: torch.Tensor
 
 
 @torch.no_grad()
 def target_features(target: LlamaTarget, sequences: Sequence[Sequence[int]],
                     aux_layers: Sequence[int], draft_ids: torch.Tensor, *,
-                    attention_backend: str = "auto", page_size: int = 16) -> TargetFeatures:
+                    starts: Optional[Sequence[int]] = None, attention_backend: str = "auto",
+                    page_size: int = 16) -> TargetFeatures:
     """Run ``target`` over whole ``sequences`` and capture what a head learns from.
 
     Args:
@@ -52,12 +57,18 @@ def target_features(target: LlamaTarget, sequences: Sequence[Sequence[int]],
         sequences: token lists (prompt + response), each of at least 2 tokens.
         aux_layers: the three target layer inputs the head reads.
         draft_ids: int64 ``[V_d]`` target ids of the draft vocabulary.
+        starts: per sequence, its prompt length minus one (`TargetFeatures`);
+            None: 0, every position scored.
         attention_backend: as `fa3_spec.cascade_attention`.
         page_size: of the scratch pool the prefill writes into.
     """
     seqs: List[List[int]] = [list(s) for s in sequences]
     if not seqs or min(map(len, seqs)) < 2:
         raise ValueError("sequences must be one or more token lists of at least 2 tokens")
+    starts = [0] * len(seqs) if starts is None else list(starts)
+    if len(starts) != len(seqs) or any(isinstance(v, bool) or not isinstance(v, int) or v < 0
+                                       for v in starts):
+        raise ValueError(f"starts must be one int >= 0 per sequence, got {starts!r}")
     device = target.embed.device
     s = target.shape
     bs, t = len(seqs), max(map(len, seqs))
@@ -88,4 +99,5 @@ def target_features(target: LlamaTarget, sequences: Sequence[Sequence[int]],
     tokens[where] = batch.tokens[batch.owned]
     lengths = torch.tensor([len(q) for q in seqs], dtype=torch.int64, device=device)
     return TargetFeatures(tokens.view(bs, t), lengths, features.view(bs, t, 3 * h),
-                          logp.view(bs, t, -1), top.view(bs, t))
+                          logp.view(bs, t, -1), top.view(bs, t),
+                          torch.tensor(starts, dtype=torch.int64, device=device))

@@ -6,7 +6,9 @@ restricted to the draft vocabulary, weighted ``decay ** k`` (EAGLE-3 uses 0.8):
 the first draft depth matters most, because every deeper one needs it.
 
 A step-``k`` prediction at position ``p`` is scored where its input token
-(``p + 1``) is real and its prefix (``p - k``) exists: ``k <= p <= length - 2``.
+(``p + 1``) is real, its prefix (``p - k``) exists and it predicts a response
+token the loop drafts: ``max(k, start) <= p <= length - 2``, ``start`` the last
+prompt position (`TargetFeatures.starts`).
 """
 
 from __future__ import annotations
@@ -48,7 +50,8 @@ def ttt_loss(logits: List[torch.Tensor], batch: TargetFeatures, draft_ids: torch
     total, weights = 0.0, 0.0
     per_step, top1, counts = [], [], []
     for k, step_logits in enumerate(logits):
-        valid = (pos.unsqueeze(0) >= k) & (pos.unsqueeze(0) <= batch.lengths.unsqueeze(1) - 2)
+        valid = ((pos.unsqueeze(0) >= k) & (pos.unsqueeze(0) >= batch.starts.unsqueeze(1))
+                 & (pos.unsqueeze(0) <= batch.lengths.unsqueeze(1) - 2))
         n = valid.sum()
         logq = torch.log_softmax(step_logits.float(), -1)
         ce = -(probs * logq).sum(-1)  # [B, T]

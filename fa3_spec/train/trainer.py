@@ -180,23 +180,32 @@ def train_draft(target: LlamaTarget, prompts: Sequence[Sequence[int]], out_dir: 
     rng = random.Random(config.seed)
     torch.manual_seed(config.seed)
 
-    def cut(seqs):
-        return [s[: config.max_len] for s in seqs if len(s) >= 3]
+    def cut(pairs):
+        """``(sequence, start)`` pairs cut to ``max_len`` that keep a scored
+        position (`TargetFeatures.starts`: the response, never the prompt)."""
+        pairs = [(seq[: config.max_len], start) for seq, start in pairs]
+        return [(seq, start) for seq, start in pairs if len(seq) >= max(3, start + 2)]
+
+    def answered_by_target(some_prompts):
+        seqs = regenerate(target, some_prompts, config.max_new_tokens, eos_ids, attention_backend)
+        return [(seq, max(len(p) - 1, 0)) for seq, p in zip(seqs, some_prompts)]
 
     # Greedy responses are deterministic: each prompt is answered once and its
     # sequence reused every epoch (a few hundred KB of token ids).
     answered: dict = {}
 
-    def answers(indices) -> List[List[int]]:
+    def answers(indices) -> List[tuple]:
         missing = [i for i in indices if i not in answered]
         if missing:
-            seqs = regenerate(target, [prompts[i] for i in missing], config.max_new_tokens,
-                              eos_ids, attention_backend)
-            answered.update(zip(missing, seqs))
+            answered.update(zip(missing, answered_by_target([prompts[i] for i in missing])))
         return cut([answered[i] for i in indices])
 
-    held = cut(regenerate(target, holdout_prompts, config.max_new_tokens, eos_ids,
-                          attention_backend)) if holdout_prompts else []
+    def features(pairs):
+        return target_features(target, [seq for seq, _ in pairs], head.aux_layers, head.ids,
+                               starts=[start for _, start in pairs],
+                               attention_backend=attention_backend)
+
+    held = cut(answered_by_target(holdout_prompts)) if holdout_prompts else []
     state_path = out / STATE_FILE
     state = torch.load(state_path, weights_only=False) if resume and state_path.is_file() else None
     exported = out / "model.safetensors"
@@ -210,8 +219,9 @@ def train_draft(target: LlamaTarget, prompts: Sequence[Sequence[int]], out_dir: 
         # The draft vocabulary from the tokens the target emits on the training prompts.
         first = answers(range(min(len(prompts), config.batch_size * 4)))
         counts = torch.zeros(target.shape.vocab_size, dtype=torch.int64)
-        for s in first:
-            counts += torch.bincount(torch.tensor(s), minlength=target.shape.vocab_size)
+        for seq, start in first:  # the response tokens, as the loop drafts them
+            counts += torch.bincount(torch.tensor(seq[start + 1:]),
+                                     minlength=target.shape.vocab_size)
         vocab = draft_vocab_from_counts(counts, config.draft_vocab)
     head = Eagle3Head(target, vocab, seed=config.seed, dtype=torch.float32)
     opt = torch.optim.AdamW(head.parameters(), lr=config.lr, weight_decay=config.weight_decay,
@@ -235,8 +245,7 @@ def train_draft(target: LlamaTarget, prompts: Sequence[Sequence[int]], out_dir: 
             return dict(loss=float("nan"), top1=[])
         head.eval()
         with torch.no_grad(), _autocast(device, dtype):
-            batch = target_features(target, held, head.aux_layers, head.ids,
-                                    attention_backend=attention_backend)
+            batch = features(held)
             scores = ttt_loss(head(batch.tokens, batch.features, config.ttt_steps, batch.lengths),
                               batch, head.ids, config.step_decay)
         head.train()
@@ -262,7 +271,7 @@ def train_draft(target: LlamaTarget, prompts: Sequence[Sequence[int]], out_dir: 
             return "minutes"
         return ""
 
-    pending: List[List[int]] = []
+    pending: List[tuple] = []  # (sequence, start) pairs
     while not (stop := out_of_budget()):
         while len(pending) < config.batch_size:
             if cursor >= len(order):
@@ -275,8 +284,7 @@ def train_draft(target: LlamaTarget, prompts: Sequence[Sequence[int]], out_dir: 
         lr = config.learning_rate(report.steps)
         for group in opt.param_groups:
             group["lr"] = lr
-        batch = target_features(target, seqs, head.aux_layers, head.ids,
-                                attention_backend=attention_backend)
+        batch = features(seqs)
         with _autocast(device, dtype):
             scores = ttt_loss(head(batch.tokens, batch.features, config.ttt_steps, batch.lengths),
                               batch, head.ids, config.step_decay)
