@@ -23,7 +23,7 @@ from helpers import MAKING_WORDS
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 BENCH = ROOT / "benchmarks"
 ENTRY_POINTS = {"loop.py", "compile.py", "kernel_bench.py", "metadata.py", "audit_upstream.py",
-                "load_checkpoint.py", "smollm2_checkpoint.py"}
+                "load_checkpoint.py", "smollm2_checkpoint.py", "draft_heads.py"}
 
 
 def _has_main_block(tree: ast.Module) -> bool:

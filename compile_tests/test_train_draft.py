@@ -5,6 +5,7 @@ acceptance, budgets, resume and refusals."""
 
 import dataclasses
 import json
+import pathlib
 
 import pytest
 import torch
@@ -12,7 +13,7 @@ from safetensors.torch import load_file
 
 import fa3_spec
 from fa3_spec.eagle import EagleEngine, EagleModels, LoopConfig, greedy_generate, make_models
-from fa3_spec.eagle.checkpoint import load_draft
+from fa3_spec.eagle.checkpoint import load_draft, load_target
 from fa3_spec.train.export import ARCHITECTURE, save_head
 from fa3_spec.train.features import target_features
 from fa3_spec.train.head import Eagle3Head, default_aux_layers
@@ -26,6 +27,7 @@ def _one_thread(one_thread):
     yield
 
 
+ROOT = pathlib.Path(__file__).resolve().parents[1]
 _TARGETS = {}
 
 
@@ -363,3 +365,32 @@ def test_sglangs_eagle3_loader_takes_every_exported_tensor(tmp_path):
     # token ids (draft id -> target id) and t2d, which sglang skips.
     assert len(loaded) == len(tensors) - 2
     assert torch.equal(model.hot_token_id, vocab.ids)
+
+
+def test_the_acceptance_benchmark_measures_a_trained_head_against_the_derived_draft(
+        llama_dir, tmp_path):
+    # benchmarks/draft_heads.py accept on CPU: every temperature-0 row exact in
+    # float64 (--strict), per-depth rates recorded, the timed rows' ratio.
+    import subprocess
+    import sys
+
+    head = tmp_path / "head"
+    train_draft(load_target(llama_dir), [[t % 101 for t in p] for p in random_prompts(16)], head,
+                tokens=200, config=dataclasses.replace(CONFIG, draft_vocab=64, holdout=2),
+                attention_backend="torch")
+    out = tmp_path / "rows.json"
+    done = subprocess.run(
+        [sys.executable, "benchmarks/draft_heads.py", "accept", "--model", str(llama_dir),
+         "--head", str(head), "--head", "derived", "--device", "cpu", "--dtype", "float64",
+         "--attention-backend", "torch", "--shapes", "1,3,4", "4,2,4", "--temperatures", "0", "0.7",
+         "--prompts", "2", "--max-new-tokens", "6", "--batch", "2", "--strict",
+         "--timed", "4,2,4", "--iters", "2", "--json", str(out)],
+        cwd=ROOT, capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr[-3000:]
+    doc = json.loads(out.read_text())
+    assert doc["heads"] == [str(head), "derived"] and len(doc["rows"]) == 2 * 2 * 2 * 2
+    greedy = [r for r in doc["rows"] if r["temperature"] == 0]
+    assert all(r["greedy_ok"] and r["identical_requests"] == 2 for r in greedy)
+    assert all(r["mean_accept_len"] >= 1 and r["acceptance_by_depth_and_rank"] for r in doc["rows"])
+    assert [t["head"] for t in doc["timed"]] == [str(head), "derived"]
+    assert all(t["a_over_c"] > 0 and t["c_tokens_per_s"] > 0 for t in doc["timed"])
