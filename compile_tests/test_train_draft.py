@@ -394,3 +394,15 @@ def test_the_acceptance_benchmark_measures_a_trained_head_against_the_derived_dr
     assert all(r["mean_accept_len"] >= 1 and r["acceptance_by_depth_and_rank"] for r in doc["rows"])
     assert [t["head"] for t in doc["timed"]] == [str(head), "derived"]
     assert all(t["a_over_c"] > 0 and t["c_tokens_per_s"] > 0 for t in doc["timed"])
+
+
+def test_the_eagle_command_warns_that_a_draft_made_here_is_not_trained(llama_dir, capsys):
+    from fa3_spec.cli import main
+
+    assert main(["eagle", "--model", str(llama_dir), "--device", "cpu", "--attention-backend",
+                 "torch", "--batch", "2", "--requests", "2", "--max-new-tokens", "4",
+                 "--prompt-len", "5", "--check-greedy"]) == 0
+    captured = capsys.readouterr()
+    assert "--draft derived drafts with the target's layer 0, not a trained head" in captured.err
+    assert "fa3-spec train-draft --model" in captured.err
+    assert "plain greedy:" in captured.out and "the loop:" in captured.out

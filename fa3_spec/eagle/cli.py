@@ -415,6 +415,8 @@ def run_eagle(args: argparse.Namespace, *, log=print) -> dict:
         if args.model:
             loaded = load_model(args, device, dtype)
             models = loaded.models
+            if not args.draft_model:
+                print(untrained_draft_warning(args.draft, args.model), file=sys.stderr)
         else:
             models = make_models(args.preset or "tiny", draft=args.draft,
                                  alpha=DEFAULT_ALPHA if args.alpha is None else args.alpha,
@@ -552,6 +554,16 @@ def run_eagle(args: argparse.Namespace, *, log=print) -> dict:
     return result
 
 
+def untrained_draft_warning(draft: str, model) -> str:
+    """The line ``--model`` without ``--draft-model`` prints: such a draft was
+    made here, not trained, so it rarely agrees with a real target."""
+    what = "the target's layer 0" if draft == "derived" else "random weights"
+    return (f"fa3-spec eagle: warning: --draft {draft} drafts with {what}, not a trained "
+            "head: on a real model expect a mean accept length near 1 and a loop slower "
+            f"than plain decoding. Train one with `fa3-spec train-draft --model {model} "
+            "--out HEAD` and pass --draft-model HEAD")
+
+
 def _greedy_check(found: list, *, strict: bool) -> dict:
     """The ``--check-greedy`` part of the result, from `compare_with_greedy`'s
     divergences: ``greedy_check`` is ``"exact"``, ``"near ties"`` (every
@@ -624,7 +636,9 @@ def run(args: argparse.Namespace) -> int:
     if res["exact"] is not None:
         log(_greedy_summary(res, c["requests"]))
     if res.get("greedy_tokens_per_s") is not None:
-        log(f"  plain greedy: {res['greedy_tokens_per_s']:.1f} tokens/s")
+        loop, plain = res["tokens_per_s"] or 0.0, res["greedy_tokens_per_s"]
+        log(f"  plain greedy: {plain:.1f} tokens/s; the loop: {loop:.1f} tokens/s "
+            f"({loop / plain:.2f}x) at mean accept length {res['mean_accept_len'] or 0:.2f}")
     for i, entry in enumerate(res["per_request"] if model else []):
         greedy = entry.get("greedy_tokens_per_s")
         log(f"--- request {i}: {entry['tokens']} tokens, mean accept length "
