@@ -1,0 +1,122 @@
+"""The speculation policy's model (`fa3_spec.eagle.policy`): expected accepted
+length of a tree shape under an acceptance profile, against hand counts and
+against the engine's own measured acceptance; the cost model's choice per
+bucket; refusals that name the argument."""
+
+import dataclasses
+import json
+import math
+
+import pytest
+import torch
+
+import fa3_spec
+from fa3_spec.eagle import EagleEngine, LoopConfig, make_models
+from fa3_spec.eagle.cli import workload
+from fa3_spec.eagle.policy import (AcceptanceProfile, CostProfile, choose_shapes,
+                                   drafted_tree, expected_accept_length)
+
+
+def test_a_chain_accepts_the_sum_of_its_path_products():
+    prof = AcceptanceProfile(((0.8,), (0.5,), (0.5,)))
+    assert expected_accept_length((1, 3, 4), prof) == pytest.approx(1 + 0.8 + 0.4 + 0.2)
+    # A fourth step past the table counts nothing; N caps the nodes verified.
+    assert expected_accept_length((1, 4, 5), prof) == pytest.approx(2.4)
+    assert expected_accept_length((1, 3, 3), prof) == pytest.approx(2.2)
+
+
+def test_a_tree_verifies_its_best_nodes_as_the_engine_drafts_them():
+    prof = AcceptanceProfile(((0.6, 0.3), (0.5, 0.2)))
+    # topk 2, 2 steps: depth 1 {0.6, 0.3}; each beam grows 2 children:
+    # 0.30, 0.12 (under 0.6) and 0.15, 0.06 (under 0.3). N - 1 = 4 best.
+    nodes = drafted_tree((2, 2, 5), prof)
+    assert [round(c, 4) for _, _, c in nodes] == [0.6, 0.3, 0.3, 0.15]
+    assert expected_accept_length((2, 2, 5), prof) == pytest.approx(2.35)
+    # Wider trees never expect less; a shape cannot ask for more nodes than it drafts.
+    assert expected_accept_length((2, 2, 7), prof) >= expected_accept_length((2, 2, 5), prof)
+    with pytest.raises(ValueError, match="fewer than num_draft_tokens"):
+        expected_accept_length((2, 2, 8), prof)
+
+
+@pytest.mark.parametrize("shape", [(4, 3, 8), (1, 4, 5)])
+def test_the_model_predicts_what_the_engine_measured_with_that_profile(shape):
+    # A real run (tiny target, derived draft, CPU): the profile it measured
+    # predicts its own mean accepted length. For a chain that is an identity of
+    # the counts (reaching depth d has chance the product of the rates to d);
+    # a tree's composition varies by iteration, which the model averages.
+    k, s, n = shape
+    models = make_models("tiny", draft="derived", seed=0)
+    spec = fa3_spec.SpecConfig(page_size=2, topk=k, num_steps=s, num_draft_tokens=n, max_bs=4,
+                               max_context_len=40 + 24 + n)
+    spec = dataclasses.replace(spec, num_pages=spec.pool_pages(8, LoopConfig.draft_attention))
+    eng = EagleEngine(LoopConfig(spec, max_new_tokens=24, attention_backend="torch"), models,
+                      max_reqs=8, buckets=[4], graphs=False, compile_backend="none")
+    prompts, news = workload(8, page_size=2, max_prompt=40, max_new=24,
+                             vocab=models.vocab_size, seed=3)
+    for p, m in zip(prompts, news):
+        eng.submit(p, m)
+    eng.run()
+    prof = AcceptanceProfile.from_stats(eng.stats)
+    measured = eng.stats.mean_accept_len
+    assert measured > 1.2  # drafts were accepted: the comparison means something
+    assert expected_accept_length(shape, prof) == pytest.approx(
+        measured, rel=1e-12 if k == 1 else 0.15)
+
+
+def test_each_bucket_runs_the_shape_with_the_most_tokens_per_second():
+    prof = AcceptanceProfile(((0.8, 0.1), (0.7, 0.1), (0.6, 0.1)))
+    costs = CostProfile(plain={1: 5.0, 64: 20.0},
+                        shapes={1: {"1,3,4": 7.0, "2,3,6": 8.0},
+                                64: {"1,3,4": 60.0, "2,3,6": 70.0}})
+    chosen = choose_shapes(costs, prof)
+    e_chain = expected_accept_length((1, 3, 4), prof)
+    e_tree = expected_accept_length((2, 3, 6), prof)
+    one = max([(e_chain / 7.0, (1, 3, 4)), (e_tree / 8.0, (2, 3, 6)), (1 / 5.0, None)])
+    assert chosen[1].shape == one[1] and chosen[1].tokens_per_s == pytest.approx(1e3 * one[0])
+    # At 64 rows an iteration costs more than its accepted tokens buy: plain decoding.
+    assert e_chain / 60.0 < 1 / 20.0 and e_tree / 70.0 < 1 / 20.0
+    assert chosen[64].shape is None and chosen[64].speedup == 1.0
+    assert chosen[1].speedup > 1
+
+
+def test_profiles_round_trip_through_json(tmp_path):
+    prof = AcceptanceProfile(((0.5, 0.25),))
+    prof.save(tmp_path / "a.json")
+    assert AcceptanceProfile.load(tmp_path / "a.json") == prof
+    costs = CostProfile(plain={1: 2.0}, shapes={1: {"4,5,8": 3.5}}, device="cpu", model="tiny")
+    costs.save(tmp_path / "c.json")
+    assert CostProfile.load(tmp_path / "c.json") == costs
+
+
+@pytest.mark.parametrize("rates, match", [
+    ((), "non-empty"),
+    (((0.5,), (0.5, 0.1)), r"rates\[1\] has 2 ranks"),
+    (((1.5,),), r"rates\[0\]\[0\] must be a number in \[0, 1\]"),
+    (((float("nan"),),), r"rates\[0\]\[0\]"),
+    (((None,),), r"rates\[0\]\[0\]"),
+])
+def test_bad_acceptance_profiles_are_refused_by_name(rates, match):
+    with pytest.raises(ValueError, match=match):
+        AcceptanceProfile(rates)
+
+
+@pytest.mark.parametrize("plain, shapes, match", [
+    ({}, {1: {}}, "plain must be a non-empty dict"),
+    ({1: 0.0}, {1: {"1,2,3": 1.0}}, r"plain\[1\]"),
+    ({1: 1.0}, {2: {"1,2,3": 1.0}}, r"shapes\[2\]: no plain\[2\]"),
+    ({1: 1.0}, {1: {"1,2": 1.0}}, "topk,steps,N"),
+    ({1: 1.0}, {1: {"1,2,3": math.inf}}, r"shapes\[1\]\['1,2,3'\]"),
+    ({True: 1.0}, {1: {"1,2,3": 1.0}}, "bucket True"),
+])
+def test_bad_cost_profiles_are_refused_by_name(plain, shapes, match):
+    with pytest.raises(ValueError, match=match):
+        CostProfile(plain=plain, shapes=shapes)
+
+
+def test_a_file_that_is_not_a_profile_is_refused_by_name(tmp_path):
+    bad = tmp_path / "bad.json"
+    bad.write_text(json.dumps({"rates": [[0.5, None]]}))
+    with pytest.raises(ValueError, match="bad.json"):
+        AcceptanceProfile.load(bad)
+    with pytest.raises(ValueError, match="bad.json: not a cost profile"):
+        CostProfile.load(bad)

@@ -1,0 +1,244 @@
+"""Which tree shape each batch bucket should run: an acceptance profile, the
+expected accepted length of any shape under it, and a cost model.
+
+An **acceptance profile** holds ``rates[d - 1][r]``: the chance that the
+accepted path goes on through a draft node at depth ``d`` with sibling rank
+``r`` once it has reached that node's parent, exactly as `EngineStats`
+counts it (``taken / offered``). Under greedy verification at most one child
+of a node is accepted, so a node's chance of being accepted is the product of
+the rates along its path, and a tree's expected accepted length (the bonus
+token included) is one plus the sum of those products over its drafted nodes.
+
+The tree a shape ``(topk, num_steps, num_draft_tokens)`` drafts is modelled
+as the engine builds it (docs/semantics.md, "The EAGLE iteration"): the root's
+``topk`` children; then, per step, the ``topk`` best nodes so far each grow
+``topk`` children; finally the ``num_draft_tokens - 1`` best of all drafted
+nodes are verified. "Best" is the draft's cumulative score, which the model
+takes to order nodes as their acceptance chances do (a calibrated draft).
+
+A **cost profile** holds measured milliseconds per iteration of each
+candidate shape, and of one plain decode step, per batch bucket. The policy
+picks, per bucket, the shape with the most expected tokens per second, or
+plain decoding (``None``) when no shape beats it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import heapq
+import json
+import math
+import pathlib
+from typing import Dict, List, Optional, Sequence, Tuple
+
+__all__ = ["AcceptanceProfile", "BucketChoice", "CostProfile", "Shape", "choose_shapes",
+           "expected_accept_length", "shape_key"]
+
+#: ``(topk, num_steps, num_draft_tokens)``.
+Shape = Tuple[int, int, int]
+
+
+def shape_key(shape: Shape) -> str:
+    """``"topk,steps,N"``, the key of a shape in JSON files."""
+    return ",".join(str(v) for v in shape)
+
+
+def _parse_shape(key: str) -> Shape:
+    try:
+        k, s, n = (int(v) for v in key.split(","))
+    except ValueError:
+        raise ValueError(f"a shape key is 'topk,steps,N', got {key!r}") from None
+    return _check_shape((k, s, n))
+
+
+def _check_shape(shape) -> Shape:
+    if (not isinstance(shape, (tuple, list)) or len(shape) != 3
+            or any(isinstance(v, bool) or not isinstance(v, int) or v < 1 for v in shape)):
+        raise ValueError(f"shape must be (topk, num_steps, num_draft_tokens) of ints >= 1, "
+                         f"got {shape!r}")
+    k, s, n = shape
+    if n < 2:
+        raise ValueError(f"shape {shape!r}: num_draft_tokens must be >= 2 (the root and a draft)")
+    if n - 1 > k + (s - 1) * k * k:
+        raise ValueError(f"shape {shape!r}: {s} steps of topk {k} draft "
+                         f"{k + (s - 1) * k * k} nodes, fewer than num_draft_tokens - 1 = {n - 1}")
+    return (k, s, n)
+
+
+@dataclasses.dataclass(frozen=True)
+class AcceptanceProfile:
+    """``rates[d - 1][r]`` in [0, 1]: depth ``d >= 1``, sibling rank ``r``
+    (module docstring). A depth or rank past the table has rate 0: what was
+    never measured is not counted on (a chain's profile says nothing of a
+    second sibling)."""
+
+    rates: Tuple[Tuple[float, ...], ...]
+
+    def __post_init__(self):
+        rows = self.rates
+        if not isinstance(rows, (tuple, list)) or not rows:
+            raise ValueError("rates must be a non-empty list of rows, one per depth")
+        width = None
+        clean = []
+        for d, row in enumerate(rows, 1):
+            if not isinstance(row, (tuple, list)) or not row:
+                raise ValueError(f"rates[{d - 1}] must be a non-empty list, one rate per rank")
+            if width is not None and len(row) != width:
+                raise ValueError(f"rates[{d - 1}] has {len(row)} ranks, rates[0] has {width}")
+            width = len(row)
+            for r, v in enumerate(row):
+                if isinstance(v, bool) or not isinstance(v, (int, float)) or not 0 <= v <= 1:
+                    raise ValueError(f"rates[{d - 1}][{r}] must be a number in [0, 1], got {v!r}")
+            clean.append(tuple(float(v) for v in row))
+        object.__setattr__(self, "rates", tuple(clean))
+
+    def rate(self, depth: int, rank: int) -> float:
+        if depth > len(self.rates) or rank >= len(self.rates[0]):
+            return 0.0
+        return self.rates[depth - 1][rank]
+
+    @classmethod
+    def from_stats(cls, stats, *, default: float = 0.0) -> "AcceptanceProfile":
+        """The profile an engine measured (`EngineStats`): ``taken / offered``
+        per depth and rank, ``default`` where nothing was offered."""
+        rows = []
+        for d in range(1, stats.offered.shape[0]):
+            offered, taken = stats.offered[d].tolist(), stats.taken[d].tolist()  # ok-host
+            rows.append([t / o if o else default for t, o in zip(taken, offered)])
+        return cls(tuple(map(tuple, rows)))
+
+    @classmethod
+    def load(cls, path) -> "AcceptanceProfile":
+        """From a JSON file ``{"rates": [[...], ...]}``; None rates (nothing
+        offered, as `EngineStats.as_dict` writes them) are refused by name."""
+        p = pathlib.Path(path)
+        try:
+            doc = json.loads(p.read_text())
+        except (OSError, ValueError) as exc:
+            raise ValueError(f"{p}: not a readable JSON file ({exc})") from None
+        if not isinstance(doc, dict) or "rates" not in doc:
+            raise ValueError(f"{p}: expected an object with 'rates'")
+        try:
+            return cls(tuple(tuple(row) if isinstance(row, list) else row
+                             for row in doc["rates"]))
+        except ValueError as exc:
+            raise ValueError(f"{p}: {exc}") from None
+
+    def save(self, path) -> None:
+        pathlib.Path(path).write_text(json.dumps(dict(rates=[list(r) for r in self.rates])))
+
+
+def drafted_tree(shape: Shape, profile: AcceptanceProfile) -> List[Tuple[int, int, float]]:
+    """The ``num_draft_tokens - 1`` nodes the model of the module docstring
+    verifies, as ``(depth, rank, chance of acceptance)``, best first."""
+    k, s, n = _check_shape(shape)
+    # A node is (chance, depth, rank); beams are the best k nodes so far.
+    frontier = [(profile.rate(1, r), 1, r) for r in range(k)]
+    drafted = list(frontier)
+    beams = frontier
+    for depth in range(2, s + 1):
+        children = [(chance * profile.rate(depth, r), depth, r)
+                    for chance, _, _ in beams for r in range(k)]
+        drafted += children
+        # The next beams: the best k nodes drafted so far at this depth (sglang
+        # takes them among the children of this step).
+        beams = heapq.nlargest(k, children, key=lambda c: c[0])
+    # Ties resolve shallow first, then by rank: a parent never ranks below its child.
+    best = sorted(drafted, key=lambda c: (-c[0], c[1], c[2]))[: n - 1]
+    return [(depth, rank, chance) for chance, depth, rank in best]
+
+
+def expected_accept_length(shape: Shape, profile: AcceptanceProfile) -> float:
+    """Expected tokens a request accepts per iteration with ``shape``: one (the
+    target's own token) plus each verified node's chance of acceptance."""
+    return 1.0 + math.fsum(chance for _, _, chance in drafted_tree(shape, profile))
+
+
+@dataclasses.dataclass(frozen=True)
+class CostProfile:
+    """Measured ms per iteration: ``plain[bucket]`` for one plain decode step,
+    ``shapes[bucket][shape_key]`` for each candidate shape's iteration, on one
+    machine and model (``device``, ``model``: what they were measured on)."""
+
+    plain: Dict[int, float]
+    shapes: Dict[int, Dict[str, float]]
+    device: str = ""
+    model: str = ""
+
+    def __post_init__(self):
+        for name, table in (("plain", self.plain), ("shapes", self.shapes)):
+            if not isinstance(table, dict) or not table:
+                raise ValueError(f"{name} must be a non-empty dict keyed by batch bucket")
+            for b in table:
+                if isinstance(b, bool) or not isinstance(b, int) or b < 1:
+                    raise ValueError(f"{name}: bucket {b!r} is not an int >= 1")
+        for b, ms in self.plain.items():
+            if not _positive_ms(ms):
+                raise ValueError(f"plain[{b}] must be a finite number of ms > 0, got {ms!r}")
+        for b, row in self.shapes.items():
+            if b not in self.plain:
+                raise ValueError(f"shapes[{b}]: no plain[{b}] to compare with")
+            for key, ms in row.items():
+                _parse_shape(key)
+                if not _positive_ms(ms):
+                    raise ValueError(f"shapes[{b}][{key!r}] must be a finite number of ms > 0, "
+                                     f"got {ms!r}")
+
+    @classmethod
+    def load(cls, path) -> "CostProfile":
+        p = pathlib.Path(path)
+        try:
+            doc = json.loads(p.read_text())
+            return cls(plain={int(b): v for b, v in doc["plain"].items()},
+                       shapes={int(b): dict(row) for b, row in doc["shapes"].items()},
+                       device=doc.get("device", ""), model=doc.get("model", ""))
+        except (OSError, ValueError, KeyError, TypeError, AttributeError) as exc:
+            raise ValueError(f"{p}: not a cost profile ({exc})") from None
+
+    def save(self, path) -> None:
+        pathlib.Path(path).write_text(json.dumps(dict(
+            device=self.device, model=self.model,
+            plain={str(b): v for b, v in self.plain.items()},
+            shapes={str(b): row for b, row in self.shapes.items()}), indent=1))
+
+
+def _positive_ms(v) -> bool:
+    return not isinstance(v, bool) and isinstance(v, (int, float)) and 0 < v < math.inf
+
+
+@dataclasses.dataclass(frozen=True)
+class BucketChoice:
+    """A bucket's shape (None: plain decoding), its expected accepted length
+    and tokens/s per row, and plain decoding's tokens/s per row beside it."""
+
+    bucket: int
+    shape: Optional[Shape]
+    expected_accept_length: float
+    tokens_per_s: float
+    plain_tokens_per_s: float
+
+    @property
+    def speedup(self) -> float:
+        return self.tokens_per_s / self.plain_tokens_per_s
+
+
+def choose_shapes(costs: CostProfile, profile: AcceptanceProfile,
+                  buckets: Optional[Sequence[int]] = None) -> Dict[int, BucketChoice]:
+    """Per bucket (default: every bucket of ``costs``), the measured shape with
+    the most expected tokens/s per row, ``E[accept] / ms``, or plain decoding
+    when none beats ``1 / plain ms``. Ties keep the smaller shape."""
+    chosen = {}
+    for b in buckets if buckets is not None else sorted(costs.plain):
+        if b not in costs.plain:
+            raise ValueError(f"buckets: {b} has no measured plain decode step in the profile")
+        plain = 1e3 / costs.plain[b]
+        best = BucketChoice(b, None, 1.0, plain, plain)
+        for key, ms in sorted(costs.shapes.get(b, {}).items(),
+                              key=lambda kv: _parse_shape(kv[0])[::-1]):
+            shape = _parse_shape(key)
+            e = expected_accept_length(shape, profile)
+            rate = 1e3 * e / ms
+            if rate > best.tokens_per_s:
+                best = BucketChoice(b, shape, e, rate, plain)
+        chosen[b] = best
+    return chosen
