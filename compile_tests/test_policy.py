@@ -8,7 +8,6 @@ import json
 import math
 
 import pytest
-import torch
 
 import fa3_spec
 from fa3_spec.eagle import EagleEngine, LoopConfig, make_models
