@@ -119,3 +119,50 @@ def test_a_file_that_is_not_a_profile_is_refused_by_name(tmp_path):
         AcceptanceProfile.load(bad)
     with pytest.raises(ValueError, match="bad.json: not a cost profile"):
         CostProfile.load(bad)
+
+
+def _hooked_engine(shape, hook, requests=16, max_new=64):
+    k, s, n = shape
+    models = make_models("tiny", draft="derived", seed=0)
+    spec = fa3_spec.SpecConfig(page_size=2, topk=k, num_steps=s, num_draft_tokens=n, max_bs=4,
+                               max_context_len=40 + max_new + n)
+    spec = dataclasses.replace(spec, num_pages=spec.pool_pages(8, LoopConfig.draft_attention))
+    eng = EagleEngine(LoopConfig(spec, max_new_tokens=max_new, attention_backend="torch"), models,
+                      max_reqs=8, buckets=[4], graphs=False, compile_backend="none",
+                      acceptance=hook)
+    prompts, news = workload(requests, page_size=2, max_prompt=40, max_new=max_new,
+                             vocab=models.vocab_size, seed=5)
+    for p, m in zip(prompts, news):
+        eng.submit(p, m)
+    eng.run()
+    return eng
+
+
+def test_the_profile_hook_accepts_as_the_profile_says_and_bigger_trees_accept_more():
+    from fa3_spec.eagle.acceptance import profile_acceptance
+
+    rates = ((0.6, 0.2, 0.1, 0.05), (0.7, 0.1, 0.05, 0.0), (0.7, 0.1, 0.0, 0.0))
+    chain = _hooked_engine((1, 3, 4), profile_acceptance(rates, seed=1))
+    tree = _hooked_engine((4, 3, 8), profile_acceptance(rates, seed=1))
+    prof = AcceptanceProfile(rates)
+    for eng, shape in ((chain, (1, 3, 4)), (tree, (4, 3, 8))):
+        measured = AcceptanceProfile.from_stats(eng.stats).rates
+        offered = eng.stats.offered
+        assert int(offered[1, 0]) > 50
+        # The depth-1 first-sibling rate the hook drew, within sampling error.
+        assert abs(measured[0][0] - 0.6) < 4 * (0.24 / int(offered[1, 0])) ** 0.5
+    assert tree.stats.mean_accept_len > chain.stats.mean_accept_len
+    assert chain.stats.mean_accept_len == pytest.approx(
+        expected_accept_length((1, 3, 4), prof), rel=0.15)
+
+
+@pytest.mark.parametrize("rates, seed, match", [
+    (((0.7, 0.5),), 0, r"rates\[0\] sums to 1.2"),
+    ((), 0, "non-empty"),
+    (((0.5,),), 1.5, "seed must be an int"),
+])
+def test_bad_profile_hooks_are_refused_by_name(rates, seed, match):
+    from fa3_spec.eagle.acceptance import profile_acceptance
+
+    with pytest.raises(ValueError, match=match):
+        profile_acceptance(rates, seed=seed)

@@ -28,7 +28,7 @@ import torch
 
 AcceptanceHook = Callable[..., Tuple[torch.Tensor, torch.Tensor]]
 
-__all__ = ["AcceptanceHook", "scripted_acceptance"]
+__all__ = ["AcceptanceHook", "profile_acceptance", "scripted_acceptance"]
 
 
 def scripted_acceptance(emitted: Sequence[int]) -> AcceptanceHook:
@@ -54,4 +54,72 @@ def scripted_acceptance(emitted: Sequence[int]) -> AcceptanceHook:
         return torch.minimum(i.unsqueeze(0), accepted.unsqueeze(1)), accepted
 
     hook.script = script
+    return hook
+
+
+def _uniform(seed: int, iters: torch.Tensor, root: torch.Tensor, depth: int) -> torch.Tensor:
+    """float64 ``[B]`` in [0, 1): a counter-based hash of (seed, row, iteration,
+    the row's root token, depth), so a captured graph draws without a
+    generator's state or a sync, and requests that reuse a row draw anew."""
+    row = torch.arange(iters.shape[0], device=iters.device, dtype=torch.int64)
+    x = (iters * 1_000_003 + row * 7_919 + depth * 104_729 + root * 15_485_863
+         + seed) & 0x7FFFFFFF
+    for _ in range(3):  # a 31-bit integer mixer (xorshift-multiply)
+        x = ((x ^ (x >> 15)) * 0x2C1B3C6D) & 0x7FFFFFFF
+        x = ((x ^ (x >> 12)) * 0x297A2D39) & 0x7FFFFFFF
+    return x.double() / float(1 << 31)
+
+
+def profile_acceptance(rates: Sequence[Sequence[float]], seed: int = 0) -> AcceptanceHook:
+    """A hook that accepts the draft tree as a head with acceptance profile
+    ``rates`` would (`fa3_spec.eagle.policy.AcceptanceProfile`): at each depth
+    ``d`` the path goes on through the child of sibling rank ``r`` with chance
+    ``rates[d - 1][r]`` (at most one child; ranks and depths past the table 0).
+    A bigger tree then accepts more in expectation, as with a trained head,
+    where a scripted count would make every shape alike. Draws are a hash of
+    ``seed``, the row, its iteration, its root token and the depth:
+    reproducible and capturable.
+
+    Raises `ValueError` naming ``rates`` or ``seed`` when they are not a
+    non-empty table of numbers in [0, 1] whose rows sum to at most 1, and an int.
+    """
+    from .policy import AcceptanceProfile
+    from .stats import sibling_ranks
+
+    table = AcceptanceProfile(tuple(tuple(r) for r in rates)).rates if rates else ()
+    if not table:
+        raise ValueError("rates must be a non-empty table, one row per depth")
+    for d, row in enumerate(table):
+        if sum(row) > 1 + 1e-9:
+            raise ValueError(f"rates[{d}] sums to {sum(row):.4g} > 1: at most one child of a "
+                             "node is accepted")
+    if isinstance(seed, bool) or not isinstance(seed, int):
+        raise ValueError(f"seed must be an int, got {seed!r}")
+    width = len(table[0])
+
+    def hook(tokens, parents, live, iters, max_depth):
+        b, n = parents.shape
+        rank = sibling_ranks(parents)
+        node = torch.zeros(b, dtype=torch.int64, device=tokens.device)
+        going = live.clone()
+        accepted = torch.zeros_like(node)
+        path = [node]
+        for d in range(1, max_depth + 1):
+            child = (parents == node.unsqueeze(1)) & going.unsqueeze(1)  # [B, N]
+            rate = torch.zeros(b, n, dtype=torch.float64, device=tokens.device)
+            if d <= len(table):
+                for r in range(width):  # constants only: no host-to-device copy
+                    rate = torch.where(child & (rank == r), table[d - 1][r], rate)
+            upper = rate.cumsum(1)  # siblings in rank order: disjoint intervals
+            u = _uniform(seed, iters, tokens[:, 0], d).unsqueeze(1)
+            hit = child & (u >= upper - rate) & (u < upper)
+            took = hit.any(1)
+            nxt = torch.where(took, hit.long().argmax(1), node)
+            going = going & took
+            accepted = accepted + going.long()
+            node = torch.where(going, nxt, node)
+            path.append(node)
+        return torch.stack(path, 1), torch.where(live, accepted, 0)
+
+    hook.rates = table
     return hook
