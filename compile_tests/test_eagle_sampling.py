@@ -28,7 +28,8 @@ from chisquare import chi_square, power
 from fa3_spec.eagle import EagleEngine, LoopConfig, cli, greedy_generate, make_models
 from fa3_spec.eagle import engine as engine_module
 from fa3_spec.eagle import iteration as iteration_module
-from fa3_spec.eagle.sampling import filtered_probs
+from fa3_spec.eagle.sampling import (RequestSampling, SamplingParams, filtered_probs,
+                                      sample_tokens)
 from test_eagle_loop import models_for, workload
 
 FULL = os.environ.get("FA3_SPEC_SAMPLING_FULL") == "1"
@@ -83,6 +84,29 @@ def test_a_sampled_request_gives_the_same_tokens_alone_and_in_any_batch_row():
     assert alone[0] == together[6]
     other_seed = dict(params[6], seed=params[6]["seed"] + 1)
     assert run_requests(engine(1), prompts[6:], news[6:], [other_seed]) != alone
+
+
+def test_plain_sampled_decoding_draws_token_j_with_counter_j_and_keeps_greedy_rows():
+    """`greedy_generate(sampling=...)`: each drawn token is `sample_tokens` of
+    that step's logits at counter j (the loop's randomness contract); a
+    temperature-0 row in the batch stays greedy; the draw depends on the seed."""
+    models = models_for()
+    prompts, news = workload(4, 3, max_new=10, min_new=10)
+    params = SamplingParams.stack([RequestSampling.create(0.0, seed=1)] + [
+        RequestSampling.create(1.0, top_p=0.9, seed=20 + i) for i in range(3)], "cpu")
+    logits = []
+    got = greedy_generate(models, prompts, news, attention_backend="torch", sampling=params,
+                          logits_out=logits)
+    ref = greedy_generate(models, prompts, news, attention_backend="torch")
+    assert got[0] == ref[0] and got[1:] != ref[1:]
+    for j, step in enumerate(logits):
+        want = sample_tokens(step, params, torch.full((4,), j, dtype=torch.int64))
+        assert [row[j] for row in got] == want.tolist()
+    other = params._replace(seed=params.seed + 1)
+    assert greedy_generate(models, prompts, news, attention_backend="torch",
+                           sampling=other)[1:] != got[1:]
+    with pytest.raises(ValueError, match="sampling must be a SamplingParams of one row"):
+        greedy_generate(models, prompts[:2], news[:2], sampling=params)
 
 
 def test_a_request_without_a_seed_gets_a_fresh_one_that_replays_it():

@@ -168,7 +168,9 @@ CONFIG = TrainConfig(ttt_steps=2, batch_size=8, max_new_tokens=24, draft_vocab=2
 
 
 def test_training_raises_held_out_first_depth_acceptance(tmp_path):
-    report = train_draft(target(), random_prompts(72), tmp_path, tokens=30000, config=CONFIG,
+    # 400 prompts, each answered once: too few distinct responses and the head
+    # memorises them instead of learning the target.
+    report = train_draft(target(), random_prompts(400), tmp_path, tokens=30000, config=CONFIG,
                          attention_backend="torch")
     assert report.stopped == "tokens" and report.tokens >= 30000
     gain = report.final_top1[0] - report.initial_top1[0]
@@ -199,6 +201,47 @@ def test_resume_continues_the_full_state_or_the_weights_alone(tmp_path):
     assert torch.equal(load_file(str(tmp_path / "model.safetensors"))["d2t"], weights["d2t"])
 
 
+def test_sampled_regeneration_draws_a_fresh_response_each_epoch_and_resumes(tmp_path,
+                                                                              monkeypatch):
+    """``temperature > 0``: a prompt that comes up again is answered anew (each
+    draw its own seed), the held-out responses stay greedy, and a resume
+    continues the draw count and the answered-but-untrained sequences."""
+    import fa3_spec.train.trainer as trainer_module
+
+    calls = []
+    real = trainer_module.regenerate
+
+    def recording(target_, prompts, *args, temperature=0.0, seeds=None, **kw):
+        out = real(target_, prompts, *args, temperature=temperature, seeds=seeds, **kw)
+        calls.append((temperature, seeds, [tuple(p) for p in prompts], out))
+        return out
+
+    monkeypatch.setattr(trainer_module, "regenerate", recording)
+    cfg = dataclasses.replace(CONFIG, temperature=1.0, regen_batch=16, eval_every=2)
+    prompts = random_prompts(24)
+    report = train_draft(target(), prompts, tmp_path, tokens=1200, config=cfg,
+                         attention_backend="torch")
+    assert calls[0][0] == 0.0 and calls[0][1] is None  # the held-out split, greedy
+    sampled = calls[1:]
+    assert all(t == 1.0 for t, *_ in sampled) and len(sampled) >= 2
+    seeds = [sd for _, s, _, _ in sampled for sd in s]
+    assert len(seeds) == len(set(seeds))  # every draw its own seed
+    answers = {}
+    for _, _, ps, outs in sampled:
+        for pr, out in zip(ps, outs):
+            answers.setdefault(pr, []).append(tuple(out))
+    again = [a for a in answers.values() if len(a) > 1]
+    assert again and any(len(set(a)) > 1 for a in again)  # a prompt seen twice, answered anew
+    state = torch.load(tmp_path / STATE_FILE, weights_only=False)
+    assert state["draws"] == len(seeds)
+    calls.clear()
+    resumed = train_draft(target(), prompts, tmp_path, tokens=report.tokens + 300, config=cfg,
+                          attention_backend="torch", resume=True)
+    assert resumed.steps > report.steps
+    later = [sd for _, s, _, _ in calls[1:] for sd in (s or [])]
+    assert all(sd not in seeds for sd in later)  # the count went on, no draw repeated
+
+
 @pytest.mark.parametrize("kwargs, match", [
     (dict(), "give a budget"),
     (dict(minutes=0), "minutes must be a finite number > 0"),
@@ -214,7 +257,9 @@ def test_bad_runs_are_refused_by_name(tmp_path, kwargs, match):
 
 
 @pytest.mark.parametrize("field, value", [("ttt_steps", 0), ("lr", float("inf")),
-                                          ("batch_size", 2.0), ("holdout", -1)])
+                                          ("batch_size", 2.0), ("holdout", -1),
+                                          ("temperature", -0.5), ("temperature", float("nan")),
+                                          ("regen_batch", 0)])
 def test_a_config_out_of_its_domain_is_refused(field, value):
     with pytest.raises(ValueError, match=field):
         dataclasses.replace(CONFIG, **{field: value})

@@ -1,7 +1,9 @@
-"""`greedy_generate`: plain greedy decoding of the target, the loop's reference.
+"""`greedy_generate`: plain decoding of the target, the loop's reference.
 
 Exactness contract of the EAGLE loop: with greedy acceptance its output equals
-this, token for token.
+this, token for token. With ``sampling`` it draws each token instead, with the
+loop's own randomness (`fa3_spec.eagle.sampling`: the request's seed, counter =
+tokens emitted), which is what a trainer regenerating varied responses needs.
 """
 
 from __future__ import annotations
@@ -17,6 +19,7 @@ from .decode import decode_step
 from .models import SpecModel
 from .pool import KVPool
 from .prefill import check_max_new_tokens, check_prompt, eos_set, prefill_forward
+from .sampling import SamplingParams, sample_tokens
 
 
 def greedy_generate(models: SpecModel, prompts: Sequence[Sequence[int]],
@@ -24,8 +27,9 @@ def greedy_generate(models: SpecModel, prompts: Sequence[Sequence[int]],
                     eos_ids: Optional[Sequence[Union[int, Sequence[int]]]] = None,
                     page_size: int = 1, attention_backend: str = "auto", device="cpu",
                     logits_out: Optional[list] = None,
-                    on_step: Optional[Callable[[int, int], None]] = None) -> List[List[int]]:
-    """Plain greedy decoding of the target (no speculation): the reference.
+                    on_step: Optional[Callable[[int, int], None]] = None,
+                    sampling: Optional[SamplingParams] = None) -> List[List[int]]:
+    """Plain decoding of the target (no speculation): greedy, the reference.
 
     Prefill through `build_prefill_metadata`, then one token per request per
     step through `fa3_spec.eagle.decode.decode_step`, in a pool of its own. Each output
@@ -34,7 +38,9 @@ def greedy_generate(models: SpecModel, prompts: Sequence[Sequence[int]],
     ``logits_out``, if given, receives each step's float32 logits ``[B, V]``
     on the CPU (step 0 = after the prompt), for near-tie analysis.
     ``on_step(i, steps)``, if given, is called after each of the ``steps``
-    token steps (progress; ``i`` from 1).
+    token steps (progress; ``i`` from 1). ``sampling``, if given, holds one
+    row per prompt (`SamplingParams`, on ``device``): token ``j`` of a row is
+    drawn with counter ``j`` (`sample_tokens`; temperature-0 rows stay greedy).
 
     Raises:
         ValueError: no prompts, an empty prompt, a prompt token outside
@@ -54,6 +60,10 @@ def greedy_generate(models: SpecModel, prompts: Sequence[Sequence[int]],
     if eos_ids is not None and len(eos_ids) != len(prompts):
         raise ValueError(f"eos_ids must give one id per prompt ({len(prompts)}), got "
                          f"{len(eos_ids)}")
+    if sampling is not None and (not isinstance(sampling, SamplingParams)
+                                 or sampling.temperature.shape != (len(prompts),)):
+        raise ValueError(f"sampling must be a SamplingParams of one row per prompt "
+                         f"({len(prompts)}), got {sampling!r:.80}")
     reach = max(len(p) + m for p, m in zip(prompts, max_new_tokens))
     if reach > models.max_positions:
         raise ValueError(f"a prompt plus its max_new_tokens reaches {reach} positions, beyond the "
@@ -72,7 +82,8 @@ def greedy_generate(models: SpecModel, prompts: Sequence[Sequence[int]],
     rows = [pool.allocate(len(p), steps) for p in prompts]
     r2t = pool.req_to_token
     first, _, _, _, logits = prefill_forward(models, spec, pool.target_kv, None, r2t, rows,
-                                              prompts, attention_backend=attention_backend)
+                                              prompts, attention_backend=attention_backend,
+                                              sampling=sampling)
     if logits_out is not None:
         logits_out.append(logits.float().cpu())
     rpi = torch.tensor(rows, dtype=torch.int64, device=device)
@@ -87,6 +98,8 @@ def greedy_generate(models: SpecModel, prompts: Sequence[Sequence[int]],
         if logits_out is not None:
             logits_out.append(logits.float().cpu())
         cur = logits.argmax(-1)
+        if sampling is not None:
+            cur = sample_tokens(logits, sampling, torch.full_like(cur, i - 1))
         tokens.append(cur)
         seq = seq + 1
         if on_step is not None:

@@ -3,8 +3,9 @@
     fa3-spec train-draft --model DIR --out HEAD --minutes 10 --device cpu
     fa3-spec eagle --model DIR --draft-model HEAD --check-greedy
 
-The target answers the prompts itself (greedy self-distillation): the
-checkpoint's own tokenizer encodes them, through its chat template when it
+The target answers the prompts itself (self-distillation: greedy, or sampled
+afresh each epoch with ``--temperature``): the checkpoint's own tokenizer
+encodes them, through its chat template when it
 has one. Without ``--prompts`` the built-in mix (`fa3_spec.train.prompts`)
 is used; held-out figures come from a separate set. The run stops at the
 first budget reached (``--minutes``, ``--tokens``) and always leaves a head
@@ -37,6 +38,16 @@ def _positive_float(text: str) -> float:
     return value
 
 
+def _non_negative_float(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number, got {text!r}") from None
+    if not 0 <= value < math.inf:
+        raise argparse.ArgumentTypeError(f"must be a finite number >= 0, got {text}")
+    return value
+
+
 def add_parser(sub, help: str) -> argparse.ArgumentParser:
     p = sub.add_parser("train-draft", help=help, description=__doc__.split("\n\n")[0])
     p.add_argument("--model", required=True, metavar="DIR",
@@ -66,6 +77,10 @@ def add_parser(sub, help: str) -> argparse.ArgumentParser:
     p.add_argument("--batch", type=at_least(1), default=8, help="sequences per optimizer step")
     p.add_argument("--max-new-tokens", type=at_least(1), default=128,
                    help="length of each regenerated response")
+    p.add_argument("--temperature", type=_non_negative_float, default=0.0,
+                   help="regenerate responses by sampling at this temperature, a fresh one each "
+                        "time a prompt comes up (default 0: greedy, each prompt answered once; "
+                        "a small prompt set is then soon memorised)")
     p.add_argument("--max-len", type=at_least(3), default=512, help="tokens per sequence, at most")
     p.add_argument("--lr", type=_positive_float, default=3e-4, help="peak learning rate")
     p.add_argument("--seed", type=int, default=0)
@@ -136,11 +151,12 @@ def _run(args: argparse.Namespace) -> int:
     config = TrainConfig(ttt_steps=args.ttt_steps, batch_size=args.batch,
                          max_new_tokens=args.max_new_tokens, max_len=args.max_len, lr=args.lr,
                          draft_vocab=min(args.draft_vocab, vocab_size), seed=args.seed,
-                         holdout=len(held))
+                         holdout=len(held), temperature=args.temperature)
     eos = checkpoint_eos_ids(args.model)
     log(f"fa3-spec train-draft: {args.model} ({target.shape.num_layers} layers, {dtype}) on "
         f"{device}; {len(prompts)} prompts ({'chat template' if chat else 'plain text'}), "
-        f"{len(held)} held out; draft vocabulary {config.draft_vocab}; budget "
+        f"{len(held)} held out; responses "
+        f"{f'sampled at T={args.temperature}' if args.temperature else 'greedy'}; draft vocabulary {config.draft_vocab}; budget "
         f"{args.minutes or '-'} min, {args.tokens or '-'} tokens", flush=True)
     last = [0.0]
 

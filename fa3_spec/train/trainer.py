@@ -1,12 +1,20 @@
 """Training an EAGLE-3 head against its target, in one process.
 
 `train_draft` is the whole job: the target regenerates responses to the
-prompts itself (self-distillation, greedy, each prompt answered once and
-reused every epoch), its features are captured online
+prompts itself (self-distillation), its features are captured online
 (`fa3_spec.train.features`), and the head (`fa3_spec.train.head`) learns the
 training-time test objective (`fa3_spec.train.objective`) with AdamW, linear
 warmup then cosine decay, and gradient clipping. It stops when either budget
 (minutes, training tokens) runs out and always leaves a loadable head.
+
+Regeneration is greedy by default: each prompt is answered once and its
+response reused every epoch, so a small prompt set is soon memorised.
+``TrainConfig.temperature > 0`` samples a fresh response each time a prompt
+comes up (`fa3_spec.eagle.greedy.greedy_generate` with sampling, seeded by the
+run's seed and the draw's index), so every epoch brings new sequences; the
+labels are still the target's whole distribution at each position.
+Responses are generated ``regen_batch`` at a time, because a plain decode
+step costs about the same for one row as for hundreds.
 
 Checkpoints: ``OUT/`` holds the exported head (`fa3_spec.train.export`) and
 ``OUT/trainer_state.pt``, the full state (weights, optimizer, schedule, data
@@ -29,6 +37,7 @@ import torch
 
 from ..eagle.greedy import greedy_generate
 from ..eagle.models import EagleDraft, EagleModels, LlamaTarget
+from ..eagle.sampling import RequestSampling, SamplingParams
 from .export import EXPORTED_NAMES, save_head
 from .features import target_features
 from .head import Eagle3Head
@@ -52,7 +61,10 @@ class TrainConfig:
     it over ``decay_steps``; ``clip`` the gradient norm bound;
     ``draft_vocab`` tokens the head scores; ``eval_every`` optimizer steps
     between held-out evaluations (and checkpoints); ``holdout`` prompts kept
-    for evaluation (never trained on).
+    for evaluation (never trained on); ``temperature`` of the regenerated
+    responses (0: greedy, answered once; the held-out responses are always
+    greedy, as the figures are measured at temperature 0); ``regen_batch``
+    prompts answered together.
     """
 
     ttt_steps: int = 7
@@ -69,10 +81,12 @@ class TrainConfig:
     eval_every: int = 50
     holdout: int = 8
     seed: int = 0
+    temperature: float = 0.0
+    regen_batch: int = 256
 
     def __post_init__(self):
         for name in ("ttt_steps", "batch_size", "max_len", "max_new_tokens", "draft_vocab",
-                     "eval_every", "decay_steps"):
+                     "eval_every", "decay_steps", "regen_batch"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ValueError(f"{name} must be an int >= 1, got {value!r}")
@@ -84,6 +98,9 @@ class TrainConfig:
             value = getattr(self, name)
             if not (isinstance(value, (int, float)) and 0 < value < math.inf):
                 raise ValueError(f"{name} must be a finite number > 0, got {value!r}")
+        t = self.temperature
+        if isinstance(t, bool) or not isinstance(t, (int, float)) or not 0 <= t < math.inf:
+            raise ValueError(f"temperature must be a finite number >= 0 (0 = greedy), got {t!r}")
 
     def learning_rate(self, step: int) -> float:
         """Linear warmup over ``warmup_steps``, then cosine to 10% at ``decay_steps``."""
@@ -120,13 +137,22 @@ def _check_budget(name: str, value) -> None:
 
 
 def regenerate(target: LlamaTarget, prompts: Sequence[Sequence[int]], max_new_tokens: int,
-               eos_ids: Sequence[int], attention_backend: str) -> List[List[int]]:
-    """Each prompt followed by the target's own greedy response (self-distillation)."""
+               eos_ids: Sequence[int], attention_backend: str, *, temperature: float = 0.0,
+               seeds: Optional[Sequence[int]] = None) -> List[List[int]]:
+    """Each prompt followed by the target's own response (self-distillation):
+    greedy, or sampled at ``temperature`` with one seed per prompt."""
     models = EagleModels(target, EagleDraft.derived(target))
+    device = target.embed.device
+    sampling = None
+    if temperature > 0:
+        if seeds is None or len(seeds) != len(prompts):
+            raise ValueError("seeds must give one seed per prompt when temperature > 0")
+        sampling = SamplingParams.stack([RequestSampling.create(temperature, seed=int(sd))
+                                         for sd in seeds], device)
     out = greedy_generate(models, prompts, [max_new_tokens] * len(prompts),
                           eos_ids=[list(eos_ids) or -1] * len(prompts),
-                          attention_backend=attention_backend,
-                          device=target.embed.device)
+                          attention_backend=attention_backend, device=device,
+                          sampling=sampling)
     return [list(p) + o for p, o in zip(prompts, out)]
 
 
@@ -186,15 +212,24 @@ def train_draft(target: LlamaTarget, prompts: Sequence[Sequence[int]], out_dir: 
         pairs = [(seq[: config.max_len], start) for seq, start in pairs]
         return [(seq, start) for seq, start in pairs if len(seq) >= max(3, start + 2)]
 
-    def answered_by_target(some_prompts):
-        seqs = regenerate(target, some_prompts, config.max_new_tokens, eos_ids, attention_backend)
+    def answered_by_target(some_prompts, temperature=0.0, seeds=None):
+        seqs = regenerate(target, some_prompts, config.max_new_tokens, eos_ids, attention_backend,
+                          temperature=temperature, seeds=seeds)
         return [(seq, max(len(p) - 1, 0)) for seq, p in zip(seqs, some_prompts)]
 
     # Greedy responses are deterministic: each prompt is answered once and its
-    # sequence reused every epoch (a few hundred KB of token ids).
+    # sequence reused every epoch (a few hundred KB of token ids). Sampled
+    # ones are drawn afresh, each with the seed of its draw's index.
     answered: dict = {}
+    draws = [0]
 
     def answers(indices) -> List[tuple]:
+        indices = list(indices)
+        if config.temperature > 0:
+            seeds = [config.seed * 1_000_003 + draws[0] + j for j in range(len(indices))]
+            draws[0] += len(indices)
+            return cut(answered_by_target([prompts[i] for i in indices], config.temperature,
+                                          seeds))
         missing = [i for i in indices if i not in answered]
         if missing:
             answered.update(zip(missing, answered_by_target([prompts[i] for i in missing])))
@@ -217,7 +252,8 @@ def train_draft(target: LlamaTarget, prompts: Sequence[Sequence[int]], out_dir: 
                                     target.shape.vocab_size)
     else:
         # The draft vocabulary from the tokens the target emits on the training prompts.
-        first = answers(range(min(len(prompts), config.batch_size * 4)))
+        first = answers(range(min(len(prompts), max(config.batch_size * 4,
+                                                    config.regen_batch))))
         counts = torch.zeros(target.shape.vocab_size, dtype=torch.int64)
         for seq, start in first:  # the response tokens, as the loop drafts them
             counts += torch.bincount(torch.tensor(seq[start + 1:]),
@@ -229,11 +265,13 @@ def train_draft(target: LlamaTarget, prompts: Sequence[Sequence[int]], out_dir: 
     report = TrainReport()
     order = list(range(len(prompts)))
     cursor = 0
+    pending: List[tuple] = []  # (sequence, start) pairs answered, not yet trained on
     if state is not None:
         head.load_state_dict(state["head"])
         opt.load_state_dict(state["optimizer"])
         report = TrainReport(**state["report"])
         order, cursor = state["order"], state["cursor"]
+        pending, draws[0] = [tuple(p) for p in state.get("pending", [])], state.get("draws", 0)
         rng.setstate(state["rng"])
     elif resume and exported.is_file():
         _load_exported(head, out)
@@ -256,7 +294,8 @@ def train_draft(target: LlamaTarget, prompts: Sequence[Sequence[int]], out_dir: 
         tmp = out / (STATE_FILE + ".tmp")
         torch.save(dict(head=head.state_dict(), optimizer=opt.state_dict(),
                         report=dataclasses.asdict(report), order=order, cursor=cursor,
-                        rng=rng.getstate(), vocab=tuple(vocab), config=dataclasses.asdict(config)),
+                        pending=pending, draws=draws[0], rng=rng.getstate(), vocab=tuple(vocab),
+                        config=dataclasses.asdict(config)),
                    tmp)
         os.replace(tmp, state_path)
 
@@ -271,13 +310,12 @@ def train_draft(target: LlamaTarget, prompts: Sequence[Sequence[int]], out_dir: 
             return "minutes"
         return ""
 
-    pending: List[tuple] = []  # (sequence, start) pairs
     while not (stop := out_of_budget()):
         while len(pending) < config.batch_size:
             if cursor >= len(order):
                 rng.shuffle(order)
                 cursor = 0
-            take = order[cursor: cursor + config.batch_size]
+            take = order[cursor: cursor + max(config.batch_size, config.regen_batch)]
             cursor += len(take)
             pending += answers(take)
         seqs, pending = pending[: config.batch_size], pending[config.batch_size:]
