@@ -8,18 +8,20 @@ GPU time goes; what sampling costs; what ancestor-exact drafting changes.
     python3 benchmarks/loop.py idle --configs 2,8,5,16 --batches 1 --decode --json idle.json
     python3 benchmarks/loop.py sampling --preset llama3-8b --batches 1 --json sampling.json
     python3 benchmarks/loop.py ancestors --json ancestors_cpu.json
+    python3 benchmarks/loop.py costs --preset tiny --device cpu --batches 1 2 4 --out costs.json
 """
 
 import sys
 
 import loop_ancestors
 import loop_compare
+import loop_costs
 import loop_idle
 import loop_sampling
 import runs
 
 COMMANDS = {"compare": loop_compare, "idle": loop_idle, "sampling": loop_sampling,
-            "ancestors": loop_ancestors}
+            "ancestors": loop_ancestors, "costs": loop_costs}
 
 
 def main(argv=None) -> int:

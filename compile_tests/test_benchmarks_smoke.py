@@ -17,6 +17,8 @@ import sys
 
 import pytest
 
+from fa3_spec.eagle.policy import CostProfile
+
 import children
 from helpers import MAKING_WORDS
 
@@ -216,3 +218,14 @@ def test_loop_sampling_smoke(child):
     assert [r["variant"] for r in rows] == ["greedy", "greedy_rows", "sampled"]
     assert all(r["ms_per_iteration"] > 0 and r["mean_accept_len"] >= 1 for r in rows)
     assert rows[0]["mean_accept_len"] == rows[1]["mean_accept_len"]  # temperature 0 is greedy
+
+
+@pytest.mark.children(job=smoke("loop.py", "costs", out="costs.json"))
+def test_loop_costs_smoke(child):
+    doc = child.result()
+    assert [(r["batch"], r["shape"]) for r in doc["rows"]] == [
+        (b, s) for b in (1, 2) for s in ("plain", "1,2,3", "4,3,8")]
+    assert all(r["ms_per_iteration"] > 0 for r in doc["rows"])
+    costs = CostProfile(plain={int(b): v for b, v in doc["cost_profile"]["plain"].items()},
+                        shapes={int(b): r for b, r in doc["cost_profile"]["shapes"].items()})
+    assert sorted(costs.shapes[2]) == ["1,2,3", "4,3,8"]

@@ -451,3 +451,10 @@ def test_the_eagle_command_warns_that_a_draft_made_here_is_not_trained(llama_dir
     assert "--draft derived drafts with the target's layer 0, not a trained head" in captured.err
     assert "fa3-spec train-draft --model" in captured.err
     assert "plain greedy:" in captured.out and "the loop:" in captured.out
+
+
+def test_a_minutes_budget_counts_wall_time_from_the_start_of_the_run(tmp_path):
+    report = train_draft(target(), random_prompts(24), tmp_path, minutes=0.02, config=CONFIG,
+                         attention_backend="torch")
+    assert report.stopped == "minutes" and report.steps >= 1
+    assert 1.2 <= report.seconds < 60

@@ -70,15 +70,16 @@ import torch
 from ..cli.usage import UsageError, at_least, check_writable, usage_exit
 from ..config import DRAFT_ATTENTION, SpecConfig
 from .checkpoint import draft_kind, from_pretrained
-from ..graphs import COMPILE_BACKENDS
+from ..graphs import COMPILE_BACKENDS, check_buckets
 from .acceptance import scripted_acceptance
-from .engine import EagleEngine
+from .engine import EagleEngine, default_buckets
 from .greedy import greedy_generate
 from .greedy_check import NEAR_TIE, NEAR_TIE_RULE, compare_with_greedy
 from .prefill import eos_set
 from .sync_probe import HostSyncProbe
 from .iteration import DEFAULT_SCRIPT, LoopConfig
 from .models import make_models
+from .policy import AcceptanceProfile, CostProfile, choose_shapes, shape_key
 from .text import CheckpointTokenizer, checkpoint_eos_ids, read_prompts
 
 #: ``--alpha``'s default (presets only).
@@ -203,6 +204,19 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--sampling-seed", type=int, default=None,
                    help="request i samples with seed S + i (default: fresh seeds, not "
                         "reproducible); not --seed, the workload's seed")
+    g = p.add_argument_group(
+        "speculation per batch bucket",
+        "Pick each bucket's tree shape, or plain decoding, with the most expected tokens/s "
+        "(fa3_spec.eagle.policy.choose_shapes) from a cost profile measured once per machine "
+        "(python3 benchmarks/loop.py costs) and an acceptance profile (per draft depth and "
+        "sibling rank; --acceptance-out writes one from a run). Without them every bucket runs "
+        "--topk/--num-steps/--num-draft-tokens.")
+    g.add_argument("--cost-profile", metavar="FILE.json", default=None,
+                   help="ms per iteration of candidate shapes and of plain decoding, per bucket")
+    g.add_argument("--acceptance-profile", metavar="FILE.json", default=None,
+                   help="acceptance rates per draft depth and sibling rank")
+    g.add_argument("--acceptance-out", metavar="FILE.json", default=None,
+                   help="write this run's measured acceptance profile here")
     p.add_argument("--json", metavar="PATH", help="write the result as JSON")
     p.add_argument("--quiet", action="store_true")
     add_model_arguments(p)
@@ -430,23 +444,32 @@ def run_eagle(args: argparse.Namespace, *, log=print) -> dict:
             eos = eos_set(loaded.eos + eos)
             if loaded.prompts:
                 prompts, news, n_req = loaded.prompts, loaded.news, len(loaded.prompts)
+        buckets = check_buckets(args.buckets or default_buckets(args.batch), args.batch)
+        speculation = _speculation(args, buckets)
+        shapes = None if speculation is None else {b: c.shape for b, c in speculation.items()}
+        tree_shapes = [(args.topk, args.num_steps, n)] + [s for s in (shapes or {}).values() if s]
+        widest = max(s[2] for s in tree_shapes)
         max_new = max([args.max_new_tokens] + news)
-        context = max([args.prompt_len] + [len(p) for p in prompts]) + max_new + n
+        context = max([args.prompt_len] + [len(p) for p in prompts]) + max_new + widest
         if context > models.max_positions:
             raise UsageError(f"prompts + max_new_tokens + num_draft_tokens = {context} "
                              f"positions exceed the model's RoPE table ({models.max_positions})")
         spec = SpecConfig(page_size=args.page_size, topk=args.topk, num_steps=args.num_steps,
                           num_draft_tokens=n, max_bs=args.batch, max_context_len=context)
         max_reqs = 2 * args.batch
-        # Enough pages for every row's largest reservation, plus the reserved page 0.
-        spec = dataclasses.replace(spec, num_pages=spec.pool_pages(max_reqs, args.draft_attention))
+        # Enough pages for every row's largest reservation under any shape,
+        # plus the reserved page 0.
+        pages = max(dataclasses.replace(spec, topk=k, num_steps=st, num_draft_tokens=m)
+                    .pool_pages(max_reqs, args.draft_attention) for k, st, m in tree_shapes)
+        spec = dataclasses.replace(spec, num_pages=pages)
         lc = LoopConfig(spec, max_new_tokens=max_new, attention_backend=args.attention_backend,
                         max_eos=max(4, len(eos)), sampling=args.temperature > 0,
                         draft_attention=args.draft_attention)
-        engine = EagleEngine(lc, models, max_reqs=max_reqs, buckets=args.buckets, graphs=graphs,
+        engine = EagleEngine(lc, models, max_reqs=max_reqs, buckets=buckets, graphs=graphs,
                              compile_backend=args.compile_backend, cache_path=args.compile_cache,
                              device=device, seed=args.seed,
-                             acceptance=scripted_acceptance(scripted) if scripted else None)
+                             acceptance=scripted_acceptance(scripted) if scripted else None,
+                             shapes=shapes)
         for i, (prompt, m) in enumerate(zip(prompts, news)):
             seed = None if args.sampling_seed is None else args.sampling_seed + i
             engine.submit(prompt, m, eos_id=eos, temperature=args.temperature,
@@ -467,8 +490,12 @@ def run_eagle(args: argparse.Namespace, *, log=print) -> dict:
                   compile_regions=engine.policy.regions,
                   scripted=list(scripted) if scripted else None,
                   temperature=args.temperature, top_p=args.top_p,
-                  sampling_top_k=args.sampling_top_k, sampling_seed=args.sampling_seed)
+                  sampling_top_k=args.sampling_top_k, sampling_seed=args.sampling_seed,
+                  cost_profile=args.cost_profile, acceptance_profile=args.acceptance_profile)
     log(_describe(config, scripted, loaded.info if loaded else None), flush=True)
+    if speculation is not None:
+        for line in describe_speculation(speculation):
+            log("  " + line, flush=True)
 
     capture_s = None
     if graphs:
@@ -514,12 +541,17 @@ def run_eagle(args: argparse.Namespace, *, log=print) -> dict:
         ms_per_iteration=1e3 * seconds / max(stats.iterations, 1),
         host_launch_ms_per_iteration=1e3 * stats.launch_seconds / max(stats.iterations, 1),
         capture_s=capture_s,
+        captured_graphs=(sum(len(r.buckets) for r in engine.shape_runners.values())
+                         if graphs else 0),
+        speculation=None if speculation is None else speculation_rows(speculation),
         scripted_acceptance=(f"SCRIPTED: emitted tokens per iteration forced to {list(scripted)}; "
                              "outputs are not the model's" if scripted else None),
         config=config,
         outputs=got,
         model=loaded.info if loaded else None,
     )
+    if args.acceptance_out and stats.row_iterations:
+        AcceptanceProfile.from_stats(stats).save(args.acceptance_out)
     result["per_request"] = per_request = []
     for rid, st in sorted(engine.request_stats().items()):
         a, sec = st["accept_lens"], st["seconds"]
@@ -552,6 +584,51 @@ def run_eagle(args: argparse.Namespace, *, log=print) -> dict:
                 entry["greedy_tokens_per_s"] = len(alone) / (time.perf_counter() - one)
         result.update(_greedy_check(compare_with_greedy(got, ref, logits), strict=args.strict))
     return result
+
+
+def _speculation(args: argparse.Namespace, buckets):
+    """Each bucket's `BucketChoice` from ``--cost-profile`` and
+    ``--acceptance-profile``, or None without them."""
+    if args.cost_profile is None:
+        return None
+    try:
+        costs = CostProfile.load(args.cost_profile)
+    except ValueError as exc:
+        raise UsageError(f"--cost-profile: {exc}") from None
+    try:
+        profile = AcceptanceProfile.load(args.acceptance_profile)
+    except ValueError as exc:
+        raise UsageError(f"--acceptance-profile: {exc}") from None
+    missing = [b for b in buckets if b not in costs.plain]
+    if missing:
+        raise UsageError(f"--cost-profile {args.cost_profile!r} has no measurement for "
+                         f"bucket(s) {missing} (it has {sorted(costs.plain)}); measure them or "
+                         "pass --buckets")
+    return choose_shapes(costs, profile, buckets)
+
+
+def speculation_rows(choices) -> List[dict]:
+    """The per-bucket choice as JSON rows: ``shape`` ``"topk,steps,N"`` or
+    ``"off"``, expected accept length, expected tokens/s per row of the shape
+    and of plain decoding, and their ratio."""
+    return [dict(bucket=b, shape=shape_key(c.shape) if c.shape else "off",
+                 expected_accept_length=round(c.expected_accept_length, 4),
+                 tokens_per_s_per_row=round(c.tokens_per_s, 2),
+                 plain_tokens_per_s_per_row=round(c.plain_tokens_per_s, 2),
+                 speedup=round(c.speedup, 4))
+            for b, c in sorted(choices.items())]
+
+
+def describe_speculation(choices) -> List[str]:
+    """One line per bucket: its shape (or plain decoding) and why."""
+    lines = ["speculation per bucket (expected, from the cost and acceptance profiles):"]
+    for row in speculation_rows(choices):
+        what = ("plain decoding (no shape beats it)" if row["shape"] == "off" else
+                f"topk,steps,N = {row['shape']}, accept length {row['expected_accept_length']:.2f}")
+        lines.append(f"  bucket {row['bucket']:>3}: {what}; {row['tokens_per_s_per_row']:.1f} "
+                     f"tokens/s per row against plain {row['plain_tokens_per_s_per_row']:.1f} "
+                     f"({row['speedup']:.2f}x)")
+    return lines
 
 
 def untrained_draft_warning(draft: str, model) -> str:
@@ -596,6 +673,14 @@ def usage_error(args: argparse.Namespace) -> Optional[str]:
     if args.buckets is not None and max(args.buckets) != args.batch:
         return (f"--buckets: the largest must be --batch ({args.batch}), none above it, so "
                 f"that every batch has a bucket; got {sorted(set(args.buckets))}")
+    if (args.cost_profile is None) != (args.acceptance_profile is None):
+        return "--cost-profile and --acceptance-profile go together (costs and acceptance " \
+               "choose each bucket's shape)"
+    if args.acceptance_out:
+        try:
+            check_writable("--acceptance-out", args.acceptance_out)
+        except UsageError as exc:
+            return str(exc)
     if args.strict and not args.check_greedy:
         return "--strict goes with --check-greedy (it says what a greedy mismatch is)"
     if args.temperature > 0 and args.check_greedy:

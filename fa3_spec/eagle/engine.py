@@ -9,7 +9,11 @@ in static device buffers of ``max_bs`` rows. Between iterations the host
   state rows on the device (the first token is picked on the device too:
   the argmax, or a draw for sampled requests, `fa3_spec.eagle.sampling`);
 * launches one iteration for the smallest bucket that covers every occupied
-  row (``state[:bucket]``) through a `fa3_spec.graphs.CUDAGraphRunner` over
+  row (``state[:bucket]``): a speculative iteration of the bucket's tree
+  shape, or a plain decode step where the bucket does not speculate
+  (``shapes``; the state is as wide as the widest shape, `StateWidths`, so a
+  request keeps its tokens when the batch moves between buckets), through
+  one `fa3_spec.graphs.CUDAGraphRunner` per shape over
   caller-owned buffers (the state's bucket views): on CUDA the iteration is
   compiled with inductor (the batch dimension dynamic, so every bucket
   above 1 shares one compiled frame: `fa3_spec.graphs.CompilePolicy`) and
@@ -29,7 +33,7 @@ from __future__ import annotations
 
 import dataclasses
 import time
-from typing import Callable, Dict, List, Optional, Sequence, Tuple, Union
+from typing import Callable, Dict, List, Mapping, Optional, Sequence, Tuple, Union
 
 import torch
 
@@ -37,7 +41,8 @@ from ..attention import resolve_attention_backend
 from ..frozen import FrozenModule
 from ..graphs import CompilePolicy, CUDAGraphRunner, check_buckets
 from .acceptance import AcceptanceHook
-from .iteration import LoopConfig, State, eagle_iteration, empty_state, step_in_place
+from .iteration import (LoopConfig, State, StateWidths, eagle_iteration, empty_state,
+                        plain_iteration, step_in_place)
 from .models import SpecModel
 from .pool import KVPool
 from .prefill import check_max_new_tokens, check_prompt, eos_set, prefill_forward
@@ -90,6 +95,66 @@ def _draft_vocab_size(models: SpecModel) -> int:
     return int(getattr(models, "draft_vocab_size", models.vocab_size))
 
 
+def default_buckets(max_bs: int) -> List[int]:
+    """The engine's default buckets: the powers of two up to 256 below
+    ``max_bs``, then ``max_bs``."""
+    return [b for b in (1, 2, 4, 8, 16, 32, 64, 128, 256) if b < max_bs] + [max_bs]
+
+
+def _with_shape(lc: LoopConfig, shape: Optional[Tuple[int, int, int]]) -> LoopConfig:
+    """``lc`` drafting ``shape`` (None: ``lc`` itself, whose pool and page
+    geometry a plain decode step uses)."""
+    if shape is None:
+        return lc
+    k, steps, n = shape
+    return dataclasses.replace(lc, spec=dataclasses.replace(lc.spec, topk=k, num_steps=steps,
+                                                            num_draft_tokens=n))
+
+
+def _bucket_shapes(lc: LoopConfig, buckets: Sequence[int], shapes) -> Dict[int, Optional[tuple]]:
+    """Every bucket's shape: ``shapes``' entry, else ``lc.spec``'s."""
+    own = (lc.spec.topk, lc.spec.num_steps, lc.spec.num_draft_tokens)
+    if shapes is None:
+        return {b: own for b in buckets}
+    if not isinstance(shapes, Mapping):
+        raise TypeError(f"shapes must map buckets to (topk, num_steps, num_draft_tokens) or "
+                        f"None, got {type(shapes).__name__}")
+    unknown = sorted(set(shapes) - set(buckets), key=str)
+    if unknown:
+        raise ValueError(f"shapes names {unknown}, which are not buckets {list(buckets)}")
+    out = {}
+    for b in buckets:
+        shape = shapes.get(b, own)
+        if shape is not None:
+            if (not isinstance(shape, (tuple, list)) or len(shape) != 3
+                    or any(isinstance(v, bool) or not isinstance(v, int) or v < 1
+                           for v in shape)):
+                raise ValueError(f"shapes[{b}] must be (topk, num_steps, num_draft_tokens) of "
+                                 f"ints >= 1, or None, got {shape!r}")
+            shape = tuple(shape)
+        out[b] = shape
+    return out
+
+
+def _speculative_step(bound: FrozenModule, models: SpecModel, pool: KVPool, acceptance):
+    """The captured step of a speculating bucket: one EAGLE iteration, in place."""
+    def iteration(**st: torch.Tensor) -> dict:
+        step_in_place(lambda s: eagle_iteration(bound.lc, models, pool.target_kv, pool.draft_kv,
+                                                pool.req_to_token, s, acceptance=acceptance),
+                      st)
+        return {}
+    return iteration
+
+
+def _plain_step(bound: FrozenModule, models: SpecModel, pool: KVPool):
+    """The captured step of a bucket that does not speculate: one plain decode step."""
+    def iteration(**st: torch.Tensor) -> dict:
+        step_in_place(lambda s: plain_iteration(bound.lc, models, pool.target_kv,
+                                                pool.req_to_token, s), st)
+        return {}
+    return iteration
+
+
 class EagleEngine:
     """Serve requests with the EAGLE loop (see the module docstring).
 
@@ -127,17 +192,28 @@ class EagleEngine:
             path instead of the target (`fa3_spec.eagle.acceptance`; for
             benchmarks: the outputs are not the model's), or None. With a
             hook the engine refuses sampled requests.
+        shapes: per bucket, the tree shape ``(topk, num_steps,
+            num_draft_tokens)`` its iterations draft, or None for a plain
+            decode step (`fa3_spec.eagle.iteration.plain_iteration`); a bucket
+            not named runs ``lc.spec``'s shape. Typically the choice of
+            `fa3_spec.eagle.policy.choose_shapes`. Every shape shares the
+            pool (``lc.spec.num_pages`` must hold the largest shape's rows),
+            the state and ``lc``'s other settings; each distinct shape is
+            compiled and captured once, for its buckets.
 
     Attributes: ``policy``, the `fa3_spec.graphs.CompilePolicy` resolved from
     those (``policy.regions``: the decoder layers run as compiled regions),
-    and ``iteration_models``, the models the iteration runs.
+    ``iteration_models``, the models the iteration runs, ``shapes``, every
+    bucket's shape (None: plain decoding), and ``widths``, the state's
+    `StateWidths`.
     """
 
     def __init__(self, lc: LoopConfig, models: SpecModel, *, max_reqs: Optional[int] = None,
                  buckets: Optional[Sequence[int]] = None, graphs: Optional[bool] = None,
                  compile_backend: Optional[str] = "auto", cache_path: Optional[str] = None,
                  device="cpu", seed: int = 0, acceptance: Optional[AcceptanceHook] = None,
-                 policy: Optional[CompilePolicy] = None):
+                 policy: Optional[CompilePolicy] = None,
+                 shapes: Optional[Mapping[int, Optional[Tuple[int, int, int]]]] = None):
         if max_reqs is not None and (isinstance(max_reqs, bool) or not isinstance(max_reqs, int)
                                      or max_reqs < 1):
             raise ValueError(f"max_reqs must be an int >= 1 (None: 2 * max_bs), got {max_reqs!r}")
@@ -146,11 +222,6 @@ class EagleEngine:
                 f"lc.spec.max_context_len={lc.spec.max_context_len} exceeds the model's RoPE "
                 f"table of {models.max_positions} positions (max_position_embeddings): "
                 "positions past it would be rotated as the last one")
-        if lc.spec.topk > _draft_vocab_size(models):
-            raise ValueError(
-                f"topk={lc.spec.topk} exceeds the draft's vocabulary of "
-                f"{_draft_vocab_size(models)} tokens: every tree node draws its topk children "
-                "from it")
         self.device = torch.device(device)
         # Resolved here, eagerly: a compiled iteration cannot look for the FA3
         # provider (an import) while dynamo traces it.
@@ -162,9 +233,18 @@ class EagleEngine:
         self.models = models
         self.max_bs = lc.spec.max_bs
         if buckets is None:
-            buckets = [b for b in (1, 2, 4, 8, 16, 32, 64, 128, 256) if b < self.max_bs]
-            buckets.append(self.max_bs)
+            buckets = default_buckets(self.max_bs)
         self.buckets = check_buckets(buckets, self.max_bs)
+        self.shapes = _bucket_shapes(lc, self.buckets, shapes)
+        self._loop_configs = {shape: _with_shape(lc, shape) for shape in set(self.shapes.values())}
+        for shape_lc in self._loop_configs.values():
+            if shape_lc.spec.topk > _draft_vocab_size(models):
+                raise ValueError(
+                    f"topk={shape_lc.spec.topk} exceeds the draft's vocabulary of "
+                    f"{_draft_vocab_size(models)} tokens: every tree node draws its topk "
+                    "children from it")
+        #: Widths of the state every shape shares (`StateWidths`).
+        self.widths = StateWidths.covering([lc] + list(self._loop_configs.values()))
         regions_available = hasattr(models, "with_compile_regions")
         if policy is None:
             policy = CompilePolicy.for_loop(
@@ -184,27 +264,31 @@ class EagleEngine:
                            target_layers=models.num_target_layers,
                            draft_layers=models.num_draft_layers, num_kv_heads=models.num_kv_heads,
                            head_dim=models.head_dim, dtype=models.dtype, device=device, seed=seed,
-                           draft_attention=lc.draft_attention)
-        self.state = empty_state(lc, models, self.max_bs, self.device)
+                           draft_attention=lc.draft_attention,
+                           also=[c.spec for c in self._loop_configs.values()])
+        self.state = empty_state(lc, models, self.max_bs, self.device, widths=self.widths)
         self._views: Dict[int, State] = {}
         step_models = (models.with_compile_regions(self.policy.compile_backend)
                        if self.policy.regions else models)
         #: The models the iteration runs (their layers inline or as compiled regions).
         self.iteration_models = step_models
-        # The loop's ints reach the compiled iteration through a module, so
-        # they stay compile-time constants whatever other engines compiled.
-        bound = FrozenModule.holding(lc=lc)
         self.acceptance = acceptance
-
-        def iteration(**st: torch.Tensor) -> dict:
-            step_in_place(lambda s: eagle_iteration(bound.lc, step_models, self.pool.target_kv,
-                                                    self.pool.draft_kv, self.pool.req_to_token, s,
-                                                    acceptance=acceptance),
-                          st)
-            return {}
-
-        self.runner = CUDAGraphRunner(iteration, buckets=self.buckets, policy=self.policy,
-                                      buffers=self.bucket_state, warmup=1, cache_path=cache_path)
+        # One runner per shape, over the buckets that run it. Each shape's loop
+        # ints reach its compiled iteration through a module, so they stay
+        # compile-time constants whatever other shapes or engines compiled.
+        runners: Dict[object, CUDAGraphRunner] = {}
+        for shape in sorted(set(self.shapes.values()), key=lambda v: (v is None, v or ())):
+            bound = FrozenModule.holding(lc=self._loop_configs[shape])
+            step = (_speculative_step(bound, step_models, self.pool, acceptance)
+                    if shape is not None else _plain_step(bound, step_models, self.pool))
+            runners[shape] = CUDAGraphRunner(
+                step, buckets=[b for b in self.buckets if self.shapes[b] == shape],
+                policy=self.policy, buffers=self.bucket_state, warmup=1, cache_path=cache_path)
+        #: The runner of each distinct shape (None: plain decoding).
+        self.shape_runners: Dict[Optional[tuple], CUDAGraphRunner] = runners
+        #: The runner of each bucket.
+        self.runners: Dict[int, CUDAGraphRunner] = {b: runners[self.shapes[b]]
+                                                    for b in self.buckets}
         self._waiting: List[Request] = []
         self._slots: List[Optional[Request]] = [None] * self.max_bs
         self._done: Dict[int, Request] = {}  # finished or failed, until collected
@@ -213,7 +297,7 @@ class EagleEngine:
         self._pinned = [None, None]
         self._parity = 0
         #: Running aggregates (`fa3_spec.eagle.stats.EngineStats`).
-        self.stats = EngineStats(max_depth=lc.max_depth, topk=lc.spec.topk)
+        self.stats = EngineStats(max_depth=self.widths.depth, topk=self.widths.topk)
 
     # ------------------------------------------------------------- requests
     def submit(self, prompt: Sequence[int], max_new_tokens: int,
@@ -392,7 +476,8 @@ class EagleEngine:
         first, h, scores, cand, _ = prefill_forward(
             self.models, self.spec, pool.target_kv, pool.draft_kv, pool.req_to_token,
             [r.row for r in batch], [r.prompt for r in batch], attention_backend=self.lc.attention_backend,
-            num_splits=self.lc.num_splits, sampling=params if self.lc.sampling else None)
+            num_splits=self.lc.num_splits, sampling=params if self.lc.sampling else None,
+            topk=self.widths.topk)
         idx = torch.tensor([r.slot for r in batch], dtype=torch.int64, device=dev)
         lens = torch.tensor([len(r.prompt) for r in batch], dtype=torch.int64, device=dev)
         max_new = torch.tensor([r.max_new_tokens for r in batch], dtype=torch.int64, device=dev)
@@ -424,7 +509,24 @@ class EagleEngine:
     # ------------------------------------------------------------- iteration
     def bucket_for(self, rows: int) -> int:
         """The smallest bucket that holds ``rows`` occupied rows."""
-        return self.runner.bucket_for(rows)
+        for bucket in self.buckets:
+            if bucket >= rows:
+                return bucket
+        raise ValueError(f"rows={rows} exceeds the largest bucket {self.buckets[-1]}")
+
+    @property
+    def runner(self) -> CUDAGraphRunner:
+        """The runner of every bucket, when they all run one shape (`runners`
+        otherwise)."""
+        if len(self.shape_runners) != 1:
+            raise AttributeError(f"this engine runs {len(self.shape_runners)} shapes, each with "
+                                 "its own runner: use runners[bucket] or shape_runners")
+        return next(iter(self.shape_runners.values()))
+
+    def loop_config(self, bucket: int) -> LoopConfig:
+        """The `LoopConfig` a bucket's iterations run (``lc`` with the bucket's
+        shape; ``lc`` itself for a bucket that does not speculate)."""
+        return self._loop_configs[self.shapes[self.bucket_for(bucket)]]
 
     def bucket_state(self, bucket: int) -> State:
         """The loop state's first ``bucket`` rows (views of the engine's buffers:
@@ -443,8 +545,11 @@ class EagleEngine:
         """
         saved = {k: v.clone() for k, v in self.state.items()}
         self.state["seq_lens"].zero_()
+        seconds: Dict[int, float] = {}
         try:
-            return self.runner.capture()
+            for runner in list(self.shape_runners.values()):
+                seconds.update(runner.capture())
+            return dict(sorted(seconds.items()))
         finally:
             for k, v in self.state.items():
                 v.copy_(saved[k])
@@ -457,10 +562,10 @@ class EagleEngine:
     def launch(self, bucket: int) -> None:
         """Run one iteration over the first ``bucket`` rows (a graph replay when
         captured), with no readback: what `step` launches, for benchmarks."""
-        if not self.runner.captured:
+        if not all(r.captured for r in list(self.shape_runners.values())):
             self.capture()
         start = time.perf_counter()
-        self.runner.replay(bucket, bucket)
+        self.runners[bucket].replay(bucket, bucket)
         self.stats.launch_seconds += time.perf_counter() - start
 
     def _readback(self, bucket: int):

@@ -83,7 +83,9 @@ from ..metadata_builder import DEFAULT_DRAFT_ATTENTION
 from ..paged import BatchView, in_pool
 from ..tree import tree_mask_from_parents
 from .models import KVCache, SpecModel
-from .sampling import SamplingParams, choose_rows, sample_tree, state_entries, walk_tree
+from .decode import decode_step
+from .sampling import (SamplingParams, choose_rows, sample_tokens, sample_tree, state_entries,
+                       walk_tree)
 from .vocab import vocab_argmax
 
 #: Emitted tokens per iteration (accepted drafts + bonus) of the benchmarks'
@@ -150,9 +152,17 @@ class LoopConfig:
         return min(self.spec.num_draft_tokens - 1, self.spec.num_steps)
 
 
-def empty_state(lc: LoopConfig, models: SpecModel, max_bs: int, device) -> State:
-    """All-padding state for ``max_bs`` batch rows (every tensor batch-major)."""
-    k, n, d = lc.spec.topk, lc.spec.num_draft_tokens, lc.max_depth
+def empty_state(lc: LoopConfig, models: SpecModel, max_bs: int, device, *,
+                widths: Optional["StateWidths"] = None) -> State:
+    """All-padding state for ``max_bs`` batch rows (every tensor batch-major).
+
+    ``widths``: the widths of what an iteration carries and records
+    (`StateWidths`), when iterations of several tree shapes share the state;
+    None: ``lc``'s own shape.
+    """
+    w = StateWidths.of(lc) if widths is None else widths
+    w.check_holds(lc)
+    k, n, d = w.topk, w.tree, w.depth
     i64 = dict(dtype=torch.int64, device=device)
     z = lambda *s: torch.zeros(*s, **i64)  # noqa: E731
     return {
@@ -174,6 +184,53 @@ def empty_state(lc: LoopConfig, models: SpecModel, max_bs: int, device) -> State
         "accept_len": z(max_bs),  # tokens emitted before EOS/max truncation; 0 = padding
         **state_entries(max_bs, device),  # per-request sampling parameters (greedy rows)
     }
+
+
+@dataclasses.dataclass(frozen=True)
+class StateWidths:
+    """Widths of the loop state that depend on a tree shape, so that
+    iterations of several shapes (one per batch bucket) share one state and a
+    request keeps its tokens when its rows move between them.
+
+    ``topk``: candidates carried to the next iteration (the next root's
+    best children by draft score, best first); an iteration of topk ``k``
+    drafts from the first ``k``. ``tree``: draft-tree nodes recorded
+    (``tree_tokens``, ``parents``; a smaller tree pads with token 0 and
+    parent -1). ``depth``: accepted depth recorded (``path`` is ``depth + 1``
+    wide; a shallower path repeats its last node, as a path does past its
+    accepted depth).
+    """
+
+    topk: int
+    tree: int
+    depth: int
+
+    @classmethod
+    def of(cls, lc: "LoopConfig") -> "StateWidths":
+        """The widths of ``lc``'s own shape."""
+        return cls(lc.spec.topk, lc.spec.num_draft_tokens, lc.max_depth)
+
+    @classmethod
+    def covering(cls, configs) -> "StateWidths":
+        """The narrowest widths that hold every one of ``configs`` (`LoopConfig`)."""
+        configs = list(configs)
+        if not configs:
+            raise ValueError("configs must not be empty")
+        return cls(max(c.spec.topk for c in configs),
+                   max(c.spec.num_draft_tokens for c in configs),
+                   max(c.max_depth for c in configs))
+
+    def check_holds(self, lc: "LoopConfig") -> None:
+        """`ValueError` if a state of these widths cannot carry ``lc``'s iterations."""
+        own = StateWidths.of(lc)
+        if self.topk < own.topk or self.tree < own.tree or self.depth < own.depth:
+            raise ValueError(f"state widths {self} are narrower than the shape's own {own}")
+
+
+def state_widths(st: State) -> StateWidths:
+    """The `StateWidths` of a state (from its tensors' static shapes)."""
+    return StateWidths(st["cand_tokens"].shape[1], st["parents"].shape[1],
+                       st["path"].shape[1] - 1)
 
 
 def _copy_kv_slots(kv: KVCache, src: torch.Tensor, dst: torch.Tensor) -> None:
@@ -210,7 +267,10 @@ def _draft_steps(lc: LoopConfig, models: SpecModel, draft_kv: KVCache, view: Bat
         steps = metadata
         if steps is None:
             steps = build_draft_iteration_metadata(cfg, **batch, out_cache_loc=loc)
-    tokens, scores = st["cand_tokens"], st["cand_scores"]
+    # The state may carry more candidates than this shape drafts from
+    # (`StateWidths`): the first k, best first.
+    tokens = st["cand_tokens"][:, :k].contiguous()
+    scores = st["cand_scores"][:, :k].contiguous()
     # Per-leaf values (request-major, [B * K]) are indexed by each leaf's
     # request (``owner``) and branch (``branch``), not reshaped from [B, K]
     # views; likewise each child's parent leaf (``child_parent``) from a
@@ -398,23 +458,14 @@ def extend_phase(lc: LoopConfig, models: SpecModel, draft_kv: KVCache,
     draft_hidden = torch.where(live_row, h_ext[last], 0)
     # The head scores h_ext's rows ``last`` itself (see `normed_rows`); a
     # padding row's candidates are zeros, as in `empty_state`.
-    cand_scores, cand_tokens = models.draft_topk(h_ext, cfg.topk, rows=last)
+    cand_scores, cand_tokens = models.draft_topk(h_ext, st["cand_tokens"].shape[1], rows=last)
     cand_scores = torch.where(live_row, cand_scores, 0)
     cand_tokens = torch.where(live_row, cand_tokens, 0)
 
     # 7. Output append, EOS / length stop; finished rows become padding.
-    emit = torch.where(live, accepted + 1, 0)
-    is_eos = ((emitted.unsqueeze(-1) == st["eos"].unsqueeze(1)).any(-1)
-              & (i < emit.unsqueeze(1)))
-    hit_eos = is_eos.any(-1)
-    emit = torch.where(hit_eos, is_eos.int().argmax(-1) + 1, emit)
-    emit = torch.minimum(emit, (st["max_new"] - st["out_len"]).clamp(min=0))
-    width = st["out_tokens"].shape[1] - 1  # the last column is a trash column
-    column = torch.where(i < emit.unsqueeze(1), st["out_len"].unsqueeze(1) + i, width)
-    out_tokens = st["out_tokens"].scatter(1, column.clamp(max=width), emitted)
-    out_len = st["out_len"] + emit
-    finished = live & (hit_eos | (out_len >= st["max_new"]))
+    out_tokens, out_len, finished = append_output(st, emitted, torch.where(live, accepted + 1, 0))
 
+    widths = state_widths(st)
     new = dict(st)
     new.update(
         seq_lens=torch.where(finished, 0, new_seq),
@@ -425,10 +476,82 @@ def extend_phase(lc: LoopConfig, models: SpecModel, draft_kv: KVCache,
         out_tokens=out_tokens,
         out_len=out_len,
         iters=st["iters"] + live.long(),
-        tree_tokens=tokens,
-        parents=parents,
-        path=path,
+        tree_tokens=_pad_columns(tokens, widths.tree, 0),
+        parents=_pad_columns(parents, widths.tree, -1),
+        path=_pad_columns(path, widths.depth + 1, None),
         accept_len=torch.where(live, accepted + 1, 0),
+    )
+    return new
+
+
+def _pad_columns(x: torch.Tensor, width: int, fill: Optional[int]) -> torch.Tensor:
+    """``x [B, c]`` widened to ``[B, width]`` with ``fill`` (None: its last column)."""
+    extra = width - x.shape[1]
+    if extra == 0:
+        return x
+    pad = x[:, -1:] if fill is None else torch.full_like(x[:, :1], fill)
+    return torch.cat([x, pad.expand(-1, extra)], 1)
+
+
+def append_output(st: State, emitted: torch.Tensor, emit: torch.Tensor):
+    """Append up to ``emit [B]`` of each row's ``emitted [B, E]`` tokens to the
+    output buffer, stopping after an EOS of the row or at its ``max_new``.
+
+    Returns ``(out_tokens, out_len, finished)``; a row past its budget
+    writes into the buffer's trash column only.
+    """
+    i = torch.arange(emitted.shape[1], device=emitted.device)
+    is_eos = ((emitted.unsqueeze(-1) == st["eos"].unsqueeze(1)).any(-1)
+              & (i < emit.unsqueeze(1)))
+    hit_eos = is_eos.any(-1)
+    emit = torch.where(hit_eos, is_eos.int().argmax(-1) + 1, emit)
+    emit = torch.minimum(emit, (st["max_new"] - st["out_len"]).clamp(min=0))
+    width = st["out_tokens"].shape[1] - 1  # the last column is a trash column
+    column = torch.where(i < emit.unsqueeze(1), st["out_len"].unsqueeze(1) + i, width)
+    out_tokens = st["out_tokens"].scatter(1, column.clamp(max=width), emitted)
+    out_len = st["out_len"] + emit
+    finished = (st["seq_lens"] > 0) & (hit_eos | (out_len >= st["max_new"]))
+    return out_tokens, out_len, finished
+
+
+def plain_iteration(lc: LoopConfig, models: SpecModel, target_kv: KVCache,
+                    req_to_token: torch.Tensor, st: State) -> State:
+    """One plain decode step over the loop state: what a batch bucket runs
+    when it does not speculate.
+
+    The target decodes each row's root at ``seq_len`` and emits its next
+    token: the argmax, or for a row with ``temperature > 0`` a draw with the
+    counter of the token's index in the output (as `sample_tokens` draws it
+    for plain sampled decoding). The draft does not run: the candidates,
+    draft feature and draft K/V stay as the row's last speculative iteration
+    left them. A row that speculates again drafts its first tree from them;
+    the target's verification keeps the output exact (greedy) or
+    distributed as the target's (sampled) whatever the draft proposes, and
+    only that iteration's acceptance suffers. The recorded tree is the root
+    alone (``accept_len`` 1, no draft offered).
+    """
+    seq_lens = st["seq_lens"]
+    live = seq_lens > 0
+    logits = decode_step(models, lc.spec, target_kv, req_to_token, st["req_pool_indices"],
+                         seq_lens, st["root"], attention_backend=lc.attention_backend,
+                         num_splits=lc.num_splits)
+    if lc.sampling:
+        nxt = sample_tokens(logits, SamplingParams.from_state(st), st["out_len"])
+    else:
+        nxt = vocab_argmax(logits)
+    out_tokens, out_len, finished = append_output(st, nxt.unsqueeze(1), live.long())
+    widths = state_widths(st)
+    new = dict(st)
+    new.update(
+        seq_lens=torch.where(finished, 0, torch.where(live, seq_lens + 1, 0)),
+        root=torch.where(live, nxt, st["root"]),
+        out_tokens=out_tokens,
+        out_len=out_len,
+        iters=st["iters"] + live.long(),
+        tree_tokens=_pad_columns(st["root"].unsqueeze(1), widths.tree, 0),
+        parents=torch.full_like(st["parents"], -1),
+        path=torch.zeros_like(st["path"]),
+        accept_len=live.long(),
     )
     return new
 

@@ -24,7 +24,7 @@ iteration, and nothing reads a device value.
 from __future__ import annotations
 
 import random
-from typing import List
+from typing import List, Sequence
 
 import torch
 
@@ -44,18 +44,30 @@ class KVPool:
         seed: shuffles the free-page list.
         draft_attention: the draft semantics whose scratch each row holds
             (``"branch"`` or ``"ancestors"``, `fa3_spec.DRAFT_ATTENTION`).
+        also: configurations of other tree shapes whose iterations run over
+            the same pool (per-bucket shapes): each row is long enough, and
+            each request reserves enough, for every one of them. They must
+            share ``cfg``'s page size, pool size and context bound.
     """
 
     def __init__(self, cfg: SpecConfig, *, max_reqs: int, target_layers: int, draft_layers: int,
                  num_kv_heads: int, head_dim: int, dtype, device, seed: int = 0,
-                 draft_attention: str):
+                 draft_attention: str, also: Sequence[SpecConfig] = ()):
         if cfg.num_pages is None:
             raise ValueError("cfg.num_pages must give the pool size in pages")
         if max_reqs < 1:
             raise ValueError(f"max_reqs must be >= 1, got {max_reqs}")
+        for other in also:
+            if (other.page_size, other.num_pages, other.max_context_len) != (
+                    cfg.page_size, cfg.num_pages, cfg.max_context_len):
+                raise ValueError("also: every configuration must share cfg's page_size, "
+                                 "num_pages and max_context_len")
         self.cfg = cfg
         self.device = torch.device(device)
-        self.row_len = cfg.draft_row_len_for(draft_attention)
+        configs = [cfg, *also]
+        self.row_len = max(c.draft_row_len_for(draft_attention) for c in configs)
+        #: The largest verify window of the shapes served (the tree's nodes).
+        self.verify_window = max(c.num_draft_tokens for c in configs)
         self.req_to_token = torch.zeros(max_reqs, self.row_len, dtype=torch.int32, device=device)
         geom = (cfg.num_pages, cfg.page_size, num_kv_heads, head_dim)
         self.target_kv = KVCache.zeros(target_layers, *geom, dtype=dtype, device=device)
@@ -81,7 +93,7 @@ class KVPool:
             raise ValueError(f"prompt_len must be >= 1, got {prompt_len}")
         if max_new_tokens < 1:
             raise ValueError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
-        need = prompt_len + max_new_tokens + cfg.num_draft_tokens
+        need = prompt_len + max_new_tokens + self.verify_window
         if need > cfg.max_context_len:
             raise ValueError(
                 f"prompt_len + max_new_tokens + num_draft_tokens = {need} exceeds "

@@ -83,14 +83,16 @@ def prefill_batch(spec: SpecConfig, req_to_token: torch.Tensor, rows: List[int],
 def prefill_forward(models: SpecModel, spec: SpecConfig, kv_target: KVCache,
                      kv_draft: Optional[KVCache], req_to_token: torch.Tensor,
                      rows: List[int], prompts: List[List[int]], *, attention_backend: str,
-                     num_splits=None, sampling: Optional[SamplingParams] = None):
+                     num_splits=None, sampling: Optional[SamplingParams] = None,
+                     topk: Optional[int] = None):
     """Eager prefill of ``prompts`` into pool ``rows``.
 
     Returns ``(first_token [B], draft_hidden [B, H], cand_scores [B, K],
     cand_tokens [B, K], logits [B, V])``: the target's token after each
     prompt (greedy, or drawn with ``sampling``, counter 0) and its logits
     and, with a draft cache (else None), the draft's feature and the top-K
-    children of that token.
+    children of that token (``K = topk``, None: ``spec.topk``; the state's
+    carried width, `fa3_spec.eagle.iteration.StateWidths`).
     """
     device = req_to_token.device
     batch = prefill_batch(spec, req_to_token, rows, prompts)
@@ -114,7 +116,7 @@ def prefill_forward(models: SpecModel, spec: SpecConfig, kv_target: KVCache,
     shifted = torch.where(is_last, first[row], shifted)
     h_draft = models.draft_forward(shifted, models.draft_input(hidden), pos, slots, md, kv_draft,
                                    **attn)[last]
-    scores, cand = models.draft_topk(h_draft, spec.topk)
+    scores, cand = models.draft_topk(h_draft, spec.topk if topk is None else topk)
     return first, h_draft, scores, cand, logits
 
 

@@ -40,21 +40,24 @@ class HostSyncProbe:
     def __enter__(self) -> "HostSyncProbe":
         if self._replay is not None:
             raise RuntimeError("this HostSyncProbe is already watching")
-        runner = self.engine.runner
         if self.engine.device.type != "cuda":
             return self
-        replay = self._replay = runner.replay
+        self._replay = {}
+        for runner in self.engine.shape_runners.values():  # one per shape the engine runs
+            self._replay[id(runner)] = runner
+            runner.replay = self._watch(runner.replay)
+        return self
 
+    def _watch(self, replay):
         def watched(bucket: int, bs: int):
             with recording_host_syncs() as syncs:
                 out = replay(bucket, bs)
             self.counts.append(len(syncs))
             return out
-
-        runner.replay = watched
-        return self
+        return watched
 
     def __exit__(self, *exc) -> None:
         if self._replay is not None:
-            del self.engine.runner.replay  # the instance attribute: the method shows again
+            for runner in self._replay.values():
+                del runner.replay  # the instance attribute: the method shows again
             self._replay = None
