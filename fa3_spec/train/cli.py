@@ -16,6 +16,7 @@ input (one line, naming it).
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import math
 import os
@@ -24,8 +25,9 @@ import sys
 import time
 
 from ..cli.usage import UsageError, at_least, check_writable, usage_exit
+from .trainer import CPU_DEFAULTS, TrainConfig
 
-DEFAULT_DRAFT_VOCAB = 16384
+DEFAULT_DRAFT_VOCAB = TrainConfig.draft_vocab
 
 
 def _positive_float(text: str) -> float:
@@ -62,27 +64,32 @@ def add_parser(sub, help: str) -> argparse.ArgumentParser:
     p.add_argument("--prompts", metavar="FILE.jsonl", default=None,
                    help="prompts to answer, one JSON string or {\"prompt\": ...} per line "
                         "(default: the built-in mix)")
-    p.add_argument("--draft-vocab", type=at_least(1), default=DEFAULT_DRAFT_VOCAB,
+    p.add_argument("--draft-vocab", type=at_least(1), default=None,
                    help=f"tokens the head scores, the target's most frequent (default "
-                        f"{DEFAULT_DRAFT_VOCAB}, or the whole vocabulary if smaller: most of a "
-                        "small target's output falls in its most frequent 16K tokens, and the "
-                        "lm_head and softmax shrink with it)")
+                        f"{DEFAULT_DRAFT_VOCAB} on a GPU, {CPU_DEFAULTS['draft_vocab']} on the "
+                        "CPU, or the whole vocabulary if smaller: most of a small target's "
+                        "output falls in its most frequent 16K tokens, and the lm_head and "
+                        "softmax shrink with it)")
     p.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"],
                    help="auto: cuda when available (bf16), else cpu (float32)")
     p.add_argument("--resume", action="store_true",
                    help="continue from --out: the full state if it is there, else the head's "
                         "weights alone")
-    p.add_argument("--ttt-steps", type=at_least(1), default=7,
-                   help="draft steps unrolled in training (weights 0.8^k)")
+    p.add_argument("--ttt-steps", type=at_least(1), default=None,
+                   help=f"draft steps unrolled in training (weights 0.8^k; default 7 on a GPU, "
+                        f"{CPU_DEFAULTS['ttt_steps']} on the CPU)")
     p.add_argument("--batch", type=at_least(1), default=8, help="sequences per optimizer step")
-    p.add_argument("--max-new-tokens", type=at_least(1), default=128,
-                   help="length of each regenerated response")
+    p.add_argument("--max-new-tokens", type=at_least(1), default=None,
+                   help=f"length of each regenerated response (default 128 on a GPU, "
+                        f"{CPU_DEFAULTS['max_new_tokens']} on the CPU)")
     p.add_argument("--temperature", type=_non_negative_float, default=0.0,
                    help="regenerate responses by sampling at this temperature, a fresh one each "
                         "time a prompt comes up (default 0: greedy, each prompt answered once; "
                         "a small prompt set is then soon memorised)")
     p.add_argument("--max-len", type=at_least(3), default=512, help="tokens per sequence, at most")
-    p.add_argument("--lr", type=_positive_float, default=3e-4, help="peak learning rate")
+    p.add_argument("--lr", type=_positive_float, default=None,
+                   help=f"peak learning rate (default 3e-4 on a GPU, {CPU_DEFAULTS['lr']:g} on "
+                        "the CPU)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--json", metavar="PATH", default=None, help="write the run's report here")
     p.add_argument("--quiet", action="store_true", help="no progress lines")
@@ -102,7 +109,7 @@ def _run(args: argparse.Namespace) -> int:
     from ..eagle.checkpoint import CheckpointError, load_target
     from ..eagle.text import CheckpointTokenizer, checkpoint_eos_ids, read_prompts
     from .prompts import builtin_prompts, heldout_prompts
-    from .trainer import TrainConfig, train_draft
+    from .trainer import train_draft
 
     if args.minutes is None and args.tokens is None:
         raise UsageError("give a budget: --minutes, --tokens or both")
@@ -137,7 +144,7 @@ def _run(args: argparse.Namespace) -> int:
     except (CheckpointError, OSError) as exc:
         raise UsageError(f"--model: {exc}") from None
     vocab_size = target.shape.vocab_size
-    if args.draft_vocab > vocab_size:
+    if args.draft_vocab is not None and args.draft_vocab > vocab_size:
         raise UsageError(f"--draft-vocab {args.draft_vocab} exceeds the target's vocabulary "
                          f"of {vocab_size}")
     tokenizer = CheckpointTokenizer.load(args.model)
@@ -148,10 +155,13 @@ def _run(args: argparse.Namespace) -> int:
     encode = lambda text: tokenizer.encode(text, chat=chat)  # noqa: E731
     prompts = [encode(t) for t in texts]
     held = [encode(t) for t in heldout_prompts()]
-    config = TrainConfig(ttt_steps=args.ttt_steps, batch_size=args.batch,
-                         max_new_tokens=args.max_new_tokens, max_len=args.max_len, lr=args.lr,
-                         draft_vocab=min(args.draft_vocab, vocab_size), seed=args.seed,
-                         holdout=len(held), temperature=args.temperature)
+    given = dict(ttt_steps=args.ttt_steps, max_new_tokens=args.max_new_tokens, lr=args.lr,
+                 draft_vocab=args.draft_vocab)
+    config = dataclasses.replace(TrainConfig.defaults_for(device),
+                                 **{k: v for k, v in given.items() if v is not None})
+    config = dataclasses.replace(config, batch_size=args.batch, max_len=args.max_len,
+                                 draft_vocab=min(config.draft_vocab, vocab_size), seed=args.seed,
+                                 holdout=len(held), temperature=args.temperature)
     eos = checkpoint_eos_ids(args.model)
     log(f"fa3-spec train-draft: {args.model} ({target.shape.num_layers} layers, {dtype}) on "
         f"{device}; {len(prompts)} prompts ({'chat template' if chat else 'plain text'}), "
@@ -177,7 +187,7 @@ def _run(args: argparse.Namespace) -> int:
                    tokens=report.tokens, seconds=round(report.seconds, 1),
                    stopped=report.stopped, initial_top1=report.initial_top1,
                    final_top1=report.final_top1, history=report.history,
-                   config=vars(args) | {"draft_vocab": config.draft_vocab})
+                   config=vars(args) | dataclasses.asdict(config))
     log(f"  stopped ({report.stopped}) after {report.steps} steps, {report.tokens} tokens, "
         f"{report.seconds:.0f} s; held-out top-1 by depth "
         f"{' '.join(f'{a:.2f}' for a in report.initial_top1)} -> "

@@ -51,6 +51,15 @@ __all__ = ["TrainConfig", "TrainReport", "train_draft"]
 STATE_FILE = "trainer_state.pt"
 
 
+#: What a CPU run changes from the defaults. A CPU optimizer step takes
+#: seconds (a 135M target's forward over a batch dominates), so a run of
+#: minutes makes tens of steps: two unrolled steps, a 4K vocabulary, short
+#: responses and a high learning rate learn the most in that many (10
+#: minutes on SmolLM2 raise a tree's accept length by about 0.4, see
+#: docs/train.md); a GPU run of the same minutes makes thousands of steps.
+CPU_DEFAULTS = dict(ttt_steps=2, draft_vocab=4096, max_new_tokens=64, lr=2e-3)
+
+
 @dataclasses.dataclass(frozen=True)
 class TrainConfig:
     """What a run does besides its budgets.
@@ -104,6 +113,14 @@ class TrainConfig:
         t = self.temperature
         if isinstance(t, bool) or not isinstance(t, (int, float)) or not 0 <= t < math.inf:
             raise ValueError(f"temperature must be a finite number >= 0 (0 = greedy), got {t!r}")
+
+    @classmethod
+    def defaults_for(cls, device) -> "TrainConfig":
+        """The defaults for a run on ``device``: these on a GPU; on the CPU,
+        `CPU_DEFAULTS` over them."""
+        if torch.device(device).type == "cpu":
+            return cls(**CPU_DEFAULTS)
+        return cls()
 
     def learning_rate(self, step: int) -> float:
         """Linear warmup over ``warmup_steps``, then cosine to 10% at ``decay_steps``."""
