@@ -9,6 +9,7 @@ GPU time goes; what sampling costs; what ancestor-exact drafting changes.
     python3 benchmarks/loop.py sampling --preset llama3-8b --batches 1 --json sampling.json
     python3 benchmarks/loop.py ancestors --json ancestors_cpu.json
     python3 benchmarks/loop.py costs --preset tiny --device cpu --batches 1 2 4 --out costs.json
+    python3 benchmarks/loop.py policy --cost-profile costs.json --profiles high --json loop.json
 """
 
 import sys
@@ -16,12 +17,14 @@ import sys
 import loop_ancestors
 import loop_compare
 import loop_costs
+import loop_policy
 import loop_idle
 import loop_sampling
 import runs
 
 COMMANDS = {"compare": loop_compare, "idle": loop_idle, "sampling": loop_sampling,
-            "ancestors": loop_ancestors, "costs": loop_costs}
+            "ancestors": loop_ancestors, "costs": loop_costs,
+            "policy": loop_policy}
 
 
 def main(argv=None) -> int:

@@ -55,12 +55,12 @@ def parse_shape(text: str) -> tuple:
     return shape
 
 
-def iteration_ms(models, shape, batch: int, args, hook) -> float:
-    """Median ms of one launch of ``shape``'s iteration (None: a plain decode
-    step) at ``batch`` live rows."""
+def live_engine(models, shape, batch: int, args, hook):
+    """An engine of one bucket, ``batch``, running ``shape`` (None: plain
+    decoding), every row live with a prompt of ``args.context`` tokens and
+    room for ``args.warmup + args.iters`` launches without finishing."""
     k, s, n = shape or (1, 2, 2)
-    launches = args.warmup + args.iters
-    max_new = launches * (n + 1) + 8  # no row finishes while timed
+    max_new = (args.warmup + args.iters) * (n + 1) + 8
     lc = workload.loop_config((args.page_size, k, s, n), batch=batch, context=args.context,
                               max_new=max_new, draft_attention=args.draft_attention,
                               attention_backend=args.attention_backend)
@@ -71,21 +71,33 @@ def iteration_ms(models, shape, batch: int, args, hook) -> float:
     for prompt in workload.random_prompts(batch, args.context, models.vocab_size, seed=batch):
         eng.submit(prompt, max_new)
     eng.admit()
+    return eng
+
+
+def launch_seconds(eng, batch: int, args) -> list:
+    """Seconds of each of ``args.iters`` launches of the bucket, after
+    ``args.warmup`` (CUDA events on the GPU, wall time on the CPU)."""
     launch = lambda: eng.launch(batch)  # noqa: E731
-    if torch.device(args.device).type == "cuda":
-        _, device = timing.event_samples(launch, args.iters, warmup=args.warmup)
-    else:
-        _, device = timing.samples(launch, args.iters, timing.no_sync, warmup=args.warmup)
-    return 1e3 * statistics.median(device)
+    if eng.device.type == "cuda":
+        return timing.event_samples(launch, args.iters, warmup=args.warmup)[1]
+    return timing.samples(launch, args.iters, timing.no_sync, warmup=args.warmup)[1]
 
 
-def parser() -> argparse.ArgumentParser:
-    ap = argparse.ArgumentParser(prog=PROG, description=__doc__,
-                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+def iteration_ms(models, shape, batch: int, args, hook) -> float:
+    """Median ms of one launch of ``shape``'s iteration (None: a plain decode
+    step) at ``batch`` live rows."""
+    eng = live_engine(models, shape, batch, args, hook)
+    return 1e3 * statistics.median(launch_seconds(eng, batch, args))
+
+
+def add_loop_arguments(ap: argparse.ArgumentParser) -> None:
+    """The model, machine and workload flags `live_engine` reads (shared with
+    ``loop.py policy``)."""
     ap.add_argument("--preset", default="llama3-8b")
     ap.add_argument("--num-layers", type=int, default=None)
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
-    ap.add_argument("--shapes", nargs="+", default=CANDIDATES, metavar="TOPK,STEPS,N")
+    ap.add_argument("--shapes", nargs="+", default=CANDIDATES, metavar="TOPK,STEPS,N",
+                    help="candidate shapes")
     ap.add_argument("--batches", type=int, nargs="+", default=[1, 2, 4, 8, 16, 32, 64])
     ap.add_argument("--page-size", type=int, default=2)
     ap.add_argument("--draft-attention", default="ancestors", choices=["ancestors", "branch"])
@@ -93,22 +105,33 @@ def parser() -> argparse.ArgumentParser:
     ap.add_argument("--context", type=int, default=1024, help="prompt tokens per row")
     ap.add_argument("--iters", type=int, default=20)
     ap.add_argument("--warmup", type=int, default=3)
+    ap.add_argument("--json", metavar="PATH", help="the rows, with the command")
+    ap.add_argument("--smoke", action="store_true",
+                    help="CPU, tiny preset, batches 1 and 2, two shapes, a short context")
+
+
+def smoke_settings(args: argparse.Namespace) -> None:
+    """What ``--smoke`` sets: a CPU run of seconds."""
+    args.preset, args.device, args.batches = "tiny", "cpu", [1, 2]
+    args.shapes, args.context, args.iters, args.warmup = ["1,2,3", "4,3,8"], 32, 3, 1
+    args.attention_backend = "torch"
+
+
+def parser() -> argparse.ArgumentParser:
+    ap = argparse.ArgumentParser(prog=PROG, description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    add_loop_arguments(ap)
     ap.add_argument("--acceptance-profile", metavar="FILE.json", default=None,
                     help="draw acceptance from this profile (default: scripted counts)")
     ap.add_argument("--out", metavar="FILE.json", default=None,
                     help="the cost profile (required unless --smoke)")
-    ap.add_argument("--json", metavar="PATH", help="also the rows, with the command")
-    ap.add_argument("--smoke", action="store_true",
-                    help="CPU, tiny preset, batches 1 and 2, two shapes, a short context")
     return ap
 
 
 def main(argv=None) -> int:
     args = parser().parse_args(argv)
     if args.smoke:
-        args.preset, args.device, args.batches = "tiny", "cpu", [1, 2]
-        args.shapes, args.context, args.iters, args.warmup = ["1,2,3", "4,3,8"], 32, 3, 1
-        args.attention_backend = "torch"
+        smoke_settings(args)
     elif args.out is None:
         print("--out is required: where the cost profile goes", file=sys.stderr)
         return 2

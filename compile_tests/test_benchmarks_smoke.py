@@ -229,3 +229,12 @@ def test_loop_costs_smoke(child):
     costs = CostProfile(plain={int(b): v for b, v in doc["cost_profile"]["plain"].items()},
                         shapes={int(b): r for b, r in doc["cost_profile"]["shapes"].items()})
     assert sorted(costs.shapes[2]) == ["1,2,3", "4,3,8"]
+
+
+@pytest.mark.children(job=smoke("loop.py", "policy", out="policy.json"))
+def test_loop_policy_smoke(child):
+    doc = child.result()
+    assert [(r["profile"], r["batch"]) for r in doc["rows"]] == [("high", 1), ("high", 2)]
+    assert all(r["shape"] in ("off", "1,2,3", "4,3,8") and r["plain_tokens_per_s"] > 0
+               and r["loop_tokens_per_s"] > 0 for r in doc["rows"])
+    assert sorted(doc["measured_costs"]["shapes"]["1"]) == ["1,2,3", "4,3,8"]
