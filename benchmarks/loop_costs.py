@@ -59,6 +59,7 @@ def live_engine(models, shape, batch: int, args, hook):
     """An engine of one bucket, ``batch``, running ``shape`` (None: plain
     decoding), every row live with a prompt of ``args.context`` tokens and
     room for ``args.warmup + args.iters`` launches without finishing."""
+    torch._dynamo.reset()  # one engine at a time; its compiled frames are its own
     k, s, n = shape or (1, 2, 2)
     max_new = (args.warmup + args.iters) * (n + 1) + 8
     lc = workload.loop_config((args.page_size, k, s, n), batch=batch, context=args.context,

@@ -19,7 +19,7 @@ import torch
 
 import fa3_spec
 from fa3_spec.eagle import EagleEngine, LoopConfig, cli, greedy_generate
-from fa3_spec.eagle.iteration import StateWidths, empty_state, plain_iteration
+from fa3_spec.eagle.iteration import StateWidths, eagle_iteration, empty_state, plain_iteration
 from fa3_spec.eagle.policy import AcceptanceProfile, CostProfile
 from fa3_spec.eagle.sampling import RequestSampling, SamplingParams
 from fa3_spec.probes import RecordingBackend
@@ -128,8 +128,11 @@ def test_the_state_is_as_wide_as_the_widest_shape():
     assert eng.loop_config(3) is eng.lc  # bucket 4 decodes plainly on the pool of lc
     with pytest.raises(AttributeError, match="runners"):
         eng.runner
+    narrow = empty_state(eng.loop_config(1), models_for(), 2, "cpu", widths=StateWidths(2, 8, 4))
+    pool = eng.pool
     with pytest.raises(ValueError, match="narrower"):
-        empty_state(eng.loop_config(1), models_for(), 2, "cpu", widths=StateWidths(2, 8, 4))
+        eagle_iteration(eng.loop_config(1), models_for(), pool.target_kv, pool.draft_kv,
+                        pool.req_to_token, narrow)
 
 
 def test_a_single_shape_engine_keeps_one_runner():
@@ -142,7 +145,7 @@ def test_a_single_shape_engine_keeps_one_runner():
     ({3: (4, 3, 8)}, ValueError, r"shapes names \[3\]"),
     ({2: (4, 3)}, ValueError, r"shapes\[2\] must be"),
     ({2: (0, 3, 8)}, ValueError, r"shapes\[2\] must be"),
-    ({2: (1, 2, 8)}, ValueError, "exceeds the 2 draft candidates"),
+    ({2: (1, 2, 8)}, ValueError, r"shapes\[2\] = \(1, 2, 8\): .*exceeds the 2 draft candidates"),
     ({2: (600, 2, 8)}, ValueError, "exceeds the draft's vocabulary"),
     ([(4, 3, 8)], TypeError, "shapes must map buckets"),
 ])
@@ -223,3 +226,35 @@ def test_cli_refuses_bad_profiles_as_usage_errors(tmp_path, capsys, extra, says)
         cli.main(argv)
     assert exit_info.value.code == 2
     assert re.search(says, capsys.readouterr().err)
+
+
+def test_the_base_shape_is_checked_too_and_buckets_must_be_ints():
+    with pytest.raises(ValueError, match=r"lc.spec: topk=600 exceeds the draft's vocabulary"):
+        shaped_engine({b: (4, 3, 8) for b in (1, 2, 4, 8)}, base=(600, 2, 8), sized_for=[])
+    with pytest.raises(ValueError, match="keyed by int buckets"):
+        shaped_engine({True: (4, 3, 8)}, sized_for=[])
+    # The state is as wide as what the buckets run, not the base shape.
+    eng = shaped_engine({b: (1, 3, 4) for b in (1, 2, 4, 8)}, sized_for=[])
+    assert eng.widths == StateWidths(1, 4, 3)
+
+
+def test_each_shape_compiles_under_its_own_code_object():
+    eng = shaped_engine(MIXED)
+    names = {r.step.__code__.co_name for r in eng.shape_runners.values()}
+    assert names == {"plain_decode_step", "eagle_iteration_4_3_8", "eagle_iteration_1_4_5",
+                     "eagle_iteration_2_3_6"}
+    codes = {id(r.step.__code__) for r in eng.shape_runners.values()}
+    assert len(codes) == 4
+
+
+def test_cli_writes_no_acceptance_profile_from_a_run_that_never_drafted(tmp_path, capsys):
+    costs, acceptance = tmp_path / "costs.json", tmp_path / "acceptance.json"
+    CostProfile(plain={1: 1.0, 2: 1.0}, shapes={1: {"4,3,8": 90.0}, 2: {"4,3,8": 90.0}}).save(costs)
+    AcceptanceProfile(((0.5, 0.1),)).save(acceptance)
+    measured = tmp_path / "measured.json"
+    argv = ["--preset", "tiny", "--device", "cpu", "--batch", "2", "--requests", "3",
+            "--max-new-tokens", "6", "--prompt-len", "8", "--attention-backend", "torch",
+            "--cost-profile", str(costs), "--acceptance-profile", str(acceptance),
+            "--acceptance-out", str(measured), "--quiet"]
+    assert cli.main(argv) == 0
+    assert not measured.exists() and "nothing written" in capsys.readouterr().err

@@ -447,15 +447,18 @@ def run_eagle(args: argparse.Namespace, *, log=print) -> dict:
         buckets = check_buckets(args.buckets or default_buckets(args.batch), args.batch)
         speculation = _speculation(args, buckets)
         shapes = None if speculation is None else {b: c.shape for b, c in speculation.items()}
-        tree_shapes = [(args.topk, args.num_steps, n)] + [s for s in (shapes or {}).values() if s]
+        chosen = [s for s in (shapes or {}).values() if s]
+        # The loop's own shape: the widest chosen one (every bucket off: the flags').
+        base = max(chosen, key=lambda s: s[2]) if chosen else (args.topk, args.num_steps, n)
+        tree_shapes = [base] + chosen
         widest = max(s[2] for s in tree_shapes)
         max_new = max([args.max_new_tokens] + news)
         context = max([args.prompt_len] + [len(p) for p in prompts]) + max_new + widest
         if context > models.max_positions:
             raise UsageError(f"prompts + max_new_tokens + num_draft_tokens = {context} "
                              f"positions exceed the model's RoPE table ({models.max_positions})")
-        spec = SpecConfig(page_size=args.page_size, topk=args.topk, num_steps=args.num_steps,
-                          num_draft_tokens=n, max_bs=args.batch, max_context_len=context)
+        spec = SpecConfig(page_size=args.page_size, topk=base[0], num_steps=base[1],
+                          num_draft_tokens=base[2], max_bs=args.batch, max_context_len=context)
         max_reqs = 2 * args.batch
         # Enough pages for every row's largest reservation under any shape,
         # plus the reserved page 0.
@@ -550,8 +553,13 @@ def run_eagle(args: argparse.Namespace, *, log=print) -> dict:
         outputs=got,
         model=loaded.info if loaded else None,
     )
-    if args.acceptance_out and stats.row_iterations:
-        AcceptanceProfile.from_stats(stats).save(args.acceptance_out)
+    if args.acceptance_out:
+        if int(stats.offered.sum()):
+            AcceptanceProfile.from_stats(stats).save(args.acceptance_out)
+        else:  # an all-zero profile would turn speculation off for good
+            print(f"fa3-spec eagle: --acceptance-out {args.acceptance_out}: no draft was offered "
+                  "in this run (every iteration decoded plainly); nothing written",
+                  file=sys.stderr)
     result["per_request"] = per_request = []
     for rid, st in sorted(engine.request_stats().items()):
         a, sec = st["accept_lens"], st["seconds"]

@@ -39,7 +39,7 @@ import torch
 
 from ..attention import resolve_attention_backend
 from ..frozen import FrozenModule
-from ..graphs import CompilePolicy, CUDAGraphRunner, check_buckets
+from ..graphs import CompilePolicy, CUDAGraphRunner, check_buckets, with_own_code
 from .acceptance import AcceptanceHook
 from .iteration import (LoopConfig, State, StateWidths, eagle_iteration, empty_state,
                         plain_iteration, step_in_place)
@@ -119,6 +119,9 @@ def _bucket_shapes(lc: LoopConfig, buckets: Sequence[int], shapes) -> Dict[int, 
     if not isinstance(shapes, Mapping):
         raise TypeError(f"shapes must map buckets to (topk, num_steps, num_draft_tokens) or "
                         f"None, got {type(shapes).__name__}")
+    bad = [b for b in shapes if isinstance(b, bool) or not isinstance(b, int)]
+    if bad:
+        raise ValueError(f"shapes must be keyed by int buckets, got {bad!r}")
     unknown = sorted(set(shapes) - set(buckets), key=str)
     if unknown:
         raise ValueError(f"shapes names {unknown}, which are not buckets {list(buckets)}")
@@ -236,15 +239,24 @@ class EagleEngine:
             buckets = default_buckets(self.max_bs)
         self.buckets = check_buckets(buckets, self.max_bs)
         self.shapes = _bucket_shapes(lc, self.buckets, shapes)
-        self._loop_configs = {shape: _with_shape(lc, shape) for shape in set(self.shapes.values())}
-        for shape_lc in self._loop_configs.values():
+        self._loop_configs = {}
+        for shape in sorted(set(self.shapes.values()), key=lambda v: (v is None, v or ())):
+            where = [b for b in self.buckets if self.shapes[b] == shape]
+            try:
+                self._loop_configs[shape] = _with_shape(lc, shape)
+            except ValueError as exc:
+                raise ValueError(f"shapes[{where[0]}] = {shape}: {exc}") from None
+        for name, shape_lc in [("lc.spec", lc)] + [
+                (f"shapes[{b}]", self._loop_configs[s]) for b, s in self.shapes.items() if s]:
             if shape_lc.spec.topk > _draft_vocab_size(models):
                 raise ValueError(
-                    f"topk={shape_lc.spec.topk} exceeds the draft's vocabulary of "
+                    f"{name}: topk={shape_lc.spec.topk} exceeds the draft's vocabulary of "
                     f"{_draft_vocab_size(models)} tokens: every tree node draws its topk "
                     "children from it")
-        #: Widths of the state every shape shares (`StateWidths`).
-        self.widths = StateWidths.covering([lc] + list(self._loop_configs.values()))
+        speculating = [c for s, c in self._loop_configs.items() if s is not None]
+        #: Widths of the state every shape shares (`StateWidths`): the
+        #: speculating shapes' (``lc``'s own when every bucket decodes plainly).
+        self.widths = StateWidths.covering(speculating or [lc])
         regions_available = hasattr(models, "with_compile_regions")
         if policy is None:
             policy = CompilePolicy.for_loop(
@@ -265,7 +277,7 @@ class EagleEngine:
                            draft_layers=models.num_draft_layers, num_kv_heads=models.num_kv_heads,
                            head_dim=models.head_dim, dtype=models.dtype, device=device, seed=seed,
                            draft_attention=lc.draft_attention,
-                           also=[c.spec for c in self._loop_configs.values()])
+                           also=[c.spec for c in speculating])
         self.state = empty_state(lc, models, self.max_bs, self.device, widths=self.widths)
         self._views: Dict[int, State] = {}
         step_models = (models.with_compile_regions(self.policy.compile_backend)
@@ -281,6 +293,9 @@ class EagleEngine:
             bound = FrozenModule.holding(lc=self._loop_configs[shape])
             step = (_speculative_step(bound, step_models, self.pool, acceptance)
                     if shape is not None else _plain_step(bound, step_models, self.pool))
+            # Its own code object: the shapes' compiled frames never evict one another.
+            step = with_own_code(step, "plain_decode_step" if shape is None else
+                                 "eagle_iteration_" + "_".join(map(str, shape)))
             runners[shape] = CUDAGraphRunner(
                 step, buckets=[b for b in self.buckets if self.shapes[b] == shape],
                 policy=self.policy, buffers=self.bucket_state, warmup=1, cache_path=cache_path)

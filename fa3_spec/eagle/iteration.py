@@ -158,10 +158,10 @@ def empty_state(lc: LoopConfig, models: SpecModel, max_bs: int, device, *,
 
     ``widths``: the widths of what an iteration carries and records
     (`StateWidths`), when iterations of several tree shapes share the state;
-    None: ``lc``'s own shape.
+    None: ``lc``'s own shape. `eagle_iteration` refuses a state narrower than
+    its shape.
     """
     w = StateWidths.of(lc) if widths is None else widths
-    w.check_holds(lc)
     k, n, d = w.topk, w.tree, w.depth
     i64 = dict(dtype=torch.int64, device=device)
     z = lambda *s: torch.zeros(*s, **i64)  # noqa: E731
@@ -522,13 +522,15 @@ def plain_iteration(lc: LoopConfig, models: SpecModel, target_kv: KVCache,
     The target decodes each row's root at ``seq_len`` and emits its next
     token: the argmax, or for a row with ``temperature > 0`` a draw with the
     counter of the token's index in the output (as `sample_tokens` draws it
-    for plain sampled decoding). The draft does not run: the candidates,
-    draft feature and draft K/V stay as the row's last speculative iteration
-    left them. A row that speculates again drafts its first tree from them;
-    the target's verification keeps the output exact (greedy) or
-    distributed as the target's (sampled) whatever the draft proposes, and
-    only that iteration's acceptance suffers. The recorded tree is the root
-    alone (``accept_len`` 1, no draft offered).
+    for plain sampled decoding). The draft does not run, so that the step
+    costs what plain decoding costs: the candidates and draft feature stay
+    as the row's last speculative iteration left them, and the draft K/V of
+    the positions decoded here is never written. A row that speculates again
+    drafts from that state, its draft attending stale entries at those
+    positions for the rest of the request: it accepts less from then on,
+    while the target's verification keeps the output exact (greedy) or
+    distributed as the target's (sampled) whatever the draft proposes. The
+    recorded tree is the root alone (``accept_len`` 1, no draft offered).
     """
     seq_lens = st["seq_lens"]
     live = seq_lens > 0
@@ -578,6 +580,7 @@ def eagle_iteration(lc: LoopConfig, models: SpecModel, target_kv: KVCache, draft
         `extend_phase`) also accept metadata built elsewhere (the benchmark's
         host-built baseline).
     """
+    state_widths(st).check_holds(lc)  # static shapes: checked while tracing
     tree = draft_phase(lc, models, draft_kv, req_to_token, st)
     verified = verify_phase(lc, models, target_kv, req_to_token, st, tree,
                             acceptance=acceptance)

@@ -68,13 +68,12 @@ from __future__ import annotations
 
 import itertools
 import threading
-import types
 from typing import Dict, List, Optional, Sequence, Tuple
 
 import torch
 
 from ..attention import fa3_equivalent_key_bound, resolve_attention_backend
-from ..graphs import compile_fullgraph
+from ..graphs import compile_fullgraph, with_own_code
 from ..metadata import CascadeMetadata, FA3Metadata
 from .layer import LayerShape, LayerWeights, layer_body
 
@@ -285,9 +284,8 @@ def _compile_program(index: int, md_statics: List[int], dims: List[int], eps: fl
     """``torch.compile(fullgraph=True)`` of one layer program
     (`fa3_spec.graphs.compile_fullgraph`: inductor gets the library's options).
 
-    Each program gets a copy of the body's code object: dynamo keeps its
-    compiled entries (and its recompile limit) per code object, so the
-    programs of one iteration (the first target layer, the others, each
+    Each program gets a copy of the body's code object (`with_own_code`), so
+    the programs of one iteration (the first target layer, the others, each
     draft step's metadata) never evict one another.
     """
     shape = LayerShape(*dims, rms_eps=eps)
@@ -300,7 +298,5 @@ def _compile_program(index: int, md_statics: List[int], dims: List[int], eps: fl
                          attention_backend, num_splits, tuple(plans) or None)
         return out if deltas else out[1:]  # never an input as an output
 
-    name = f"decoder_layer_program_{index}"
-    code = program.__code__.replace(co_name=name)
-    fresh = types.FunctionType(code, program.__globals__, name, None, program.__closure__)
+    fresh = with_own_code(program, f"decoder_layer_program_{index}")
     return compile_fullgraph(fresh, compile_backend=compile_backend, dynamic=None)

@@ -53,6 +53,20 @@ def compile_fullgraph(fn: Callable, *, compile_backend="inductor", options: Opti
     return torch.compile(fn, fullgraph=True, backend=compile_backend, **kwargs)
 
 
+def with_own_code(fn: Callable, name: str) -> Callable:
+    """``fn`` as a new function with a copy of its code object, named ``name``.
+
+    Dynamo keeps its compiled entries, and its recompile limit, per code
+    object: functions made by one factory (closures over different
+    constants) would otherwise evict one another, and past the limit a
+    ``fullgraph=True`` compile fails instead of compiling again.
+    """
+    import types
+
+    code = fn.__code__.replace(co_name=name)
+    return types.FunctionType(code, fn.__globals__, name, fn.__defaults__, fn.__closure__)
+
+
 def size_oblivious(compiled: Callable) -> Callable:
     """``compiled`` called under ``backed_size_oblivious``: what dynamo traces
     (and what the compiles nested in it trace) gets no 0/1 specialisation of
