@@ -66,6 +66,7 @@ SECONDS = {
     "test_gpu_memcheck.py": (90.0, {}),   # under compute-sanitizer
     "test_gpu_limits.py": (30.0, {}),
     "test_eagle_sampling.py": (120.0, {}),
+    "test_bucket_shapes.py": (30.0, {}),
     "test_gpu_audit_callable.py": (10.0, {}),
     "test_gpu_rope_kv.py": (10.0, {}),
     "test_vocab.py": (15.0, {}),

@@ -258,3 +258,30 @@ def test_cli_writes_no_acceptance_profile_from_a_run_that_never_drafted(tmp_path
             "--acceptance-out", str(measured), "--quiet"]
     assert cli.main(argv) == 0
     assert not measured.exists() and "nothing written" in capsys.readouterr().err
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_gpu_every_bucket_is_captured_with_its_own_shape_and_no_host_sync():
+    """CUDA graphs per bucket (eager kernels captured, so the test compiles
+    nothing), the shapes of `MIXED`: the batch moves through every bucket,
+    every launch is a replay with no host sync, and the output is greedy's
+    up to the near ties of bf16 (`fa3_spec.eagle.greedy_check`)."""
+    from fa3_spec.eagle.greedy_check import compare_with_greedy
+    from fa3_spec.eagle.models import make_models
+    from fa3_spec.eagle.sync_probe import HostSyncProbe
+
+    models = make_models("tiny", draft="derived", device="cuda")
+    prompts, _ = workload(8, 2, max_new=MAX_NEW)
+    news = [24, 16, 8, 8, 4, 4, 4, 4]
+    eng = shaped_engine(MIXED, models=models, device="cuda", graphs=True, compile_backend="none")
+    eng.capture()
+    assert sum(len(r.buckets) for r in eng.shape_runners.values()) == 4
+    with HostSyncProbe(eng) as probe:
+        got, launched = run_recording_buckets(eng, prompts, news)
+    assert set(launched) == {1, 2, 4, 8} and probe.counts and probe.worst == 0
+    logits = []
+    ref = greedy_generate(models, prompts, news, page_size=2, attention_backend="torch",
+                          device="cuda", logits_out=logits)
+    divergences = compare_with_greedy(got, ref, logits)
+    assert all(d.near_tie for d in divergences), divergences

@@ -454,7 +454,6 @@ def test_the_eagle_command_warns_that_a_draft_made_here_is_not_trained(llama_dir
 
 
 def test_a_minutes_budget_counts_wall_time_from_the_start_of_the_run(tmp_path):
-    report = train_draft(target(), random_prompts(24), tmp_path, minutes=0.02, config=CONFIG,
+    report = train_draft(target(), random_prompts(24), tmp_path, minutes=0.05, config=CONFIG,
                          attention_backend="torch")
-    assert report.stopped == "minutes" and report.steps >= 1
-    assert 1.2 <= report.seconds < 60
+    assert report.stopped == "minutes" and 3 <= report.seconds < 60
