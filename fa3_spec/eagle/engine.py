@@ -293,9 +293,10 @@ class EagleEngine:
             bound = FrozenModule.holding(lc=self._loop_configs[shape])
             step = (_speculative_step(bound, step_models, self.pool, acceptance)
                     if shape is not None else _plain_step(bound, step_models, self.pool))
-            # Its own code object: the shapes' compiled frames never evict one another.
+            # One code object per shape: the shapes' compiled frames never evict
+            # one another, and engines of the same shape share theirs.
             step = with_own_code(step, "plain_decode_step" if shape is None else
-                                 "eagle_iteration_" + "_".join(map(str, shape)))
+                                 "eagle_iteration_" + "_".join(map(str, shape)), shared=True)
             runners[shape] = CUDAGraphRunner(
                 step, buckets=[b for b in self.buckets if self.shapes[b] == shape],
                 policy=self.policy, buffers=self.bucket_state, warmup=1, cache_path=cache_path)

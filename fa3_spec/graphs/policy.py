@@ -53,18 +53,26 @@ def compile_fullgraph(fn: Callable, *, compile_backend="inductor", options: Opti
     return torch.compile(fn, fullgraph=True, backend=compile_backend, **kwargs)
 
 
-def with_own_code(fn: Callable, name: str) -> Callable:
+def with_own_code(fn: Callable, name: str, *, shared: bool = False) -> Callable:
     """``fn`` as a new function with a copy of its code object, named ``name``.
 
     Dynamo keeps its compiled entries, and its recompile limit, per code
     object: functions made by one factory (closures over different
     constants) would otherwise evict one another, and past the limit a
     ``fullgraph=True`` compile fails instead of compiling again.
+    ``shared``: every call with the same code and ``name`` gets the same
+    copy, so that functions of one kind (an engine's iteration of one tree
+    shape, engine after engine) keep sharing their compiled entries.
     """
     import types
 
-    code = fn.__code__.replace(co_name=name)
+    code = _renamed_code(fn.__code__, name) if shared else fn.__code__.replace(co_name=name)
     return types.FunctionType(code, fn.__globals__, name, fn.__defaults__, fn.__closure__)
+
+
+@functools.lru_cache(maxsize=None)
+def _renamed_code(code, name: str):
+    return code.replace(co_name=name)
 
 
 def size_oblivious(compiled: Callable) -> Callable:
