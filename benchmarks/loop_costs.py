@@ -75,20 +75,20 @@ def live_engine(models, shape, batch: int, args, hook):
     return eng
 
 
-def launch_seconds(eng, batch: int, args) -> list:
-    """Seconds of each of ``args.iters`` launches of the bucket, after
-    ``args.warmup`` (CUDA events on the GPU, wall time on the CPU)."""
+def launch_seconds(eng, batch: int, iters: int, warmup: int) -> list:
+    """Seconds of each of ``iters`` launches of the bucket, after ``warmup``
+    (CUDA events on the GPU, wall time on the CPU)."""
     launch = lambda: eng.launch(batch)  # noqa: E731
     if eng.device.type == "cuda":
-        return timing.event_samples(launch, args.iters, warmup=args.warmup)[1]
-    return timing.samples(launch, args.iters, timing.no_sync, warmup=args.warmup)[1]
+        return timing.event_samples(launch, iters, warmup=warmup)[1]
+    return timing.samples(launch, iters, timing.no_sync, warmup=warmup)[1]
 
 
 def iteration_ms(models, shape, batch: int, args, hook) -> float:
     """Median ms of one launch of ``shape``'s iteration (None: a plain decode
     step) at ``batch`` live rows."""
     eng = live_engine(models, shape, batch, args, hook)
-    return 1e3 * statistics.median(launch_seconds(eng, batch, args))
+    return 1e3 * statistics.median(launch_seconds(eng, batch, args.iters, args.warmup))
 
 
 def add_loop_arguments(ap: argparse.ArgumentParser) -> None:

@@ -47,11 +47,10 @@ def tokens_per_s(models, shape, batch: int, args, hook) -> float:
     """Tokens/s the engine emits over ``args.iters`` timed launches of ``shape``
     (None: plain decoding) at ``batch`` live rows."""
     eng = loop_costs.live_engine(models, shape, batch, args, hook)
-    for _ in range(args.warmup):
+    for _ in range(args.warmup):  # outside the count of emitted tokens
         eng.launch(batch)
     before = eng.state["out_len"][:batch].sum()
-    args_timed = argparse.Namespace(**{**vars(args), "warmup": 0})
-    seconds = loop_costs.launch_seconds(eng, batch, args_timed)
+    seconds = loop_costs.launch_seconds(eng, batch, args.iters, warmup=0)
     emitted = int(eng.state["out_len"][:batch].sum() - before)
     return emitted / sum(seconds)
 

@@ -186,6 +186,12 @@ class SpecConfig:
             return self.draft_row_len
         return max(self.min_row_len, self.max_context_len + self.ancestor_draft_slots)
 
+    def with_shape(self, topk: int, num_steps: int, num_draft_tokens: int) -> "SpecConfig":
+        """This configuration drafting another tree shape (same pages, context
+        bound and batch bound), validated as any other."""
+        return dataclasses.replace(self, topk=topk, num_steps=num_steps,
+                                   num_draft_tokens=num_draft_tokens)
+
     def pool_pages(self, max_reqs: int, draft_attention: str) -> int:
         """KV pool size, in pages, that gives each of ``max_reqs`` requests a whole
         row of its own: ``1 + max_reqs * ceil(draft_row_len_for(draft_attention) / P)``.

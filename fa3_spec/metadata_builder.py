@@ -120,9 +120,8 @@ class MetadataBuilder(FrozenModule):
                    num_draft_tokens: int) -> "MetadataBuilder":
         """A builder of another tree shape over the same pool, page size,
         context bound, batch bound and draft semantics."""
-        cfg = dataclasses.replace(self.cfg, topk=topk, num_steps=num_steps,
-                                  num_draft_tokens=num_draft_tokens)
-        return MetadataBuilder(cfg, draft_attention=self.draft_attention)
+        return MetadataBuilder(self.cfg.with_shape(topk, num_steps, num_draft_tokens),
+                               draft_attention=self.draft_attention)
 
     # --------------------------------------------------------------- metadata
     def build(self, mode: str, *, step: int = 0, window_left: Optional[int] = None,

@@ -34,6 +34,21 @@ def at_least(minimum: int):
     return parse
 
 
+def non_negative(kind):
+    """argparse type: a finite ``kind`` (int or float) >= 0."""
+    def parse(text: str):
+        try:
+            value = kind(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected a number, got {text!r}") from None
+        if not 0 <= value < float("inf"):
+            raise argparse.ArgumentTypeError(f"must be a finite number >= 0, got {text}")
+        return value
+
+    parse.__name__ = f"{kind.__name__} >= 0"
+    return parse
+
+
 def check_writable(flag: str, path: str) -> None:
     """Raise `UsageError` naming ``flag`` unless ``path`` can be written: checked
     before a run, so that its results are not lost after it."""

@@ -67,7 +67,7 @@ from typing import List, Optional, Tuple
 
 import torch
 
-from ..cli.usage import UsageError, at_least, check_writable, usage_exit
+from ..cli.usage import UsageError, at_least, check_writable, non_negative, usage_exit
 from ..config import DRAFT_ATTENTION, SpecConfig
 from .checkpoint import draft_kind, from_pretrained
 from ..graphs import COMPILE_BACKENDS, check_buckets
@@ -90,21 +90,6 @@ DTYPES = {"float64": torch.float64, "float32": torch.float32, "bfloat16": torch.
 
 
 _positive = at_least(1)
-
-
-def _non_negative(kind):
-    """argparse type: a finite ``kind`` >= 0."""
-    def parse(text: str):
-        try:
-            value = kind(text)
-        except ValueError:
-            raise argparse.ArgumentTypeError(f"expected a number, got {text!r}") from None
-        if not 0 <= value < float("inf"):
-            raise argparse.ArgumentTypeError(f"must be a finite number >= 0, got {text}")
-        return value
-
-    parse.__name__ = f"{kind.__name__} >= 0"
-    return parse
 
 
 def _unit_interval(text: str) -> float:
@@ -159,7 +144,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="residual scale of target layers 1.., in [0, 1] (derived draft of a "
                         f"preset; default {DEFAULT_ALPHA}; 1: the random target untouched; "
                         "smaller: more agreement)")
-    p.add_argument("--noise", type=_non_negative(float), default=0.0,
+    p.add_argument("--noise", type=non_negative(float), default=0.0,
                    help="relative noise on the derived draft, finite and >= 0")
     p.add_argument("--num-layers", type=_positive, default=None,
                    help="override the preset's depth")
@@ -195,11 +180,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--count-syncs", action=argparse.BooleanOptionalAction, default=True,
                    help="count host syncs per iteration launch (CUDA; adds host time to each "
                         "launch: --no-count-syncs for timings)")
-    p.add_argument("--temperature", type=_non_negative(float), default=0.0,
+    p.add_argument("--temperature", type=non_negative(float), default=0.0,
                    help="sampling temperature of every request (0: greedy; > 0: lossless "
                         "speculative sampling)")
     p.add_argument("--top-p", type=_top_p, default=1.0, help="sampling top-p, in (0, 1] (1: off)")
-    p.add_argument("--sampling-top-k", type=_non_negative(int), default=0,
+    p.add_argument("--sampling-top-k", type=non_negative(int), default=0,
                    help="sampling top-k (0: off); not --topk, the draft's branching")
     p.add_argument("--sampling-seed", type=int, default=None,
                    help="request i samples with seed S + i (default: fresh seeds, not "
@@ -462,8 +447,8 @@ def run_eagle(args: argparse.Namespace, *, log=print) -> dict:
         max_reqs = 2 * args.batch
         # Enough pages for every row's largest reservation under any shape,
         # plus the reserved page 0.
-        pages = max(dataclasses.replace(spec, topk=k, num_steps=st, num_draft_tokens=m)
-                    .pool_pages(max_reqs, args.draft_attention) for k, st, m in tree_shapes)
+        pages = max(spec.with_shape(*shape).pool_pages(max_reqs, args.draft_attention)
+                    for shape in tree_shapes)
         spec = dataclasses.replace(spec, num_pages=pages)
         lc = LoopConfig(spec, max_new_tokens=max_new, attention_backend=args.attention_backend,
                         max_eos=max(4, len(eos)), sampling=args.temperature > 0,

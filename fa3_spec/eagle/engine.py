@@ -44,6 +44,7 @@ from .acceptance import AcceptanceHook
 from .iteration import (LoopConfig, State, StateWidths, eagle_iteration, empty_state,
                         plain_iteration, step_in_place)
 from .models import SpecModel
+from .policy import check_shape_ints
 from .pool import KVPool
 from .prefill import check_max_new_tokens, check_prompt, eos_set, prefill_forward
 from .sampling import RequestSampling, SamplingParams
@@ -104,11 +105,7 @@ def default_buckets(max_bs: int) -> List[int]:
 def _with_shape(lc: LoopConfig, shape: Optional[Tuple[int, int, int]]) -> LoopConfig:
     """``lc`` drafting ``shape`` (None: ``lc`` itself, whose pool and page
     geometry a plain decode step uses)."""
-    if shape is None:
-        return lc
-    k, steps, n = shape
-    return dataclasses.replace(lc, spec=dataclasses.replace(lc.spec, topk=k, num_steps=steps,
-                                                            num_draft_tokens=n))
+    return lc if shape is None else dataclasses.replace(lc, spec=lc.spec.with_shape(*shape))
 
 
 def _bucket_shapes(lc: LoopConfig, buckets: Sequence[int], shapes) -> Dict[int, Optional[tuple]]:
@@ -128,14 +125,7 @@ def _bucket_shapes(lc: LoopConfig, buckets: Sequence[int], shapes) -> Dict[int, 
     out = {}
     for b in buckets:
         shape = shapes.get(b, own)
-        if shape is not None:
-            if (not isinstance(shape, (tuple, list)) or len(shape) != 3
-                    or any(isinstance(v, bool) or not isinstance(v, int) or v < 1
-                           for v in shape)):
-                raise ValueError(f"shapes[{b}] must be (topk, num_steps, num_draft_tokens) of "
-                                 f"ints >= 1, or None, got {shape!r}")
-            shape = tuple(shape)
-        out[b] = shape
+        out[b] = None if shape is None else check_shape_ints(shape, f"shapes[{b}]")
     return out
 
 
@@ -239,9 +229,13 @@ class EagleEngine:
             buckets = default_buckets(self.max_bs)
         self.buckets = check_buckets(buckets, self.max_bs)
         self.shapes = _bucket_shapes(lc, self.buckets, shapes)
+        # Each distinct shape and the buckets that run it (plain decoding last).
+        by_shape: Dict[Optional[tuple], List[int]] = {}
+        for b in self.buckets:
+            by_shape.setdefault(self.shapes[b], []).append(b)
+        by_shape = dict(sorted(by_shape.items(), key=lambda kv: (kv[0] is None, kv[0] or ())))
         self._loop_configs = {}
-        for shape in sorted(set(self.shapes.values()), key=lambda v: (v is None, v or ())):
-            where = [b for b in self.buckets if self.shapes[b] == shape]
+        for shape, where in by_shape.items():
             try:
                 self._loop_configs[shape] = _with_shape(lc, shape)
             except ValueError as exc:
@@ -289,7 +283,7 @@ class EagleEngine:
         # ints reach its compiled iteration through a module, so they stay
         # compile-time constants whatever other shapes or engines compiled.
         runners: Dict[object, CUDAGraphRunner] = {}
-        for shape in sorted(set(self.shapes.values()), key=lambda v: (v is None, v or ())):
+        for shape, where in by_shape.items():
             bound = FrozenModule.holding(lc=self._loop_configs[shape])
             step = (_speculative_step(bound, step_models, self.pool, acceptance)
                     if shape is not None else _plain_step(bound, step_models, self.pool))
@@ -298,7 +292,7 @@ class EagleEngine:
             step = with_own_code(step, "plain_decode_step" if shape is None else
                                  "eagle_iteration_" + "_".join(map(str, shape)), shared=True)
             runners[shape] = CUDAGraphRunner(
-                step, buckets=[b for b in self.buckets if self.shapes[b] == shape],
+                step, buckets=where,
                 policy=self.policy, buffers=self.bucket_state, warmup=1, cache_path=cache_path)
         #: The runner of each distinct shape (None: plain decoding).
         self.shape_runners: Dict[Optional[tuple], CUDAGraphRunner] = runners
@@ -563,7 +557,7 @@ class EagleEngine:
         self.state["seq_lens"].zero_()
         seconds: Dict[int, float] = {}
         try:
-            for runner in list(self.shape_runners.values()):
+            for runner in self.shape_runners.values():
                 seconds.update(runner.capture())
             return dict(sorted(seconds.items()))
         finally:
@@ -578,7 +572,7 @@ class EagleEngine:
     def launch(self, bucket: int) -> None:
         """Run one iteration over the first ``bucket`` rows (a graph replay when
         captured), with no readback: what `step` launches, for benchmarks."""
-        if not all(r.captured for r in list(self.shape_runners.values())):
+        if not all(r.captured for r in self.shape_runners.values()):
             self.capture()
         start = time.perf_counter()
         self.runners[bucket].replay(bucket, bucket)

@@ -97,9 +97,8 @@ def greedy_generate(models: SpecModel, prompts: Sequence[Sequence[int]],
                              attention_backend=attention_backend)
         if logits_out is not None:
             logits_out.append(logits.float().cpu())
-        cur = logits.argmax(-1)
-        if sampling is not None:
-            cur = sample_tokens(logits, sampling, torch.full_like(cur, i - 1))
+        cur = (logits.argmax(-1) if sampling is None else
+               sample_tokens(logits, sampling, torch.full_like(seq, i - 1)))
         tokens.append(cur)
         seq = seq + 1
         if on_step is not None:

@@ -51,12 +51,18 @@ def _parse_shape(key: str) -> Shape:
     return _check_shape((k, s, n))
 
 
-def _check_shape(shape) -> Shape:
+def check_shape_ints(shape, name: str = "shape") -> Shape:
+    """``shape`` as a tuple of three ints >= 1 (`ValueError` naming ``name``
+    otherwise); whether such a tree can be drafted is `LoopConfig`'s check."""
     if (not isinstance(shape, (tuple, list)) or len(shape) != 3
             or any(isinstance(v, bool) or not isinstance(v, int) or v < 1 for v in shape)):
-        raise ValueError(f"shape must be (topk, num_steps, num_draft_tokens) of ints >= 1, "
+        raise ValueError(f"{name} must be (topk, num_steps, num_draft_tokens) of ints >= 1, "
                          f"got {shape!r}")
-    k, s, n = shape
+    return tuple(shape)
+
+
+def _check_shape(shape) -> Shape:
+    k, s, n = check_shape_ints(shape)
     if n < 2:
         raise ValueError(f"shape {shape!r}: num_draft_tokens must be >= 2 (the root and a draft)")
     if n - 1 > k + (s - 1) * k * k:

@@ -42,9 +42,8 @@ class HostSyncProbe:
             raise RuntimeError("this HostSyncProbe is already watching")
         if self.engine.device.type != "cuda":
             return self
-        self._replay = {}
-        for runner in self.engine.shape_runners.values():  # one per shape the engine runs
-            self._replay[id(runner)] = runner
+        self._replay = list(self.engine.shape_runners.values())  # one per shape it runs
+        for runner in self._replay:
             runner.replay = self._watch(runner.replay)
         return self
 
@@ -58,6 +57,6 @@ class HostSyncProbe:
 
     def __exit__(self, *exc) -> None:
         if self._replay is not None:
-            for runner in self._replay.values():
+            for runner in self._replay:
                 del runner.replay  # the instance attribute: the method shows again
             self._replay = None

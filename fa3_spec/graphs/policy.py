@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import types
 from typing import Callable, Dict, Optional, Sequence, Tuple
 
 import torch
@@ -64,8 +65,6 @@ def with_own_code(fn: Callable, name: str, *, shared: bool = False) -> Callable:
     copy, so that functions of one kind (an engine's iteration of one tree
     shape, engine after engine) keep sharing their compiled entries.
     """
-    import types
-
     code = _renamed_code(fn.__code__, name) if shared else fn.__code__.replace(co_name=name)
     return types.FunctionType(code, fn.__globals__, name, fn.__defaults__, fn.__closure__)
 

@@ -24,7 +24,7 @@ import pathlib
 import sys
 import time
 
-from ..cli.usage import UsageError, at_least, check_writable, usage_exit
+from ..cli.usage import UsageError, at_least, check_writable, non_negative, usage_exit
 from .trainer import CPU_DEFAULTS, TrainConfig
 
 DEFAULT_DRAFT_VOCAB = TrainConfig.draft_vocab
@@ -37,16 +37,6 @@ def _positive_float(text: str) -> float:
         raise argparse.ArgumentTypeError(f"expected a number, got {text!r}") from None
     if not 0 < value < math.inf:
         raise argparse.ArgumentTypeError(f"must be a finite number > 0, got {text}")
-    return value
-
-
-def _non_negative_float(text: str) -> float:
-    try:
-        value = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a number, got {text!r}") from None
-    if not 0 <= value < math.inf:
-        raise argparse.ArgumentTypeError(f"must be a finite number >= 0, got {text}")
     return value
 
 
@@ -82,7 +72,7 @@ def add_parser(sub, help: str) -> argparse.ArgumentParser:
     p.add_argument("--max-new-tokens", type=at_least(1), default=None,
                    help=f"length of each regenerated response (default 128 on a GPU, "
                         f"{CPU_DEFAULTS['max_new_tokens']} on the CPU)")
-    p.add_argument("--temperature", type=_non_negative_float, default=0.0,
+    p.add_argument("--temperature", type=non_negative(float), default=0.0,
                    help="regenerate responses by sampling at this temperature, a fresh one each "
                         "time a prompt comes up (default 0: greedy, each prompt answered once; "
                         "a small prompt set is then soon memorised)")

@@ -54,9 +54,8 @@ STATE_FILE = "trainer_state.pt"
 #: What a CPU run changes from the defaults. A CPU optimizer step takes
 #: seconds (a 135M target's forward over a batch dominates), so a run of
 #: minutes makes tens of steps: two unrolled steps, a 4K vocabulary, short
-#: responses and a high learning rate learn the most in that many (10
-#: minutes on SmolLM2 raise a tree's accept length by about 0.4, see
-#: docs/train.md); a GPU run of the same minutes makes thousands of steps.
+#: responses and a high learning rate learn the most in that many
+#: (benchmarks/RESULTS.md); a GPU run of the same minutes makes thousands.
 CPU_DEFAULTS = dict(ttt_steps=2, draft_vocab=4096, max_new_tokens=64, lr=2e-3)
 
 
@@ -156,13 +155,13 @@ def _check_budget(name: str, value) -> None:
         raise ValueError(f"{name} must be a finite number > 0 (or None), got {value!r}")
 
 
-def regenerate(target: LlamaTarget, prompts: Sequence[Sequence[int]], max_new_tokens: int,
+def regenerate(models: EagleModels, prompts: Sequence[Sequence[int]], max_new_tokens: int,
                eos_ids: Sequence[int], attention_backend: str, *, temperature: float = 0.0,
                seeds: Optional[Sequence[int]] = None) -> List[List[int]]:
     """Each prompt followed by the target's own response (self-distillation):
-    greedy, or sampled at ``temperature`` with one seed per prompt."""
-    models = EagleModels(target, EagleDraft.derived(target))
-    device = target.embed.device
+    greedy, or sampled at ``temperature`` with one seed per prompt. ``models``:
+    the target as `greedy_generate` takes it (`answering_models`)."""
+    device = models.target.embed.device
     sampling = None
     if temperature > 0:
         if seeds is None or len(seeds) != len(prompts):
@@ -233,9 +232,10 @@ def train_draft(target: LlamaTarget, prompts: Sequence[Sequence[int]], out_dir: 
         return [(seq, start) for seq, start in pairs if len(seq) >= max(3, start + 2)]
 
     regen_batch = config.regen_batch or (256 if device.type == "cuda" else 64)
+    answering = answering_models(target)
 
     def answered_by_target(some_prompts, temperature=0.0, seeds=None):
-        seqs = regenerate(target, some_prompts, config.max_new_tokens, eos_ids, attention_backend,
+        seqs = regenerate(answering, some_prompts, config.max_new_tokens, eos_ids, attention_backend,
                           temperature=temperature, seeds=seeds)
         return [(seq, max(len(p) - 1, 0)) for seq, p in zip(seqs, some_prompts)]
 
@@ -370,6 +370,12 @@ def train_draft(target: LlamaTarget, prompts: Sequence[Sequence[int]], out_dir: 
         report.history.append(dict(step=report.steps, tokens=report.tokens, **evaluate()))
     checkpoint()
     return report
+
+
+def answering_models(target: LlamaTarget) -> EagleModels:
+    """``target`` as the loop's models, for plain decoding only (the draft,
+    a copy of layer 0, is never run); built once per run."""
+    return EagleModels(target, EagleDraft.derived(target))
 
 
 def _autocast(device: torch.device, dtype: torch.dtype):
