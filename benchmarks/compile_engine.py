@@ -13,7 +13,8 @@ at both ends: launch throughput) in the smallest bucket that holds the batch
 (the rest padding rows) and in the next bucket up, timed in blocks A, B, B, A
 of 10 replays so that the context's growth weighs both alike, and the compile
 phases PyTorch timed (``compile_phases_s``). Scripted acceptance,
-``llama3-8b`` shapes, P 2 / topk 8 / 5 steps / N 16, context 1024. Unless
+``llama3-8b`` shapes, P 2 / topk 8 / 5 steps / N 16 (or, with ``--shapes``,
+each bucket's own shape as the speculation policy picks them), context 1024. Unless
 ``--no-restart``, a second fresh process loads the first one's compile cache
 file (`EagleEngine(cache_path=)`): the restart. Needs CUDA.
 """
@@ -31,6 +32,7 @@ import torch
 
 from fa3_spec.eagle import make_models, regions
 
+import loop_costs
 import runs
 import workload
 
@@ -67,21 +69,40 @@ def ms_per_iteration(eng, buckets, warmup: int = 3, iters: int = 20) -> list:
     return [round(sum(ms for x, ms in blocks if x == y) / 2, 3) for y in (a, b)]
 
 
-def child(cache: str, buckets, timed, num_layers, inline: bool) -> dict:
+def parse_bucket_shapes(pairs) -> dict:
+    """``["1=8,5,16", "64=off"]`` as ``{1: (8, 5, 16), 64: None}`` (ValueError otherwise)."""
+    out = {}
+    for pair in pairs:
+        bucket, _, shape = pair.partition("=")
+        try:
+            out[int(bucket)] = None if shape == "off" else loop_costs.parse_shape(shape)
+        except ValueError:
+            raise ValueError(f"--shapes: expected BUCKET=TOPK,STEPS,N or BUCKET=off, "
+                             f"got {pair!r}") from None
+    return out
+
+
+def child(cache: str, buckets, timed, num_layers, inline: bool, shapes=None) -> dict:
     """One fresh process: build, compile and capture the engine, then time it."""
     torch.manual_seed(0)
     models = make_models("llama3-8b", draft="random", device="cuda", num_layers=num_layers)
-    lc = workload.loop_config(CONFIG, batch=max(buckets), context=1024, max_new=500,
-                              max_context_len=1024 + 600, attention_backend="fa3")
+    chosen = [s for s in (shapes or {}).values() if s]
+    # The loop's own shape: the widest chosen one, as fa3-spec eagle builds it.
+    base = max(chosen, key=lambda s: s[2]) if chosen else CONFIG[1:]
+    lc = workload.loop_config((CONFIG[0], *base), batch=max(buckets), context=1024,
+                              max_new=500, max_context_len=1024 + 600, also=chosen,
+                              attention_backend="fa3")
     eng = workload.engine(lc, models, scripted=True, buckets=buckets, device="cuda",
-                          cache_path=cache, regions=False if inline else None)
+                          cache_path=cache, regions=False if inline else None, shapes=shapes)
     t0 = time.perf_counter()
     per = eng.capture()
     out = dict(mode="dynamic" if eng.policy.dynamic_batch else "static",
+               shapes={str(b): s and list(s) for b, s in eng.shapes.items()},
                compile_regions=eng.policy.regions,
                draft_attention=lc.draft_attention,
                seconds=round(time.perf_counter() - t0, 2),
-               frames=eng.runner.compile_counter.frame_count,
+               frames=sum(r.compile_counter.frame_count for r in eng.shape_runners.values()),
+               captured_graphs=sum(len(r.buckets) for r in eng.shape_runners.values()),
                region_programs=regions.compiled_programs(),
                per_bucket={str(b): round(x, 2) for b, x in per.items()}, ms_per_iteration={},
                bucket_of_batch={}, ms_per_iteration_next_bucket={}, next_bucket_of_batch={},
@@ -93,7 +114,7 @@ def child(cache: str, buckets, timed, num_layers, inline: bool) -> dict:
             eng.submit(torch.randint(0, models.vocab_size, (1024,), generator=g).tolist(), 500)
             n += 1
         eng.admit()
-        bucket = eng.runner.bucket_for(b)  # b requests, the rest of the bucket padding rows
+        bucket = eng.bucket_for(b)  # b requests, the rest of the bucket padding rows
         # And the next bucket up, if any: what a coarser bucket list costs these requests.
         timed_buckets = [bucket] + [x for x in buckets if x > bucket][:1]
         ms = ms_per_iteration(eng, timed_buckets)
@@ -123,6 +144,8 @@ def parser() -> argparse.ArgumentParser:
     ap.add_argument("--layers", choices=["regions", "inline"], default="regions",
                     help="the decoder layers as compiled regions (the engine's default) or "
                          "traced inline")
+    ap.add_argument("--shapes", nargs="+", default=None, metavar="BUCKET=TOPK,STEPS,N|off",
+                    help="each bucket's own shape (default: P 2 / topk 8 / N 16 everywhere)")
     ap.add_argument("--json", metavar="PATH")
     ap.add_argument("--_child", metavar="CACHE", default=None, help=argparse.SUPPRESS)
     return ap
@@ -131,12 +154,20 @@ def parser() -> argparse.ArgumentParser:
 def main(argv=None) -> int:
     args = parser().parse_args(argv)
     timed = sorted(args.time_batches)
+    try:
+        shapes = parse_bucket_shapes(args.shapes) if args.shapes else None
+    except ValueError as exc:
+        print(f"{PROG}: {exc}", file=sys.stderr)
+        return 2
+    if shapes is not None and sorted(shapes) != sorted(set(args.buckets)):
+        print(f"{PROG}: --shapes must give exactly the --buckets, one shape each", file=sys.stderr)
+        return 2
     if any(b > max(args.buckets) for b in timed):
         print(f"{PROG}: every --time-batches value must fit a bucket", file=sys.stderr)
         return 2
     if args._child:
         print(json.dumps(child(args._child, sorted(args.buckets), timed, args.num_layers,
-                               args.layers == "inline")))
+                               args.layers == "inline", shapes)))
         return 0
     if not torch.cuda.is_available():
         print(f"{PROG} times CUDA graphs: it needs a CUDA device", file=sys.stderr)
@@ -149,7 +180,7 @@ def main(argv=None) -> int:
         for i, phase in enumerate(phases):
             cmd = [sys.executable, runs.script("compile.py"), "engine", "--_child", cache,
                    "--buckets", *map(str, args.buckets), "--time-batches", *map(str, timed),
-                   "--layers", args.layers]
+                   "--layers", args.layers] + (["--shapes", *args.shapes] if shapes else [])
             if args.num_layers:
                 cmd += ["--num-layers", str(args.num_layers)]
             row = runs.fresh_process_row(cmd, os.path.join(tmp, f"inductor-{i}"), phase)

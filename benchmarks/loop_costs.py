@@ -4,10 +4,11 @@ one plain decode step, at each batch bucket, on this machine and model.
 The speculation policy (`fa3_spec.eagle.policy.choose_shapes`) weighs these
 costs against an acceptance profile to give each bucket its shape; the costs
 are measured once per machine and model, written with `CostProfile.save`
-(``--out``), and read by ``fa3-spec eagle --cost-profile``. Each (shape,
-bucket) is an engine of that bucket alone (``batch`` requests of
-``--context`` prompt tokens, every row live), on the engine's default
-compile and capture for the device; its launches are timed back to back
+(``--out``), and read by ``fa3-spec eagle --cost-profile``. Each shape is one
+engine over every bucket of ``--batches`` (one compile and capture per shape,
+as the engine itself runs it), ``max(batches)`` requests of ``--context``
+prompt tokens admitted; each bucket is then timed from that same state (the
+loop state restored), every one of its rows live: its launches back to back
 after warm-up (CUDA events on the GPU, wall time on the CPU), median of
 ``--iters``. The plain row is the engine's own plain decode step
 (`fa3_spec.eagle.iteration.plain_iteration`), what a bucket that does not
@@ -55,24 +56,52 @@ def parse_shape(text: str) -> tuple:
     return shape
 
 
-def live_engine(models, shape, batch: int, args, hook):
-    """An engine of one bucket, ``batch``, running ``shape`` (None: plain
-    decoding), every row live with a prompt of ``args.context`` tokens and
-    room for ``args.warmup + args.iters`` launches without finishing."""
-    torch._dynamo.reset()  # one engine at a time; its compiled frames are its own
-    k, s, n = shape or (1, 2, 2)
-    max_new = (args.warmup + args.iters) * (n + 1) + 8
-    lc = workload.loop_config((args.page_size, k, s, n), batch=batch, context=args.context,
-                              max_new=max_new, draft_attention=args.draft_attention,
-                              attention_backend=args.attention_backend)
-    eng = workload.engine(lc, models, device=args.device, buckets=[batch], max_reqs=batch,
-                          shapes={batch: shape}, **({} if hook is None else dict(acceptance=hook)),
-                          scripted=hook is None)
-    eng.capture()
-    for prompt in workload.random_prompts(batch, args.context, models.vocab_size, seed=batch):
-        eng.submit(prompt, max_new)
-    eng.admit()
-    return eng
+class ShapeEngine:
+    """One engine running ``shape`` (None: plain decoding) at every bucket of
+    ``batches``, compiled and captured, with ``max(batches)`` live requests of
+    ``args.context`` prompt tokens; `measure` times one bucket from the state
+    just after their admission, so every bucket starts from the same context.
+    ``capture_s``: the engine's compile + capture seconds."""
+
+    def __init__(self, models, shape, batches, args, hook, page_size=None):
+        torch._dynamo.reset()  # one engine at a time; its compiled frames are its own
+        k, s, n = shape or (1, 2, 2)
+        top = max(batches)
+        self.max_new = (args.warmup + args.iters) * (n + 1) + 8
+        lc = workload.loop_config((page_size or args.page_size, k, s, n), batch=top,
+                                  context=args.context, max_new=self.max_new,
+                                  draft_attention=args.draft_attention,
+                                  attention_backend=args.attention_backend)
+        self.spec = lc.spec
+        self.eng = workload.engine(lc, models, device=args.device, buckets=sorted(batches),
+                                   max_reqs=top, shapes={b: shape for b in batches},
+                                   **({} if hook is None else dict(acceptance=hook)),
+                                   scripted=hook is None)
+        t0 = time.perf_counter()
+        self.eng.capture()
+        self.capture_s = time.perf_counter() - t0
+        for prompt in workload.random_prompts(top, args.context, models.vocab_size, seed=top):
+            self.eng.submit(prompt, self.max_new)
+        self.eng.admit()
+        self._admitted = {key: v.clone() for key, v in self.eng.state.items()}
+        self.args = args
+
+    def measure(self, batch: int) -> tuple:
+        """``(seconds of each timed launch, tokens its rows emitted over them)``
+        of bucket ``batch``, after ``args.warmup`` launches, from the admitted state."""
+        eng, args = self.eng, self.args
+        for key, v in eng.state.items():
+            v.copy_(self._admitted[key])
+        for _ in range(args.warmup):
+            eng.launch(batch)
+        before = eng.state["out_len"][:batch].sum()
+        seconds = launch_seconds(eng, batch, args.iters, warmup=0)
+        return seconds, int(eng.state["out_len"][:batch].sum() - before)
+
+    def close(self) -> None:
+        del self.eng, self._admitted
+        if torch.cuda.is_available():
+            torch.cuda.empty_cache()
 
 
 def launch_seconds(eng, batch: int, iters: int, warmup: int) -> list:
@@ -82,13 +111,6 @@ def launch_seconds(eng, batch: int, iters: int, warmup: int) -> list:
     if eng.device.type == "cuda":
         return timing.event_samples(launch, iters, warmup=warmup)[1]
     return timing.samples(launch, iters, timing.no_sync, warmup=warmup)[1]
-
-
-def iteration_ms(models, shape, batch: int, args, hook) -> float:
-    """Median ms of one launch of ``shape``'s iteration (None: a plain decode
-    step) at ``batch`` live rows."""
-    eng = live_engine(models, shape, batch, args, hook)
-    return 1e3 * statistics.median(launch_seconds(eng, batch, args.iters, args.warmup))
 
 
 def add_loop_arguments(ap: argparse.ArgumentParser) -> None:
@@ -158,24 +180,22 @@ def main(argv=None) -> int:
                preset=args.preset, context=args.context, page_size=args.page_size,
                draft_attention=args.draft_attention,
                acceptance=args.acceptance_profile or workload.SCRIPTED, rows=[])
-    plain, costs = {}, {}
-    for batch in sorted(set(args.batches)):
-        costs[batch] = {}
-        for shape in [None] + shapes:
-            t0 = time.perf_counter()
-            ms = iteration_ms(models, shape, batch, args, hook)
-            key = "plain" if shape is None else shape_key(shape)
+    plain, costs = {}, {b: {} for b in sorted(set(args.batches))}
+    for shape in [None] + shapes:
+        key = "plain" if shape is None else shape_key(shape)
+        engine = ShapeEngine(models, shape, sorted(set(args.batches)), args, hook)
+        for batch in sorted(set(args.batches)):
+            ms = 1e3 * statistics.median(engine.measure(batch)[0])
             if shape is None:
                 plain[batch] = ms
             else:
                 costs[batch][key] = ms
-            doc["rows"].append(dict(batch=batch, shape=key, ms_per_iteration=round(ms, 4),
-                                    seconds=round(time.perf_counter() - t0, 1)))
+            doc["rows"].append(dict(batch=batch, shape=key, ms_per_iteration=round(ms, 4)))
             print(f"batch {batch:>3} {key:>7}: {ms:8.3f} ms", flush=True)
-            if args.json:
-                runs.write_json(args.json, doc)
-            if torch.cuda.is_available():
-                torch.cuda.empty_cache()
+        doc["capture_s"] = dict(doc.get("capture_s", {}), **{key: round(engine.capture_s, 1)})
+        engine.close()
+        if args.json:
+            runs.write_json(args.json, doc)
     profile = CostProfile(plain=plain, shapes=costs, device=device,
                           model=f"{args.preset} ({args.num_layers or 'all'} layers), context "
                                 f"{args.context}, page size {args.page_size}, "

@@ -47,6 +47,19 @@ def command_line(prog: str, argv) -> str:
     return " ".join(["python3", f"benchmarks/{prog}"] + args)
 
 
+def commit():
+    """The commit a result ran on: ``FA3_SPEC_COMMIT`` if set (a copy of the
+    tree without its ``.git``), else git's ``HEAD``, else None."""
+    if os.environ.get("FA3_SPEC_COMMIT"):
+        return os.environ["FA3_SPEC_COMMIT"]
+    try:
+        done = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=HERE,
+                              capture_output=True, text=True)
+    except OSError:  # no git
+        return None
+    return (done.stdout.strip() or None) if done.returncode == 0 else None
+
+
 def device_name(device) -> str:
     """The CUDA device's name, or ``"cpu"``."""
     import torch

@@ -38,25 +38,29 @@ def parse_config(text: str) -> tuple:
 
 def loop_config(config: Sequence[int], *, batch: int, context: int, max_new: int,
                 pool_rows: Optional[int] = None, draft_attention: Optional[str] = None,
-                max_context_len: Optional[int] = None, **loop_kw) -> LoopConfig:
+                max_context_len: Optional[int] = None, also: Sequence[tuple] = (),
+                **loop_kw) -> LoopConfig:
     """`LoopConfig` for ``config = (P, topk, steps, N)``, ``batch`` rows of
     ``context`` prompt tokens and ``max_new`` new ones each.
 
     ``max_context_len`` defaults to ``context + max_new + N`` (the last
-    iteration may draft ``N`` past the end); the pool has whole rows for
-    ``pool_rows`` requests (default ``batch``) under ``draft_attention``
-    (default: the loop's). ``loop_kw`` go to `LoopConfig` (``attention_backend``,
-    ``sampling``, ...).
+    iteration may draft ``N`` past the end, the largest ``N`` of ``config``
+    and ``also``); the pool has whole rows for ``pool_rows`` requests (default
+    ``batch``) under ``draft_attention`` (default: the loop's) and under each
+    of the ``also`` shapes ``(topk, steps, N)`` that other buckets run.
+    ``loop_kw`` go to `LoopConfig` (``attention_backend``, ``sampling``, ...).
     """
     if len(config) != 4:
         raise ValueError(f"config must be (P, topk, steps, N), got {tuple(config)}")
     p, k, s, n = config
     mode = LoopConfig.draft_attention if draft_attention is None else draft_attention
-    length = context + max_new + n if max_context_len is None else max_context_len
+    widest = max([n] + [shape[2] for shape in also])
+    length = context + max_new + widest if max_context_len is None else max_context_len
     spec = fa3_spec.SpecConfig(page_size=p, topk=k, num_steps=s, num_draft_tokens=n,
                                max_bs=batch, max_context_len=length)
     rows = batch if pool_rows is None else pool_rows
-    spec = dataclasses.replace(spec, num_pages=spec.pool_pages(rows, mode))
+    pages = max(spec.with_shape(*shape).pool_pages(rows, mode) for shape in [(k, s, n), *also])
+    spec = dataclasses.replace(spec, num_pages=pages)
     return LoopConfig(spec, max_new_tokens=max_new, draft_attention=mode, **loop_kw)
 
 

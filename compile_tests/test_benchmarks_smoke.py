@@ -223,8 +223,10 @@ def test_loop_sampling_smoke(child):
 @pytest.mark.children(job=smoke("loop.py", "costs", out="costs.json"))
 def test_loop_costs_smoke(child):
     doc = child.result()
+    # One engine per shape over both buckets.
     assert [(r["batch"], r["shape"]) for r in doc["rows"]] == [
-        (b, s) for b in (1, 2) for s in ("plain", "1,2,3", "4,3,8")]
+        (b, s) for s in ("plain", "1,2,3", "4,3,8") for b in (1, 2)]
+    assert sorted(doc["capture_s"]) == ["1,2,3", "4,3,8", "plain"]
     assert all(r["ms_per_iteration"] > 0 for r in doc["rows"])
     costs = CostProfile(plain={int(b): v for b, v in doc["cost_profile"]["plain"].items()},
                         shapes={int(b): r for b, r in doc["cost_profile"]["shapes"].items()})
@@ -237,4 +239,32 @@ def test_loop_policy_smoke(child):
     assert [(r["profile"], r["batch"]) for r in doc["rows"]] == [("high", 1), ("high", 2)]
     assert all(r["shape"] in ("off", "1,2,3", "4,3,8") and r["plain_tokens_per_s"] > 0
                and r["loop_tokens_per_s"] > 0 for r in doc["rows"])
-    assert sorted(doc["measured_costs"]["shapes"]["1"]) == ["1,2,3", "4,3,8"]
+    assert sorted(doc["cost_profile"]["shapes"]["1"]) == ["1,2,3", "4,3,8"]
+    # Every (shape, bucket) timed once per profile, the fixed config among them.
+    assert sorted({(m["page_size"], m["shape"]) for m in doc["measured"]}) == [
+        (2, "1,2,3"), (2, "4,3,8"), (2, "plain")]
+    assert all(m["accept_length"] >= 1 for m in doc["measured"])
+    assert [(r["config"], r["batch"]) for r in doc["fixed"]] == [("2,4,3,8", 1), ("2,4,3,8", 2)]
+    assert [r["batch"] for r in doc["plain"]] == [1, 2]
+    assert doc["commit"] and doc["rows"][0]["largest_shape"] == "4,3,8"
+
+
+def test_loop_policy_resumes_only_a_run_of_the_same_settings(tmp_path):
+    sys.path.insert(0, str(BENCH))
+    import loop_policy
+
+    settings = dict(preset="tiny", context=32, page_size=2, draft_attention="ancestors",
+                    profiles={"high": [[0.7]]}, batches=[1, 2], iters=3, warmup=1, seed=0,
+                    device="cpu")
+    row = dict(page_size=2, shape="4,3,8", batch=1, profile="high", ms_per_iteration=1.5,
+               tokens_per_s=2.0, accept_length=3.0)
+    done = tmp_path / "done.json"
+    done.write_text(json.dumps(dict(settings, measured=[row], capture_s={"P 2 4,3,8": 0.5})))
+    doc = dict(settings, measured=[], capture_s={})
+    assert loop_policy.resumed(done, doc) == {(2, (4, 3, 8)): {(1, "high"): (1.5, 2.0, 3.0)}}
+    assert doc["measured"] == [row] and doc["capture_s"] == {"P 2 4,3,8": 0.5}
+    with pytest.raises(ValueError, match="differs in batches, seed"):
+        loop_policy.resumed(done, dict(settings, seed=1, batches=[1]))
+    (tmp_path / "bad.json").write_text("[]")
+    with pytest.raises(ValueError, match="bad.json is not a loop.py policy result"):
+        loop_policy.resumed(tmp_path / "bad.json", dict(settings))

@@ -5,6 +5,7 @@ import sys
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1] / "benchmarks"))
 import compile_engine  # noqa: E402
+import pytest  # noqa: E402
 
 
 class _ClockedEngine:
@@ -37,3 +38,11 @@ def test_two_buckets_are_timed_in_blocks_that_cancel_a_drift(monkeypatch):
 def test_the_engine_run_refuses_a_timed_batch_no_bucket_holds(capsys):
     assert compile_engine.main(["--buckets", "1", "2", "--time-batches", "4"]) == 2
     assert "must fit a bucket" in capsys.readouterr().err
+
+
+def test_bucket_shapes_parse_and_must_cover_the_buckets():
+    assert compile_engine.parse_bucket_shapes(["1=8,5,16", "64=off"]) == {1: (8, 5, 16), 64: None}
+    with pytest.raises(ValueError, match="BUCKET=TOPK,STEPS,N or BUCKET=off, got '2=8,5'"):
+        compile_engine.parse_bucket_shapes(["2=8,5"])
+    assert compile_engine.main(["--buckets", "1", "2", "--shapes", "1=off", "2=x"]) == 2
+    assert compile_engine.main(["--buckets", "1", "2", "--shapes", "1=off"]) == 2

@@ -8,6 +8,7 @@ import json
 import math
 
 import pytest
+import torch
 
 import fa3_spec
 from fa3_spec.eagle import EagleEngine, LoopConfig, make_models
@@ -154,6 +155,43 @@ def test_the_profile_hook_accepts_as_the_profile_says_and_bigger_trees_accept_mo
     assert tree.stats.mean_accept_len > chain.stats.mean_accept_len
     assert chain.stats.mean_accept_len == pytest.approx(
         expected_accept_length((1, 3, 4), prof), rel=0.15)
+
+
+def test_a_device_table_hook_draws_as_the_constant_one_and_switches_after_compiling():
+    from fa3_spec.eagle.acceptance import profile_acceptance
+
+    rates = ((0.6, 0.2, 0.1, 0.05), (0.7, 0.1, 0.05, 0.0), (0.7, 0.1, 0.0, 0.0))
+    const = _hooked_engine((4, 3, 8), profile_acceptance(rates, seed=1), requests=6, max_new=32)
+    table = _hooked_engine((4, 3, 8), profile_acceptance(rates, seed=1, device="cpu"),
+                           requests=6, max_new=32)
+    assert const.results() == table.results()
+    assert [s["accept_lens"] for s in const.request_stats().values()] == \
+        [s["accept_lens"] for s in table.request_stats().values()]
+
+    # Compiled (dynamo, fullgraph), then switched: the table is read at every
+    # call, not folded into the graph when it was traced.
+    hook = profile_acceptance(((1.0,), (1.0,), (1.0,)), seed=1, device="cpu")
+    compiled = torch.compile(hook, fullgraph=True, backend="eager")
+    parents = torch.tensor([[-1, 0, 1, 2]] * 3)  # a chain of 3
+    args = (torch.arange(12).view(3, 4), parents, torch.tensor([True, True, False]),
+            torch.zeros(3, dtype=torch.int64), 3)
+    assert compiled(*args)[1].tolist() == [3, 3, 0]
+    hook.set_rates(((0.0,),))  # shallower than the table: padded with 0
+    assert compiled(*args)[1].tolist() == [0, 0, 0]
+    assert hook.rates == ((0.0,),)
+
+
+@pytest.mark.parametrize("call, match", [
+    (lambda h: h.set_rates(((0.5, 0.5, 0.0),)), "1 depths x 3 ranks do not fit"),
+    (lambda h: h.set_rates(((0.7, 0.5),)), r"rates\[0\] sums to 1.2"),
+])
+def test_set_rates_refuses_a_table_that_does_not_fit(call, match):
+    from fa3_spec.eagle.acceptance import profile_acceptance
+
+    with pytest.raises(ValueError, match=match):
+        call(profile_acceptance(((0.5, 0.2),), device="cpu"))
+    with pytest.raises(ValueError, match="needs a hook made with device="):
+        profile_acceptance(((0.5, 0.2),)).set_rates(((0.5,),))
 
 
 @pytest.mark.parametrize("rates, seed, match", [

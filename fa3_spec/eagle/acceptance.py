@@ -70,7 +70,22 @@ def _uniform(seed: int, iters: torch.Tensor, root: torch.Tensor, depth: int) -> 
     return x.double() / float(1 << 31)
 
 
-def profile_acceptance(rates: Sequence[Sequence[float]], seed: int = 0) -> AcceptanceHook:
+def _profile_table(rates) -> tuple:
+    """``rates`` checked as an acceptance profile whose rows sum to at most 1."""
+    from .policy import AcceptanceProfile
+
+    table = AcceptanceProfile(tuple(tuple(r) for r in rates)).rates if rates else ()
+    if not table:
+        raise ValueError("rates must be a non-empty table, one row per depth")
+    for d, row in enumerate(table):
+        if sum(row) > 1 + 1e-9:
+            raise ValueError(f"rates[{d}] sums to {sum(row):.4g} > 1: at most one child of a "
+                             "node is accepted")
+    return table
+
+
+def profile_acceptance(rates: Sequence[Sequence[float]], seed: int = 0, *,
+                       device=None) -> AcceptanceHook:
     """A hook that accepts the draft tree as a head with acceptance profile
     ``rates`` would (`fa3_spec.eagle.policy.AcceptanceProfile`): at each depth
     ``d`` the path goes on through the child of sibling rank ``r`` with chance
@@ -80,22 +95,34 @@ def profile_acceptance(rates: Sequence[Sequence[float]], seed: int = 0) -> Accep
     ``seed``, the row, its iteration, its root token and the depth:
     reproducible and capturable.
 
+    By default the rates are constants of the compiled graph. With ``device``
+    they live in a float64 ``[depths, ranks]`` tensor there (``hook.table``),
+    which the graph reads at every launch, so ``hook.set_rates(other)`` swaps
+    in another profile no deeper or wider than the first without a recompile
+    or a recapture (one engine, several profiles).
+
     Raises `ValueError` naming ``rates`` or ``seed`` when they are not a
     non-empty table of numbers in [0, 1] whose rows sum to at most 1, and an int.
     """
-    from .policy import AcceptanceProfile
     from .stats import sibling_ranks
 
-    table = AcceptanceProfile(tuple(tuple(r) for r in rates)).rates if rates else ()
-    if not table:
-        raise ValueError("rates must be a non-empty table, one row per depth")
-    for d, row in enumerate(table):
-        if sum(row) > 1 + 1e-9:
-            raise ValueError(f"rates[{d}] sums to {sum(row):.4g} > 1: at most one child of a "
-                             "node is accepted")
+    table = _profile_table(rates)
     if isinstance(seed, bool) or not isinstance(seed, int):
         raise ValueError(f"seed must be an int, got {seed!r}")
-    width = len(table[0])
+    depth, width = len(table), len(table[0])
+    held = None if device is None else torch.tensor(table, dtype=torch.float64, device=device)
+
+    def rates_at(d: int, child: torch.Tensor, rank: torch.Tensor) -> torch.Tensor:
+        """float64 ``[B, N]``: each child's rate at depth ``d`` (0 elsewhere)."""
+        rate = torch.zeros(child.shape, dtype=torch.float64, device=child.device)
+        if d > depth:
+            return rate
+        if held is not None:  # a gather from the device table; the index clamped in range
+            at = held[d - 1][rank.clamp(0, width - 1)]
+            return torch.where(child & (rank < width), at, rate)
+        for r in range(width):  # constants only: no host-to-device copy
+            rate = torch.where(child & (rank == r), table[d - 1][r], rate)
+        return rate
 
     def hook(tokens, parents, live, iters, max_depth):
         b, n = parents.shape
@@ -106,10 +133,7 @@ def profile_acceptance(rates: Sequence[Sequence[float]], seed: int = 0) -> Accep
         path = [node]
         for d in range(1, max_depth + 1):
             child = (parents == node.unsqueeze(1)) & going.unsqueeze(1)  # [B, N]
-            rate = torch.zeros(b, n, dtype=torch.float64, device=tokens.device)
-            if d <= len(table):
-                for r in range(width):  # constants only: no host-to-device copy
-                    rate = torch.where(child & (rank == r), table[d - 1][r], rate)
+            rate = rates_at(d, child, rank)
             upper = rate.cumsum(1)  # siblings in rank order: disjoint intervals
             u = _uniform(seed, iters, tokens[:, 0], d).unsqueeze(1)
             hit = child & (u >= upper - rate) & (u < upper)
@@ -121,5 +145,22 @@ def profile_acceptance(rates: Sequence[Sequence[float]], seed: int = 0) -> Accep
             path.append(node)
         return torch.stack(path, 1), torch.where(live, accepted, 0)
 
+    def set_rates(other: Sequence[Sequence[float]]) -> None:
+        """Read ``other`` from the next launch on (``device`` hooks only; a
+        host-to-device copy, so not while a graph is being captured)."""
+        if held is None:
+            raise ValueError("set_rates needs a hook made with device=: these rates are "
+                             "constants of the compiled graph")
+        new = _profile_table(other)
+        if len(new) > depth or len(new[0]) > width:
+            raise ValueError(f"rates of {len(new)} depths x {len(new[0])} ranks do not fit "
+                             f"this hook's table of {depth} x {width}")
+        padded = torch.zeros(depth, width, dtype=torch.float64)
+        padded[: len(new), : len(new[0])] = torch.tensor(new, dtype=torch.float64)
+        held.copy_(padded)
+        hook.rates = new
+
     hook.rates = table
+    hook.table = held
+    hook.set_rates = set_rates
     return hook
