@@ -113,6 +113,22 @@ def launch_seconds(eng, batch: int, iters: int, warmup: int) -> list:
     return timing.samples(launch, iters, timing.no_sync, warmup=warmup)[1]
 
 
+def random_models(args):
+    """The target and random draft ``args`` name, the draft's logits scaled to
+    ``args.draft_logit_std``: a random draft's near-uniform logits draft the
+    broadest tree (every depth-2 score is below every depth-1 score), where a
+    trained head's peaked ones draft deep paths; the acceptance hook decides
+    what is accepted either way, the draft decides which nodes are offered."""
+    models = make_models(args.preset, draft="random", device=args.device,
+                         num_layers=args.num_layers)
+    if args.draft_logit_std is not None:
+        if not args.draft_logit_std > 0:
+            raise ValueError(f"--draft-logit-std must be > 0, got {args.draft_logit_std}")
+        # After the draft's RMSNorm the logits' std is logit_scale * norm weight.
+        models.draft.norm.mul_(args.draft_logit_std / models.target.shape.logit_scale)
+    return models
+
+
 def add_loop_arguments(ap: argparse.ArgumentParser) -> None:
     """The model, machine and workload flags `live_engine` reads (shared with
     ``loop.py policy``)."""
@@ -128,6 +144,11 @@ def add_loop_arguments(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--context", type=int, default=1024, help="prompt tokens per row")
     ap.add_argument("--iters", type=int, default=20)
     ap.add_argument("--warmup", type=int, default=3)
+    ap.add_argument("--draft-logit-std", type=float, default=None, metavar="S",
+                    help="scale the random draft's logits to standard deviation S; 10 makes "
+                         "its sibling probabilities fall off about as the built-in high "
+                         "profile's rates do (0.68, 0.14, 0.06, ...), so the tree it drafts "
+                         "is the one the policy's model assumes (default: as made, std 1)")
     ap.add_argument("--json", metavar="PATH", help="the rows, with the command")
     ap.add_argument("--smoke", action="store_true",
                     help="CPU, tiny preset, batches 1 and 2, two shapes, a short context")
@@ -173,8 +194,11 @@ def main(argv=None) -> int:
         except ValueError as exc:
             print(f"--acceptance-profile: {exc}", file=sys.stderr)
             return 2
-    models = make_models(args.preset, draft="random", device=args.device,
-                         num_layers=args.num_layers)
+    try:
+        models = random_models(args)
+    except ValueError as exc:
+        print(str(exc), file=sys.stderr)
+        return 2
     device = runs.device_name(args.device)
     doc = dict(command=runs.command_line(PROG, argv), torch=torch.__version__, device=device,
                preset=args.preset, context=args.context, page_size=args.page_size,

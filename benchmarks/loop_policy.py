@@ -51,7 +51,6 @@ import tempfile
 
 import torch
 
-from fa3_spec.eagle import make_models
 from fa3_spec.eagle.acceptance import profile_acceptance
 from fa3_spec.eagle.policy import (AcceptanceProfile, CostProfile, choose_shapes,
                                    expected_accept_length, shape_key)
@@ -98,7 +97,7 @@ def parser() -> argparse.ArgumentParser:
 
 #: What a resumed run must share with the run it resumes.
 SAME = ("preset", "context", "page_size", "draft_attention", "profiles", "batches", "iters",
-        "warmup", "seed", "device")
+        "warmup", "seed", "device", "draft_logit_std")
 
 
 def resumed(path, doc) -> dict:
@@ -232,14 +231,18 @@ def main(argv=None) -> int:
                draft_attention=args.draft_attention, cost_profile=args.cost_profile,
                profiles={k: [list(r) for r in p.rates] for k, p in profiles.items()},
                batches=batches, iters=args.iters, warmup=args.warmup, seed=args.seed,
+               draft_logit_std=args.draft_logit_std,
                capture_s={}, measured=[])
     try:
         times = resumed(args.resume, doc) if args.resume else {}
     except ValueError as exc:
         print(str(exc), file=sys.stderr)
         return 2
-    models = make_models(args.preset, draft="random", device=args.device,
-                         num_layers=args.num_layers)
+    try:
+        models = loop_costs.random_models(args)
+    except ValueError as exc:
+        print(str(exc), file=sys.stderr)
+        return 2
     roofs = None
     if args.device == "cuda":
         roofs = (floors.read_bandwidth(), floors.matmul_throughput())

@@ -255,7 +255,7 @@ def test_loop_policy_resumes_only_a_run_of_the_same_settings(tmp_path):
 
     settings = dict(preset="tiny", context=32, page_size=2, draft_attention="ancestors",
                     profiles={"high": [[0.7]]}, batches=[1, 2], iters=3, warmup=1, seed=0,
-                    device="cpu")
+                    device="cpu", draft_logit_std=None)
     row = dict(page_size=2, shape="4,3,8", batch=1, profile="high", ms_per_iteration=1.5,
                tokens_per_s=2.0, accept_length=3.0)
     done = tmp_path / "done.json"
