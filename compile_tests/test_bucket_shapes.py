@@ -141,6 +141,29 @@ def test_a_single_shape_engine_keeps_one_runner():
     assert eng.widths == StateWidths(4, 8, 3)
 
 
+def test_the_engine_loads_its_compile_cache_once_before_every_shape_and_saves_once_after(
+        tmp_path, monkeypatch):
+    # torch's cache file keeps only the last save's artifacts of each kind, so
+    # a save per shape would leave the restart with the last shape's alone.
+    from fa3_spec.eagle import engine as engine_module
+
+    calls = []
+    monkeypatch.setattr(engine_module, "load_compile_cache", lambda p: calls.append(("load", p)))
+    monkeypatch.setattr(engine_module, "save_compile_cache", lambda p: calls.append(("save", p)))
+    path = str(tmp_path / "cache.bin")
+    eng = shaped_engine({1: (4, 3, 8), 2: (1, 2, 3), 4: None, 8: None},
+                        compile_backend="inductor", graphs=False, cache_path=path)
+    for shape, runner in eng.shape_runners.items():
+        assert runner.cache_path is None
+        real = runner.capture
+        monkeypatch.setattr(runner, "capture", lambda real=real, shape=shape: (
+            calls.append(("capture", shape)), real())[1])
+    eng.capture()
+    assert calls == [("load", path)] + [("capture", s) for s in eng.shape_runners] + [
+        ("save", path)]
+    assert len(eng.shape_runners) == 3
+
+
 @pytest.mark.parametrize("shapes, error, says", [
     ({3: (4, 3, 8)}, ValueError, r"shapes names \[3\]"),
     ({2: (4, 3)}, ValueError, r"shapes\[2\] must be"),

@@ -39,7 +39,8 @@ import torch
 
 from ..attention import resolve_attention_backend
 from ..frozen import FrozenModule
-from ..graphs import CompilePolicy, CUDAGraphRunner, check_buckets, with_own_code
+from ..graphs import (CompilePolicy, CUDAGraphRunner, check_buckets, load_compile_cache,
+                      save_compile_cache, with_own_code)
 from .acceptance import AcceptanceHook
 from .iteration import (LoopConfig, State, StateWidths, eagle_iteration, empty_state,
                         plain_iteration, step_in_place)
@@ -174,8 +175,8 @@ class EagleEngine:
             ``torch.compile(fullgraph=True)`` backend of the iteration
             (``"auto"``: inductor on CUDA, none on CPU; None means ``"none"``).
         cache_path: a file for PyTorch's compile caches (loaded before the
-            first compile, written after `capture`), so a restarted process
-            skips most of inductor's work.
+            first shape's capture, written once after the last one's), so a
+            restarted process skips most of inductor's work for every shape.
         device: where everything lives.
         seed: pool page shuffle.
         policy: a `fa3_spec.graphs.CompilePolicy` to use as it is, instead of
@@ -266,6 +267,8 @@ class EagleEngine:
         elif policy.graphs and self.device.type != "cuda":
             raise ValueError("policy.graphs needs a CUDA device")
         self.policy = policy
+        #: The compile-cache file `capture` loads and writes (None: none).
+        self.cache_path = cache_path
         self.pool = KVPool(lc.spec, max_reqs=2 * self.max_bs if max_reqs is None else max_reqs,
                            target_layers=models.num_target_layers,
                            draft_layers=models.num_draft_layers, num_kv_heads=models.num_kv_heads,
@@ -293,7 +296,7 @@ class EagleEngine:
                                  "eagle_iteration_" + "_".join(map(str, shape)), shared=True)
             runners[shape] = CUDAGraphRunner(
                 step, buckets=where,
-                policy=self.policy, buffers=self.bucket_state, warmup=1, cache_path=cache_path)
+                policy=self.policy, buffers=self.bucket_state, warmup=1)
         #: The runner of each distinct shape (None: plain decoding).
         self.shape_runners: Dict[Optional[tuple], CUDAGraphRunner] = runners
         #: The runner of each bucket.
@@ -556,9 +559,17 @@ class EagleEngine:
         saved = {k: v.clone() for k, v in self.state.items()}
         self.state["seq_lens"].zero_()
         seconds: Dict[int, float] = {}
+        # The engine, not each runner, loads and saves the cache file: one
+        # save per process, since a file saved twice keeps only the second
+        # save's artifacts of each kind (`fa3_spec.graphs.cache`).
+        caching = self.cache_path is not None and self.policy.strategy != "eager"
+        if caching:
+            load_compile_cache(self.cache_path)
         try:
             for runner in self.shape_runners.values():
                 seconds.update(runner.capture())
+            if caching:
+                save_compile_cache(self.cache_path)
             return dict(sorted(seconds.items()))
         finally:
             for k, v in self.state.items():

@@ -3,7 +3,16 @@
 `save_compile_cache` writes the process's compile artifacts (inductor FX
 graphs, AOTAutograd, autotuning) after a capture; `load_compile_cache` loads
 them before the next process compiles, so a restart skips most of inductor's
-work. A `fa3_spec.graphs.CUDAGraphRunner` given ``cache_path=`` does both.
+work. A `fa3_spec.graphs.CUDAGraphRunner` given ``cache_path=`` does both;
+`fa3_spec.eagle.EagleEngine` does both once around all its runners.
+
+Save once per process, after every compile the file should cover. Each
+``torch.compiler.save_cache_artifacts`` appends the artifacts new since the
+last save, one list per kind (inductor, AOTAutograd, ...), to what it
+returns, and ``load_cache_artifacts`` keeps only the last list of each kind:
+a file written after a second save, with new compiles between, loads as the
+second save's compiles alone. Several runners sharing one file therefore
+leave the loading and saving to their owner.
 """
 
 from __future__ import annotations

@@ -181,6 +181,8 @@ class CUDAGraphRunner:
         cache_path: a file for PyTorch's compile caches: loaded (if it
             exists) before the first compile, written after `capture`, so a
             second process skips most of inductor's work (`load_compile_cache`).
+            One file per runner: runners that share one leave it to their
+            owner to load before and save after them all (`fa3_spec.graphs.cache`).
         buffers: ``buffers(bucket) -> dict`` of caller-owned input tensors
             for the bucket (see the module docstring); ``example`` may then
             be omitted. The step may update them in place; the runner never
