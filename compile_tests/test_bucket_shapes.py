@@ -283,6 +283,18 @@ def test_cli_writes_no_acceptance_profile_from_a_run_that_never_drafted(tmp_path
     assert not measured.exists() and "nothing written" in capsys.readouterr().err
 
 
+def test_cli_refuses_a_compile_cache_it_could_not_write_before_the_run(tmp_path, capsys):
+    argv = ["--preset", "tiny", "--device", "cpu", "--batch", "2", "--requests", "2",
+            "--max-new-tokens", "4", "--quiet", "--compile-cache"]
+    for path, says in ((tmp_path / "missing" / "cache.bin", "does not exist"),
+                       (tmp_path, "is a directory")):
+        with pytest.raises(SystemExit) as exit_info:
+            cli.main(argv + [str(path)])
+        assert exit_info.value.code == 2
+        err = capsys.readouterr().err
+        assert "--compile-cache" in err and says in err
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_gpu_every_bucket_is_captured_with_its_own_shape_and_no_host_sync():

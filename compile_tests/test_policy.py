@@ -107,10 +107,37 @@ def test_bad_acceptance_profiles_are_refused_by_name(rates, match):
     ({1: 1.0}, {1: {"1,2": 1.0}}, "topk,steps,N"),
     ({1: 1.0}, {1: {"1,2,3": math.inf}}, r"shapes\[1\]\['1,2,3'\]"),
     ({True: 1.0}, {1: {"1,2,3": 1.0}}, "bucket True"),
+    ({1: 1.0}, {1: {"1,2,3": 1.0, "1, 2, 3": 2.0}}, r"shapes\[1\]: '1,2,3' and '1, 2, 3' are one"),
 ])
 def test_bad_cost_profiles_are_refused_by_name(plain, shapes, match):
     with pytest.raises(ValueError, match=match):
         CostProfile(plain=plain, shapes=shapes)
+
+
+@pytest.mark.parametrize("fields, match", [
+    (dict(shapes={1: [("1,2,3", 1.0)]}), r"shapes\[1\] must be a dict"),
+    (dict(shapes={1: {(1, 2, 3): 1.0}}), r"shapes\[1\]: shape key \(1, 2, 3\) must be a str"),
+    (dict(shapes={1: {"1,2,3": 1.0}}, device=None), "device must be a str"),
+])
+def test_cost_profile_fields_of_the_wrong_type_are_refused_by_name(fields, match):
+    with pytest.raises(TypeError, match=match):
+        CostProfile(**{"plain": {1: 1.0}, **fields})
+
+
+@pytest.mark.parametrize("key", ["01", " 1", "1_0", "1.0", "-1"])
+def test_a_cost_profile_file_s_bucket_keys_are_decimal_ints(tmp_path, key):
+    path = tmp_path / "costs.json"
+    path.write_text(json.dumps({"plain": {"1": 5.0, key: 9.0}, "shapes": {"1": {"1,2,3": 7.0}}}))
+    with pytest.raises(ValueError, match=f"costs.json: .*bucket key {key!r}"):
+        CostProfile.load(path)
+
+
+def test_choose_shapes_refuses_a_bucket_that_is_not_an_int():
+    costs = CostProfile(plain={1: 1.0}, shapes={1: {"1,2,3": 1.0}})
+    profile = AcceptanceProfile(((0.5,),))
+    for bad in ("1", True, 1.0):
+        with pytest.raises(TypeError, match=f"buckets: {bad!r}"):
+            choose_shapes(costs, profile, [bad])
 
 
 def test_a_file_that_is_not_a_profile_is_refused_by_name(tmp_path):
@@ -120,6 +147,10 @@ def test_a_file_that_is_not_a_profile_is_refused_by_name(tmp_path):
         AcceptanceProfile.load(bad)
     with pytest.raises(ValueError, match="bad.json: not a cost profile"):
         CostProfile.load(bad)
+    for rates in (5, None, "0.5"):
+        bad.write_text(json.dumps({"rates": rates}))
+        with pytest.raises(ValueError, match="bad.json: 'rates' must be a list of rows"):
+            AcceptanceProfile.load(bad)
 
 
 def _hooked_engine(shape, hook, requests=16, max_new=64):

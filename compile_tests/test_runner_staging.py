@@ -155,6 +155,7 @@ def test_library_steps_do_not_write_their_inputs(mode, tree):
 
 def test_missing_compile_cache_is_not_an_error(tmp_path):
     assert load_compile_cache(str(tmp_path / "absent.bin")) is False
+    assert load_compile_cache(str(tmp_path)) is False  # a directory is no cache file
     runner = CUDAGraphRunner(_step, example=_example, buckets=[4], policy=CompilePolicy.eager(),
                              cache_path=str(tmp_path / "cache.bin"))
     runner.capture()  # eager compiles nothing: no file

@@ -669,11 +669,13 @@ def usage_error(args: argparse.Namespace) -> Optional[str]:
     if (args.cost_profile is None) != (args.acceptance_profile is None):
         return "--cost-profile and --acceptance-profile go together (costs and acceptance " \
                "choose each bucket's shape)"
-    if args.acceptance_out:
-        try:
-            check_writable("--acceptance-out", args.acceptance_out)
-        except UsageError as exc:
-            return str(exc)
+    for flag, path in (("--acceptance-out", args.acceptance_out),
+                       ("--compile-cache", args.compile_cache)):
+        if path:
+            try:
+                check_writable(flag, path)
+            except UsageError as exc:
+                return str(exc)
     if args.strict and not args.check_greedy:
         return "--strict goes with --check-greedy (it says what a greedy mismatch is)"
     if args.temperature > 0 and args.check_greedy:

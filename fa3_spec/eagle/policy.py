@@ -124,6 +124,9 @@ class AcceptanceProfile:
             raise ValueError(f"{p}: not a readable JSON file ({exc})") from None
         if not isinstance(doc, dict) or "rates" not in doc:
             raise ValueError(f"{p}: expected an object with 'rates'")
+        if not isinstance(doc["rates"], list):
+            raise ValueError(f"{p}: 'rates' must be a list of rows, one per depth, "
+                             f"got {doc['rates']!r}")
         try:
             return cls(tuple(tuple(row) if isinstance(row, list) else row
                              for row in doc["rates"]))
@@ -181,11 +184,24 @@ class CostProfile:
         for b, ms in self.plain.items():
             if not _positive_ms(ms):
                 raise ValueError(f"plain[{b}] must be a finite number of ms > 0, got {ms!r}")
+        for name in ("device", "model"):
+            if not isinstance(getattr(self, name), str):
+                raise TypeError(f"{name} must be a str, got {getattr(self, name)!r}")
         for b, row in self.shapes.items():
             if b not in self.plain:
                 raise ValueError(f"shapes[{b}]: no plain[{b}] to compare with")
+            if not isinstance(row, dict):
+                raise TypeError(f"shapes[{b}] must be a dict of 'topk,steps,N' -> ms, "
+                                f"got {type(row).__name__}")
+            seen = {}
             for key, ms in row.items():
-                _parse_shape(key)
+                if not isinstance(key, str):
+                    raise TypeError(f"shapes[{b}]: shape key {key!r} must be a str "
+                                    "'topk,steps,N' (`shape_key`)")
+                shape = _parse_shape(key)
+                if shape in seen:
+                    raise ValueError(f"shapes[{b}]: {seen[shape]!r} and {key!r} are one shape")
+                seen[shape] = key
                 if not _positive_ms(ms):
                     raise ValueError(f"shapes[{b}][{key!r}] must be a finite number of ms > 0, "
                                      f"got {ms!r}")
@@ -195,8 +211,8 @@ class CostProfile:
         p = pathlib.Path(path)
         try:
             doc = json.loads(p.read_text())
-            return cls(plain={int(b): v for b, v in doc["plain"].items()},
-                       shapes={int(b): dict(row) for b, row in doc["shapes"].items()},
+            return cls(plain=_bucket_keys("plain", doc["plain"]),
+                       shapes=_bucket_keys("shapes", doc["shapes"]),
                        device=doc.get("device", ""), model=doc.get("model", ""))
         except (OSError, ValueError, KeyError, TypeError, AttributeError) as exc:
             raise ValueError(f"{p}: not a cost profile ({exc})") from None
@@ -206,6 +222,19 @@ class CostProfile:
             device=self.device, model=self.model,
             plain={str(b): v for b, v in self.plain.items()},
             shapes={str(b): row for b, row in self.shapes.items()}), indent=1))
+
+
+def _bucket_keys(name: str, table) -> dict:
+    """A JSON table's ``"bucket"`` string keys as ints, written as `save`
+    writes them ("8", not "08" or "8.0"), so no two keys name one bucket."""
+    if not isinstance(table, dict):
+        raise ValueError(f"{name} must be an object keyed by batch bucket")
+    out = {}
+    for key, v in table.items():
+        if not (key.isascii() and key.isdigit()) or str(int(key)) != key:
+            raise ValueError(f"{name}: bucket key {key!r} is not a decimal int like \"8\"")
+        out[int(key)] = v
+    return out
 
 
 def _positive_ms(v) -> bool:
@@ -235,6 +264,8 @@ def choose_shapes(costs: CostProfile, profile: AcceptanceProfile,
     when none beats ``1 / plain ms``. Ties keep the smaller shape."""
     chosen = {}
     for b in buckets if buckets is not None else sorted(costs.plain):
+        if isinstance(b, bool) or not isinstance(b, int):
+            raise TypeError(f"buckets: {b!r} is not an int batch bucket")
         if b not in costs.plain:
             raise ValueError(f"buckets: {b} has no measured plain decode step in the profile")
         plain = 1e3 / costs.plain[b]

@@ -42,13 +42,13 @@ def load_compile_cache(path: str) -> bool:
     """Load artifacts written by `save_compile_cache` into PyTorch's caches
     (``torch.compiler.load_cache_artifacts``) before compiling.
 
-    Returns True when artifacts were loaded; False when ``path`` does not
-    exist or holds no artifacts torch can read (an empty, truncated or
+    Returns True when artifacts were loaded; False when ``path`` is not a
+    file or holds no artifacts torch can read (an empty, truncated or
     foreign file: torch logs why; `CUDAGraphRunner.capture` then compiles
     from scratch and overwrites the file). Artifacts from another torch
     version, device or configuration load but are simply not hit.
     """
-    if not os.path.exists(path):
+    if not os.path.isfile(path):
         return False
     with open(path, "rb") as fh:
         data = fh.read()
