@@ -158,10 +158,33 @@ def test_the_engine_loads_its_compile_cache_once_before_every_shape_and_saves_on
         real = runner.capture
         monkeypatch.setattr(runner, "capture", lambda real=real, shape=shape: (
             calls.append(("capture", shape)), real())[1])
+    eng.policy = dataclasses.replace(eng.policy, graphs=True)  # as on CUDA: capture compiles
     eng.capture()
     assert calls == [("load", path)] + [("capture", s) for s in eng.shape_runners] + [
         ("save", path)]
     assert len(eng.shape_runners) == 3
+
+
+def test_without_graphs_the_engine_saves_its_compile_cache_once_after_the_first_run(
+        tmp_path, monkeypatch):
+    # Each bucket compiles on its first launch, after `capture`: a save there
+    # would find nothing to write.
+    from fa3_spec.eagle import engine as engine_module
+
+    calls = []
+    monkeypatch.setattr(engine_module, "load_compile_cache", lambda p: calls.append("load"))
+    monkeypatch.setattr(engine_module, "save_compile_cache", lambda p: calls.append("save"))
+    eng = shaped_engine({1: (4, 3, 8), 2: (1, 2, 3)}, compile_backend="inductor",
+                        graphs=False, cache_path=str(tmp_path / "cache.bin"))
+    for runner in eng.shape_runners.values():
+        monkeypatch.setattr(runner, "capture", lambda: {})
+        monkeypatch.setattr(runner, "replay", lambda *a: calls.append("replay"))
+    monkeypatch.setattr(eng, "step", lambda progress=None: calls.append("step") or False)
+    eng.capture()
+    assert calls == ["load"]
+    eng.run()
+    eng.run()
+    assert calls == ["load", "step", "save", "step"]
 
 
 @pytest.mark.parametrize("shapes, error, says", [

@@ -175,8 +175,10 @@ class EagleEngine:
             ``torch.compile(fullgraph=True)`` backend of the iteration
             (``"auto"``: inductor on CUDA, none on CPU; None means ``"none"``).
         cache_path: a file for PyTorch's compile caches (loaded before the
-            first shape's capture, written once after the last one's), so a
-            restarted process skips most of inductor's work for every shape.
+            first shape's capture, written once after the last one's; without
+            graphs, where each bucket compiles on its first launch, written
+            once after the first `run`), so a restarted process skips most of
+            inductor's work for every shape.
         device: where everything lives.
         seed: pool page shuffle.
         policy: a `fa3_spec.graphs.CompilePolicy` to use as it is, instead of
@@ -269,6 +271,7 @@ class EagleEngine:
         self.policy = policy
         #: The compile-cache file `capture` loads and writes (None: none).
         self.cache_path = cache_path
+        self._save_cache_after_run = False
         self.pool = KVPool(lc.spec, max_reqs=2 * self.max_bs if max_reqs is None else max_reqs,
                            target_layers=models.num_target_layers,
                            draft_layers=models.num_draft_layers, num_kv_heads=models.num_kv_heads,
@@ -568,8 +571,10 @@ class EagleEngine:
         try:
             for runner in self.shape_runners.values():
                 seconds.update(runner.capture())
-            if caching:
+            if caching and self.policy.graphs:
                 save_compile_cache(self.cache_path)
+            # Without graphs nothing has compiled yet: the first run compiles.
+            self._save_cache_after_run = caching and not self.policy.graphs
             return dict(sorted(seconds.items()))
         finally:
             for k, v in self.state.items():
@@ -658,6 +663,9 @@ class EagleEngine:
         by id (`results`; requests that could not be admitted: `failures`)."""
         while self.step(progress):
             pass
+        if self._save_cache_after_run:
+            self._save_cache_after_run = False
+            save_compile_cache(self.cache_path)
         return self.results()
 
     def device_outputs(self) -> Dict[int, List[int]]:

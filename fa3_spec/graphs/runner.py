@@ -183,6 +183,8 @@ class CUDAGraphRunner:
             second process skips most of inductor's work (`load_compile_cache`).
             One file per runner: runners that share one leave it to their
             owner to load before and save after them all (`fa3_spec.graphs.cache`).
+            Without graphs the step compiles on its first call, after
+            `capture`, so only the owner can save it (as `EagleEngine.run` does).
         buffers: ``buffers(bucket) -> dict`` of caller-owned input tensors
             for the bucket (see the module docstring); ``example`` may then
             be omitted. The step may update them in place; the runner never
