@@ -94,10 +94,26 @@ def test_profiles_round_trip_through_json(tmp_path):
     (((1.5,),), r"rates\[0\]\[0\] must be a number in \[0, 1\]"),
     (((float("nan"),),), r"rates\[0\]\[0\]"),
     (((None,),), r"rates\[0\]\[0\]"),
+    (((0.5, 0.1), (0.7, 0.5)), r"rates\[1\] sums to 1.2 > 1"),
 ])
 def test_bad_acceptance_profiles_are_refused_by_name(rates, match):
     with pytest.raises(ValueError, match=match):
         AcceptanceProfile(rates)
+
+
+def test_a_measured_row_above_one_is_scaled_to_one():
+    # Ranks are offered on different iterations, so taken / offered per rank
+    # can sum above 1; siblings are exclusive, so the profile keeps at most 1.
+    from fa3_spec.eagle.stats import EngineStats
+
+    stats = EngineStats(max_depth=2, topk=2)
+    stats.offered[1] = torch.tensor([10, 2])
+    stats.taken[1] = torch.tensor([8, 1])
+    stats.offered[2] = torch.tensor([8, 0])
+    stats.taken[2] = torch.tensor([4, 0])
+    prof = AcceptanceProfile.from_stats(stats)
+    assert prof.rates[0] == pytest.approx((0.8 / 1.3, 0.5 / 1.3))
+    assert prof.rates[1] == (0.5, 0.0)
 
 
 @pytest.mark.parametrize("plain, shapes, match", [

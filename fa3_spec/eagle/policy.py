@@ -74,9 +74,10 @@ def _check_shape(shape) -> Shape:
 @dataclasses.dataclass(frozen=True)
 class AcceptanceProfile:
     """``rates[d - 1][r]`` in [0, 1]: depth ``d >= 1``, sibling rank ``r``
-    (module docstring). A depth or rank past the table has rate 0: what was
-    never measured is not counted on (a chain's profile says nothing of a
-    second sibling)."""
+    (module docstring), each row summing to at most 1 since at most one
+    child of a node is accepted. A depth or rank past the table has rate 0:
+    what was never measured is not counted on (a chain's profile says nothing
+    of a second sibling)."""
 
     rates: Tuple[Tuple[float, ...], ...]
 
@@ -95,6 +96,9 @@ class AcceptanceProfile:
             for r, v in enumerate(row):
                 if isinstance(v, bool) or not isinstance(v, (int, float)) or not 0 <= v <= 1:
                     raise ValueError(f"rates[{d - 1}][{r}] must be a number in [0, 1], got {v!r}")
+            if math.fsum(row) > 1 + 1e-9:
+                raise ValueError(f"rates[{d - 1}] sums to {math.fsum(row):.4g} > 1: at most one "
+                                 "child of a node is accepted")
             clean.append(tuple(float(v) for v in row))
         object.__setattr__(self, "rates", tuple(clean))
 
@@ -106,11 +110,16 @@ class AcceptanceProfile:
     @classmethod
     def from_stats(cls, stats, *, default: float = 0.0) -> "AcceptanceProfile":
         """The profile an engine measured (`EngineStats`): ``taken / offered``
-        per depth and rank, ``default`` where nothing was offered."""
+        per depth and rank, ``default`` where nothing was offered. Ranks are
+        offered on different iterations (the verified tree keeps the best
+        nodes), so a measured row can sum above 1; it is then scaled to sum 1,
+        the most that siblings can accept."""
         rows = []
         for d in range(1, stats.offered.shape[0]):
             offered, taken = stats.offered[d].tolist(), stats.taken[d].tolist()  # ok-host
-            rows.append([t / o if o else default for t, o in zip(taken, offered)])
+            row = [t / o if o else default for t, o in zip(taken, offered)]
+            total = math.fsum(row)
+            rows.append([v / total for v in row] if total > 1 else row)
         return cls(tuple(map(tuple, rows)))
 
     @classmethod
