@@ -75,10 +75,7 @@ def _profile_table(rates) -> tuple:
     most 1)."""
     from .policy import AcceptanceProfile
 
-    table = AcceptanceProfile(tuple(tuple(r) for r in rates)).rates if rates else ()
-    if not table:
-        raise ValueError("rates must be a non-empty table, one row per depth")
-    return table
+    return AcceptanceProfile(tuple(tuple(r) for r in rates) if rates else ()).rates
 
 
 def profile_acceptance(rates: Sequence[Sequence[float]], seed: int = 0, *,

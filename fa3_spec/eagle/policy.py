@@ -76,8 +76,8 @@ class AcceptanceProfile:
     """``rates[d - 1][r]`` in [0, 1]: depth ``d >= 1``, sibling rank ``r``
     (module docstring), each row summing to at most 1 since at most one
     child of a node is accepted. A depth or rank past the table has rate 0:
-    what was never measured is not counted on (a chain's profile says nothing
-    of a second sibling)."""
+    what the engine never saw is not counted on (a chain's profile says
+    nothing of a second sibling)."""
 
     rates: Tuple[Tuple[float, ...], ...]
 
@@ -112,8 +112,8 @@ class AcceptanceProfile:
         """The profile an engine measured (`EngineStats`): ``taken / offered``
         per depth and rank, ``default`` where nothing was offered. Ranks are
         offered on different iterations (the verified tree keeps the best
-        nodes), so a measured row can sum above 1; it is then scaled to sum 1,
-        the most that siblings can accept."""
+        nodes), so a row of counted rates can sum above 1; it is then scaled
+        to sum 1, the most that siblings can accept."""
         rows = []
         for d in range(1, stats.offered.shape[0]):
             offered, taken = stats.offered[d].tolist(), stats.taken[d].tolist()  # ok-host
