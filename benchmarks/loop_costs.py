@@ -28,6 +28,7 @@ else the benchmarks' scripted counts.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import statistics
 import sys
 import time
@@ -36,6 +37,7 @@ import torch
 
 from fa3_spec.eagle import make_models
 from fa3_spec.eagle.acceptance import profile_acceptance
+from fa3_spec.eagle.kernels import select_kernels
 from fa3_spec.eagle.policy import AcceptanceProfile, CostProfile, shape_key
 
 import runs
@@ -149,9 +151,21 @@ def add_loop_arguments(ap: argparse.ArgumentParser) -> None:
                          "its sibling probabilities fall off about as the built-in high "
                          "profile's rates do (0.68, 0.14, 0.06, ...), so the tree it drafts "
                          "is the one the policy's model assumes (default: as made, std 1)")
+    ap.add_argument("--kernels", nargs="+", default=[], metavar="NAME=VALUE",
+                    help="the ops' CUDA kernels for the run, e.g. expand_attention=fa3 (the "
+                         "other arm of a kernel A/B; fa3_spec.eagle.kernels.Kernels); default: "
+                         "the library's")
     ap.add_argument("--json", metavar="PATH", help="the rows, with the command")
     ap.add_argument("--smoke", action="store_true",
                     help="CPU, tiny preset, batches 1 and 2, two shapes, a short context")
+
+
+def select_run_kernels(args: argparse.Namespace) -> dict:
+    """Register ``args.kernels`` (`workload.kernels`) for this process; returns
+    them as a dict for the JSON. ValueError on an unknown name or value."""
+    chosen = workload.kernels(args.kernels)
+    select_kernels(chosen)
+    return dataclasses.asdict(chosen)
 
 
 def smoke_settings(args: argparse.Namespace) -> None:
@@ -187,6 +201,11 @@ def main(argv=None) -> int:
     if min(args.batches) < 1 or args.iters < 1 or args.context < 1:
         print("--batches, --iters and --context must be >= 1", file=sys.stderr)
         return 2
+    try:
+        kernels = select_run_kernels(args)
+    except ValueError as exc:
+        print(f"--kernels: {exc}", file=sys.stderr)
+        return 2
     hook = None
     if args.acceptance_profile:
         try:
@@ -203,7 +222,8 @@ def main(argv=None) -> int:
     doc = dict(command=runs.command_line(PROG, argv), torch=torch.__version__, device=device,
                preset=args.preset, context=args.context, page_size=args.page_size,
                draft_attention=args.draft_attention,
-               acceptance=args.acceptance_profile or workload.SCRIPTED, rows=[])
+               acceptance=args.acceptance_profile or workload.SCRIPTED, kernels=kernels,
+               rows=[])
     plain, costs = {}, {b: {} for b in sorted(set(args.batches))}
     for shape in [None] + shapes:
         key = "plain" if shape is None else shape_key(shape)

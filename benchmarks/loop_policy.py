@@ -97,7 +97,7 @@ def parser() -> argparse.ArgumentParser:
 
 #: What a resumed run must share with the run it resumes.
 SAME = ("preset", "context", "page_size", "draft_attention", "profiles", "batches", "iters",
-        "warmup", "seed", "device", "draft_logit_std")
+        "warmup", "seed", "device", "draft_logit_std", "kernels")
 
 
 def resumed(path, doc) -> dict:
@@ -219,6 +219,11 @@ def main(argv=None) -> int:
     except ValueError as exc:
         print(str(exc), file=sys.stderr)
         return 2
+    try:
+        kernels = loop_costs.select_run_kernels(args)
+    except ValueError as exc:
+        print(f"--kernels: {exc}", file=sys.stderr)
+        return 2
     if args.cold_start and args.device != "cuda":
         print("--cold-start times CUDA graphs: it needs --device cuda", file=sys.stderr)
         return 2
@@ -231,7 +236,7 @@ def main(argv=None) -> int:
                draft_attention=args.draft_attention, cost_profile=args.cost_profile,
                profiles={k: [list(r) for r in p.rates] for k, p in profiles.items()},
                batches=batches, iters=args.iters, warmup=args.warmup, seed=args.seed,
-               draft_logit_std=args.draft_logit_std,
+               draft_logit_std=args.draft_logit_std, kernels=kernels,
                capture_s={}, measured=[])
     try:
         times = resumed(args.resume, doc) if args.resume else {}

@@ -101,9 +101,10 @@ def kernels(pairs: Sequence[str]) -> Kernels:
     choice = {}
     for pair in pairs:
         name, _, value = pair.partition("=")
-        if name not in {f.name for f in dataclasses.fields(Kernels)} or not value:
-            raise ValueError(f"expected NAME=VALUE with NAME one of gemm, store_kv, rope_kv, "
-                             f"pdl; got {pair!r}")
+        names = [f.name for f in dataclasses.fields(Kernels)]
+        if name not in names or not value:
+            raise ValueError(f"expected NAME=VALUE with NAME one of {', '.join(names)}; "
+                             f"got {pair!r}")
         if name == "pdl":
             if value not in ("on", "off"):
                 raise ValueError(f"pdl must be on or off, got {value!r}")

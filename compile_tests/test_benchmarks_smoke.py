@@ -255,7 +255,7 @@ def test_loop_policy_resumes_only_a_run_of_the_same_settings(tmp_path):
 
     settings = dict(preset="tiny", context=32, page_size=2, draft_attention="ancestors",
                     profiles={"high": [[0.7]]}, batches=[1, 2], iters=3, warmup=1, seed=0,
-                    device="cpu", draft_logit_std=None)
+                    device="cpu", draft_logit_std=None, kernels={"expand_attention": "triton"})
     row = dict(page_size=2, shape="4,3,8", batch=1, profile="high", ms_per_iteration=1.5,
                tokens_per_s=2.0, accept_length=3.0)
     done = tmp_path / "done.json"
@@ -265,6 +265,8 @@ def test_loop_policy_resumes_only_a_run_of_the_same_settings(tmp_path):
     assert doc["measured"] == [row] and doc["capture_s"] == {"P 2 4,3,8": 0.5}
     with pytest.raises(ValueError, match="differs in batches, seed"):
         loop_policy.resumed(done, dict(settings, seed=1, batches=[1]))
+    with pytest.raises(ValueError, match="differs in kernels"):  # another kernel's timings
+        loop_policy.resumed(done, dict(settings, kernels={"expand_attention": "fa3"}))
     (tmp_path / "bad.json").write_text("[]")
     with pytest.raises(ValueError, match="bad.json is not a loop.py policy result"):
         loop_policy.resumed(tmp_path / "bad.json", dict(settings))

@@ -138,18 +138,23 @@ def test_x_and_w_on_two_devices_raise_naming_them():
 def test_kernels_are_chosen_by_a_dataclass_and_restored():
     """Each op's CUDA implementation is chosen by `select_kernels`, never by the
     environment; a bad choice names its field, and the previous choice restores."""
+    from fa3_spec.attention import expand_kernel
     from fa3_spec.eagle.kernels import Kernels, select_kernels, selected_kernels
     from fa3_spec.triton_support import pdl_launch
 
-    assert selected_kernels() == Kernels()
-    other = Kernels(gemm="cublas", store_kv="index_copy", rope_kv="split", pdl=False)
+    assert selected_kernels() == Kernels() and expand_kernel() == "triton"
+    other = Kernels(gemm="cublas", store_kv="index_copy", rope_kv="split", expand_attention="fa3",
+                    pdl=False)
     previous = select_kernels(other)
     try:
         assert previous == Kernels() and selected_kernels() == other
+        assert expand_kernel() == "fa3"
     finally:
         select_kernels(previous)
     assert selected_kernels() == Kernels() and not pdl_launch(torch.zeros(1))
-    for field, value in (("gemm", "cutlass"), ("store_kv", "scatter"), ("rope_kv", "triton")):
+    assert expand_kernel() == "triton"
+    for field, value in (("gemm", "cutlass"), ("store_kv", "scatter"), ("rope_kv", "triton"),
+                         ("expand_attention", "cuda")):
         with pytest.raises(ValueError, match=f"{field} must be one of"):
             Kernels(**{field: value})
     with pytest.raises(TypeError, match="pdl must be a bool"):

@@ -17,6 +17,7 @@ import torch
 
 from .._validate import MAX_WINDOW
 from ..metadata import CascadeMetadata, FA3Metadata
+from .expand_attention import expand_attention, expand_call_applies, expand_kernel
 from .fa3_op import (attention_out_dtype, default_num_splits, fa3_paged_attention,
                      fa3_scheduler_plan, same_split_key_bound)
 from .merge import add_attention_sink, merge_float
@@ -269,6 +270,12 @@ def attention_call(
     already quantised. ``scheduler_metadata``: this call's plan from
     `fa3_plans` (FA3 only; the torch backend ignores it).
 
+    Under ``"fa3"`` an expand call (`expand_call_applies`: one query per row
+    in page size 1) runs ``fa3_spec::expand_attention``, a Triton kernel that
+    reads the same keys, unless `select_expand_kernel` chose ``"fa3"``
+    (`fa3_spec.attention.expand_attention` says why; the call's plan is then
+    unused).
+
     Queries that no row owns, or that see no key, get output 0 and LSE
     ``-inf`` whatever the backend. FA3 leaves unowned queries unwritten and
     gives an empty row (``cache_seqlens = 0``, or a window with no key) a
@@ -286,12 +293,19 @@ def attention_call(
         compute = torch.float64 if q.dtype == torch.float64 else torch.float32
         return paged_attention_reference(q, k_view, v_view, md, softmax_scale,
                                          compute_dtype=compute, **extra)
-    splits, left, right = _fa3_statics(md, k_cache.shape[2], num_splits, window_size)
-    out, lse = fa3_paged_attention(
-        q, k_view, v_view, md.page_table, md.cache_seqlens, md.cu_seqlens_q,
-        md.max_seqlen_q, softmax_scale, md.causal, splits,
-        softcap, left, right, q_descale, k_descale, v_descale, scheduler_metadata,
-    )
+    descaled = any(t is not None for t in (q_descale, k_descale, v_descale))
+    if expand_kernel() == "triton" and expand_call_applies(md, q, softcap=softcap,
+                                                           window_size=window_size,
+                                                           descaled=descaled):
+        out, lse = expand_attention(q, k_view, v_view, md.page_table, md.cache_seqlens,
+                                    md.cu_seqlens_q, md.max_seqlen_k, softmax_scale)
+    else:
+        splits, left, right = _fa3_statics(md, k_cache.shape[2], num_splits, window_size)
+        out, lse = fa3_paged_attention(
+            q, k_view, v_view, md.page_table, md.cache_seqlens, md.cu_seqlens_q,
+            md.max_seqlen_q, softmax_scale, md.causal, splits,
+            softcap, left, right, q_descale, k_descale, v_descale, scheduler_metadata,
+        )
     owned = torch.arange(q.shape[0], device=q.device) < md.cu_seqlens_q[-1]
     has_keys = owned.unsqueeze(0) & torch.isfinite(lse)
     lse = torch.where(has_keys, lse, float("-inf"))

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import dataclasses
 
+from ..attention.expand_attention import EXPAND_KERNELS, select_expand_kernel
 from ..attention.kv_store import STORE_KV_IMPLS, store_kv, store_kv_cuda, store_kv_index_copy
 from ..triton_support import set_pdl
 from .gemm import GEMM_IMPLS, skinny_mm, skinny_mm_cublas, skinny_mm_cuda
@@ -31,6 +32,8 @@ class Kernels:
             or ``"index_copy"``.
         rope_kv: ``fa3_spec::rope_store_kv``: ``"fused"`` (one Triton launch)
             or ``"split"`` (plain torch inside the op).
+        expand_attention: a tree's expand calls under FA3: ``"triton"``
+            (``fa3_spec::expand_attention``) or ``"fa3"``.
         pdl: programmatic dependent launch of the library's Triton kernels
             on Hopper (`fa3_spec.triton_support.pdl_launch`).
     """
@@ -38,11 +41,13 @@ class Kernels:
     gemm: str = "triton"
     store_kv: str = "triton"
     rope_kv: str = "fused"
+    expand_attention: str = "triton"
     pdl: bool = True
 
     def __post_init__(self) -> None:
         for name, choices in (("gemm", GEMM_IMPLS), ("store_kv", STORE_KV_IMPLS),
-                              ("rope_kv", ROPE_KV_IMPLS)):
+                              ("rope_kv", ROPE_KV_IMPLS),
+                              ("expand_attention", EXPAND_KERNELS)):
             if getattr(self, name) not in choices:
                 raise ValueError(f"{name} must be one of {choices}, got {getattr(self, name)!r}")
         if not isinstance(self.pdl, bool):
@@ -65,6 +70,7 @@ def select_kernels(kernels: Kernels) -> Kernels:
         store_kv_cuda if kernels.store_kv == "triton" else store_kv_index_copy)
     rope_store_kv.register_kernel("cuda")(
         rope_store_kv_cuda if kernels.rope_kv == "fused" else rope_store_kv_split)
+    select_expand_kernel(kernels.expand_attention)
     set_pdl(kernels.pdl)
     previous, _SELECTED["kernels"] = _SELECTED["kernels"], kernels
     return previous

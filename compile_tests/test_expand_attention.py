@@ -1,0 +1,157 @@
+"""``fa3_spec::expand_attention``: the expand call's Triton kernel against the
+reference, the op's fake and registration, and when `cascade_attention` routes
+a call to it.
+
+On CPU the kernel runs in Triton's interpreter, in a child process (as the
+other kernels' tests). The CUDA side, against FA3: test_gpu_expand_attention.py.
+"""
+
+import pytest
+import torch
+
+import children
+import fa3_spec
+from fa3_spec.attention import (EXPAND_KERNELS, expand_attention, expand_call_applies,
+                                expand_kernel, select_expand_kernel)
+from fa3_spec.metadata import FA3Metadata
+
+CHILD = children.TRITON_INTERPRETER_PREAMBLE + r"""
+from fa3_spec.attention import expand_attention, expand_attention_triton, expand_kernel_applies
+
+out = {"cases": [], "refused": {}}
+g = torch.Generator().manual_seed(0)
+S = 40
+for dtype in (torch.float32, torch.float16):
+    for hkv, group, d in ((2, 4, 32), (1, 1, 16), (3, 5, 64)):
+        n, rows = 6, 10
+        q = torch.randn(rows + 2, hkv * group, d, generator=g).to(dtype)
+        k = torch.randn(S, 1, hkv, d, generator=g).to(dtype)
+        v = torch.randn(S, 1, hkv, d, generator=g).to(dtype)
+        # Slots out of the cache, a table narrower than the key bound, rows
+        # with no key, a negative count, a count past the bound, a row with no
+        # query, a query offset past q.
+        pt = torch.randint(-5, S + 5, (rows, n - 2), generator=g, dtype=torch.int32)
+        sl = torch.tensor([0, 1, 2, 3, 4, 5, 6, 99, -3, 2], dtype=torch.int32)
+        cu = torch.tensor([0, 1, 2, 3, 3, 4, 5, 6, 7, 8, 40], dtype=torch.int32)
+        want_o, want_l = expand_attention(q, k, v, pt, sl, cu, n, 0.3)
+        got_o, got_l = expand_attention_triton(q, k, v, pt, sl, cu, n, 0.3)
+        # Queries 0-8 have a row each (row 3 has none; row 9 claims 8 onwards,
+        # past max_seqlen_q = 1, so only its first is compared).
+        owned = torch.arange(q.shape[0]) < 9
+        out["cases"].append(dict(
+            dtype=str(dtype), hkv=hkv, group=group, d=d,
+            applies=expand_kernel_applies(q, k, v, pt, sl, cu, n),
+            out_err=(want_o[owned].float() - got_o[owned].float()).abs().max().item(),
+            same_inf=torch.equal(torch.isinf(want_l[:, owned]), torch.isinf(got_l[:, owned])),
+            lse_err=(want_l[:, owned] - got_l[:, owned]).nan_to_num(0, 0, 0).abs().max().item(),
+            # Queries 0 and 7: rows with no key (count 0, count -3).
+            empty_rows_zero=bool((got_o[[0, 7]] == 0).all()),
+            empty_rows_lse=bool(torch.isneginf(got_l[:, [0, 7]]).all())))
+
+q = torch.randn(4, 8, 32)
+k = torch.randn(S, 1, 2, 32)
+v = torch.randn(S, 1, 2, 32)
+pt = torch.zeros(4, 6, dtype=torch.int32)
+sl = torch.full((4,), 3, dtype=torch.int32)
+cu = torch.arange(5, dtype=torch.int32)
+good = (q, k, v, pt, sl, cu, 6)
+out["applies"] = expand_kernel_applies(*good)
+bad = {
+    "D not a power of two": (q[..., :24], k[..., :24], v[..., :24], pt, sl, cu, 6),
+    "Dv != D": (q, k, torch.randn(S, 1, 2, 64), pt, sl, cu, 6),
+    "page size 2": (q, k.view(S // 2, 2, 2, 32), v.view(S // 2, 2, 2, 32), pt, sl, cu, 6),
+    "H_q not a multiple": (q[:, :7], k, v, pt, sl, cu, 6),
+    "mixed dtype": (q.half(), k, v, pt, sl, cu, 6),
+    "int64 table": (q, k, v, pt.long(), sl, cu, 6),
+    "strided cache": (q, torch.randn(S, 1, 2, 64)[..., :32], v, pt, sl, cu, 6),
+    "cu length": (q, k, v, pt, sl, cu[:-1], 6),
+    "key bound 0": (q, k, v, pt, sl, cu, 0),
+    "key bound above the tile": (q, k, v, pt, sl, cu, 129),
+}
+for name, args in bad.items():
+    try:
+        expand_attention_triton(*args, 0.5)
+        raised = ""
+    except TypeError as e:
+        raised = str(e)
+    out["refused"][name] = [not expand_kernel_applies(*args), raised]
+print(json.dumps(out))
+"""
+
+
+@pytest.mark.children(job=children.triton_interpreter_job(CHILD))
+def test_the_kernel_reads_what_the_reference_reads_whatever_the_indices_hold(child):
+    doc = child.result()
+    if "skip" in doc:
+        pytest.skip(doc["skip"])
+    assert len(doc["cases"]) == 6
+    for case in doc["cases"]:
+        assert case["applies"], case
+        tol = 1e-5 if case["dtype"] == "torch.float32" else 4e-3  # fp16: a few units
+        assert case["out_err"] <= tol and case["lse_err"] <= 1e-4, case
+        assert case["same_inf"] and case["empty_rows_zero"] and case["empty_rows_lse"], case
+    # ... and it refuses, by layout and size alone, what it cannot take.
+    assert doc["applies"]
+    for name, (refused, raised) in doc["refused"].items():
+        assert refused and "expand_attention_triton" in raised, name
+
+
+def _tensors(rows=5, hq=8, hkv=2, d=16, slots=30, n=4, dtype=torch.bfloat16):
+    g = torch.Generator().manual_seed(1)
+    q = torch.randn(rows, hq, d, generator=g).to(dtype)
+    k = torch.randn(slots, 1, hkv, d, generator=g).to(dtype)
+    v = torch.randn(slots, 1, hkv, d, generator=g).to(dtype)
+    pt = torch.randint(0, slots, (rows, n), generator=g, dtype=torch.int32)
+    sl = torch.randint(0, n + 1, (rows,), generator=g, dtype=torch.int32)
+    cu = torch.arange(rows + 1, dtype=torch.int32)
+    return q, k, v, pt, sl, cu
+
+
+def test_the_op_has_a_fake_and_its_default_is_the_reference():
+    q, k, v, pt, sl, cu = _tensors()
+    torch.library.opcheck(expand_attention, (q, k, v, pt, sl, cu, 4, 0.25))
+    md = FA3Metadata(pt, sl, cu, cu, 1, 4, 1, False)
+    want = fa3_spec.attention.paged_attention_reference(q, k, v, md, 0.25)
+    got = expand_attention(q, k, v, pt, sl, cu, 4, 0.25)
+    assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
+    with pytest.raises(ValueError, match="page size 1"):
+        expand_attention(q, k.view(15, 2, 2, 16), v.view(15, 2, 2, 16), pt, sl, cu, 4, 0.25)
+
+
+def test_the_op_compiles_fullgraph():
+    q, k, v, pt, sl, cu = _tensors()
+    fn = torch.compile(lambda *a: expand_attention(*a, 4, 0.25), backend="aot_eager",
+                       fullgraph=True)
+    got, want = fn(q, k, v, pt, sl, cu), expand_attention(q, k, v, pt, sl, cu, 4, 0.25)
+    assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
+
+
+def _md(max_q=1, page_size=1, window_left=-1):
+    z = torch.zeros(2, dtype=torch.int32)
+    return FA3Metadata(torch.zeros(2, 3, dtype=torch.int32), z, torch.zeros(3, dtype=torch.int32),
+                       torch.zeros(3, dtype=torch.int32), max_q, 3, page_size, False, window_left)
+
+
+@pytest.mark.parametrize("md, dtype, kw, applies", [
+    (_md(), torch.bfloat16, {}, True),
+    (_md(), torch.float16, {}, True),
+    (_md(), torch.float32, {}, False),            # FA3 takes no fp32: neither path changes
+    (_md(max_q=2), torch.bfloat16, {}, False),    # a prefix call
+    (_md(page_size=2), torch.bfloat16, {}, False),
+    (_md(window_left=4), torch.bfloat16, {}, False),
+    (_md(), torch.bfloat16, {"window_size": (4, 0)}, False),
+    (_md(), torch.bfloat16, {"softcap": 30.0}, False),
+    (_md(), torch.bfloat16, {"descaled": True}, False),
+], ids=["bf16", "fp16", "fp32", "prefix", "paged", "md-window", "window", "softcap", "fp8"])
+def test_only_one_query_per_row_in_page_size_one_with_no_extras_is_an_expand_call(md, dtype, kw,
+                                                                                 applies):
+    args = dict(softcap=0.0, window_size=(-1, -1), descaled=False)
+    args.update(kw)
+    assert expand_call_applies(md, torch.zeros(1, 2, 16, dtype=dtype), **args) is applies
+
+
+def test_select_expand_kernel_refuses_an_unknown_kernel():
+    assert EXPAND_KERNELS == ("fa3", "triton") and expand_kernel() == "triton"
+    with pytest.raises(ValueError, match="kernel must be one of"):
+        select_expand_kernel("torch")
+    assert expand_kernel() == "triton"
