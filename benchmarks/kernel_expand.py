@@ -93,7 +93,3 @@ def main(argv=None) -> int:
             if args.json:
                 runs.write_json(args.json, doc)
     return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())

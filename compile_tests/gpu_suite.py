@@ -72,6 +72,7 @@ SECONDS = {
     "test_vocab.py": (15.0, {}),
     "test_gpu_gemm.py": (3.0, {}),
     "test_gpu_kv_store.py": (5.0, {}),
+    "test_gpu_expand_attention.py": (10.0, {}),
     "test_swa.py": (2.0, {}),
     "test_gpu_attention.py": (1.5, {}),
     "test_gpu_attention_args.py": (1.5, {}),

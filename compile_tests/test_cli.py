@@ -1,11 +1,11 @@
 """The ``fa3-spec`` command's front: what each subcommand imports, and its refusals."""
 
 import json
-import subprocess
 import sys
 
 import pytest
 
+import children
 from fa3_spec import cli
 
 IMPORTS = r"""
@@ -20,18 +20,23 @@ print(json.dumps(sorted(m for m in sys.modules if m.startswith("fa3_spec"))))
 
 
 def _imported(*argv) -> set:
-    done = subprocess.run([sys.executable, "-c", IMPORTS, *argv], capture_output=True, text=True,
-                          check=True)
+    done = children.run([sys.executable, "-c", IMPORTS, *argv])
     return set(json.loads(done.stdout.strip().splitlines()[-1]))
 
 
-def test_audit_and_the_top_help_import_neither_the_engine_nor_the_sglang_fetcher():
-    for argv in (["--help"], ["audit", "--help"]):
-        found = _imported(*argv)
-        assert "fa3_spec.cli" in found
-        assert not {m for m in found if m.startswith("fa3_spec.eagle")}, (argv, found)
-        assert "fa3_spec.harness.sglang_upstream" not in found, argv
-    assert "fa3_spec.eagle.engine" in _imported("eagle", "--help")
+def _imports_per_command(tmp):
+    return {" ".join(argv): sorted(_imported(*argv))
+            for argv in (["--help"], ["audit", "--help"], ["eagle", "--help"])}
+
+
+@pytest.mark.children(job=_imports_per_command)
+def test_audit_and_the_top_help_import_neither_the_engine_nor_the_sglang_fetcher(child):
+    found = {k: set(v) for k, v in child.result().items()}
+    for argv in ("--help", "audit --help"):
+        assert "fa3_spec.cli" in found[argv]
+        assert not {m for m in found[argv] if m.startswith("fa3_spec.eagle")}, (argv, found[argv])
+        assert "fa3_spec.harness.sglang_upstream" not in found[argv], argv
+    assert "fa3_spec.eagle.engine" in found["eagle --help"]
 
 
 @pytest.mark.parametrize("argv, says", [

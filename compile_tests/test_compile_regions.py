@@ -20,6 +20,7 @@ import dataclasses
 import pytest
 import torch
 
+import children
 import fa3_spec
 from fa3_spec.graphs import CompilePolicy
 from fa3_spec.eagle import EagleEngine, LoopConfig, greedy_generate, make_models, regions
@@ -201,8 +202,48 @@ def test_a_compiled_caller_runs_its_regions_again_without_any_recompile(models, 
     assert stats["unique_graphs"] == settled  # the eager call ran the layers inline
 
 
+#: Inductor's device test patched to the GPU's answer, in a child process
+#: (the patch is in no cache key: a fresh cache, nothing read or left, and
+#: nothing compiled under it reaches this session's caches or programs).
+ADDMM_CHILD = r"""
+import json, sys
+sys.path.insert(0, {tests!r})
+import torch
+import torch._inductor.fx_passes.post_grad as post_grad
+import torch._inductor.utils as inductor_utils
+from fa3_spec.eagle import make_models
+from helpers import one_prompt_prefill
+
+post_grad.is_gpu = lambda device: True
+fresh = getattr(inductor_utils, "fresh_cache", None) or inductor_utils.fresh_inductor_cache
+m = make_models("tiny", draft="derived", num_layers=2,
+                dtype=torch.bfloat16).with_compile_regions("inductor")
+pool, slots, md = one_prompt_prefill(m, 11, page_size=2)
+tokens, pos = torch.arange(3, 14), torch.arange(11)
+fn = torch.compile(lambda kv: m.target_forward(tokens, pos, slots, md, kv,
+                                               attention_backend="torch"),
+                   backend="inductor", fullgraph=True)
+with fresh():
+    _, codes = inductor_utils.run_and_get_code(fn, pool.target_kv)
+print(json.dumps(dict(programs=len(codes),
+                      addmm=sum(c.count("extern_kernels.addmm") for c in codes),
+                      mm=sum(c.count("extern_kernels.mm(") for c in codes))))
+"""
+
+
+def _addmm_counts(tmp):
+    import json
+    import pathlib
+    import sys
+
+    code = ADDMM_CHILD.format(tests=str(pathlib.Path(__file__).resolve().parent))
+    done = children.run([sys.executable, "-c", code])
+    return json.loads(done.stdout.strip().splitlines()[-1])
+
+
 @pytest.mark.slow
-def test_no_region_program_adds_a_residual_to_a_matmul_in_an_addmm(monkeypatch):
+@pytest.mark.children(job=_addmm_counts)
+def test_no_region_program_adds_a_residual_to_a_matmul_in_an_addmm(child):
     """Inductor makes ``x + a @ w`` one ``addmm`` when the sum leaves the graph
     (on a GPU: on CPU always), and cuBLAS's addmm first copies ``x`` into
     its output: one device-to-device copy per layer on the H200 while the
@@ -210,27 +251,10 @@ def test_no_region_program_adds_a_residual_to_a_matmul_in_an_addmm(monkeypatch):
     parts unsummed now. Checked under the GPU's rule on CPU (inductor's
     device test patched: it is the rule's only device dependence); fails on
     the old return (2 addmm, one per program: layer 0, and the later layers)."""
-    import torch._inductor.fx_passes.post_grad as post_grad
-    import torch._inductor.utils as inductor_utils
-
-    monkeypatch.setattr(post_grad, "is_gpu", lambda device: True)
-    # The patch is in no cache key: compile in a fresh cache, read nothing, leave nothing.
-    fresh = getattr(inductor_utils, "fresh_cache", None) or inductor_utils.fresh_inductor_cache
-    m = make_models("tiny", draft="derived", num_layers=2,
-                    dtype=torch.bfloat16).with_compile_regions("inductor")
-    tokens, pos, slots, md, pool = _prefill_inputs(m, 11)
-    fn = torch.compile(lambda kv: m.target_forward(tokens, pos, slots, md, kv,
-                                                   attention_backend="torch"),
-                       backend="inductor", fullgraph=True)
-    regions.clear_programs()
-    torch._dynamo.reset()
-    with fresh():
-        _, codes = inductor_utils.run_and_get_code(fn, pool.target_kv)
-    regions.clear_programs()  # compiled under the patch: no later test may reuse them
-    torch._dynamo.reset()
-    assert len(codes) == 3  # the frame, 2 programs (layer 0, the later layers)
-    assert sum(c.count("extern_kernels.addmm") for c in codes) == 0
-    assert sum(c.count("extern_kernels.mm(") for c in codes) == 8  # QKV, O, gate/up, down
+    counts = child.result()
+    assert counts["programs"] == 3  # the frame, 2 programs (layer 0, the later layers)
+    assert counts["addmm"] == 0
+    assert counts["mm"] == 8  # QKV, O, gate/up, down
 
 
 def test_with_compile_regions_shares_the_weights_and_leaves_the_models_as_they_were(models):
@@ -370,8 +394,8 @@ def test_a_chain_engine_shares_one_frame_with_bucket_one_under_aot_eager(models)
     1 in its layout check (the draft steps' slots and parents, the layer's
     head split, the reference attention's LSE): bucket 1 compiled a frame of
     its own."""
-    eng = _engine(models, [1, 2, 4], "aot_eager", max_new=4, topk=1, num_steps=3,
-                  num_draft_tokens=4)
+    eng = _engine(models, [1, 2, 4], "aot_eager", max_new=4, topk=1, num_steps=2,
+                  num_draft_tokens=3)
     assert eng.lc.draft_attention == "ancestors"
     _assert_alone_then_three_match_greedy(eng, models)
     assert eng.runner.compile_counter.frame_count == 1

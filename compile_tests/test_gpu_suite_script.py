@@ -58,7 +58,7 @@ def test_every_test_that_skips_without_cuda_is_marked_gpu(child):
 
 
 def _run_smallest_batch(tmp):
-    gpu = [it["nodeid"] for it in gpu_suite.collect()]
+    gpu = [it["nodeid"] for it in _collected(tmp) if it["gpu"]]  # what `-m gpu` collects
     n = 8
     i = 1 + min(range(n), key=lambda j: (len(gpu_suite.split(gpu, n)[j]), j))
     done = children.run([sys.executable, "compile_tests/gpu_suite.py", "--batch", f"{i}/{n}",
