@@ -167,19 +167,48 @@ CONFIG = TrainConfig(ttt_steps=2, batch_size=8, max_new_tokens=24, draft_vocab=2
                      holdout=8, lr=5e-3, warmup_steps=10, decay_steps=200)
 
 
-def test_training_raises_held_out_first_depth_acceptance(tmp_path):
-    # 400 prompts, each answered once: too few distinct responses and the head
-    # memorises them instead of learning the target.
-    report = train_draft(target(), random_prompts(400), tmp_path, tokens=30000, config=CONFIG,
-                         attention_backend="torch")
-    assert report.stopped == "tokens" and report.tokens >= 30000
-    gain = report.final_top1[0] - report.initial_top1[0]
-    assert gain >= 0.2, (report.initial_top1, report.final_top1)
-    evaluated = list(range(50, report.steps + 1, 50))
-    assert [h["step"] for h in report.history] == evaluated + [report.steps] * (
-        evaluated[-1] != report.steps)
-    assert (tmp_path / "model.safetensors").is_file() and (tmp_path / STATE_FILE).is_file()
-    load_draft(tmp_path, target())  # what a budget leaves behind loads
+#: The learning run, in a child process beside the in-process tests (it trains
+#: for about 20 s on one core): the report's fields and what it left behind.
+LEARN_CHILD = r"""
+import json, pathlib, sys
+sys.path.insert(0, {tests!r})
+import torch
+from test_train_draft import CONFIG, random_prompts, target
+from fa3_spec.eagle.checkpoint import load_draft
+from fa3_spec.train.trainer import STATE_FILE, train_draft
+
+out = pathlib.Path(sys.argv[1])
+# 400 prompts, each answered once: too few distinct responses and the head
+# memorises them instead of learning the target.
+report = train_draft(target(), random_prompts(400), out, tokens=30000, config=CONFIG,
+                     attention_backend="torch")
+load_draft(out, target())  # what a budget leaves behind loads
+print(json.dumps(dict(stopped=report.stopped, tokens=report.tokens, steps=report.steps,
+                      initial_top1=list(report.initial_top1), final_top1=list(report.final_top1),
+                      history=[h["step"] for h in report.history],
+                      files=[(out / "model.safetensors").is_file(), (out / STATE_FILE).is_file()])))
+"""
+
+
+def _learn(tmp):
+    import sys
+
+    import children
+
+    code = LEARN_CHILD.format(tests=str(pathlib.Path(__file__).resolve().parent))
+    done = children.run([sys.executable, "-c", code, str(tmp)])
+    return json.loads(done.stdout.strip().splitlines()[-1])
+
+
+@pytest.mark.children(job=_learn)
+def test_training_raises_held_out_first_depth_acceptance(child):
+    report = child.result()
+    assert report["stopped"] == "tokens" and report["tokens"] >= 30000
+    gain = report["final_top1"][0] - report["initial_top1"][0]
+    assert gain >= 0.2, (report["initial_top1"], report["final_top1"])
+    evaluated = list(range(50, report["steps"] + 1, 50))
+    assert report["history"] == evaluated + [report["steps"]] * (evaluated[-1] != report["steps"])
+    assert report["files"] == [True, True]
 
 
 def test_resume_continues_the_full_state_or_the_weights_alone(tmp_path):
