@@ -151,7 +151,7 @@ def test_only_one_query_per_row_in_page_size_one_with_no_extras_is_an_expand_cal
 
 
 def test_select_expand_kernel_refuses_an_unknown_kernel():
-    assert EXPAND_KERNELS == ("fa3", "triton") and expand_kernel() == "triton"
+    assert EXPAND_KERNELS == ("fa3", "triton") and expand_kernel() == "fa3"
     with pytest.raises(ValueError, match="kernel must be one of"):
         select_expand_kernel("torch")
-    assert expand_kernel() == "triton"
+    assert expand_kernel() == "fa3"

@@ -142,17 +142,17 @@ def test_kernels_are_chosen_by_a_dataclass_and_restored():
     from fa3_spec.eagle.kernels import Kernels, select_kernels, selected_kernels
     from fa3_spec.triton_support import pdl_launch
 
-    assert selected_kernels() == Kernels() and expand_kernel() == "triton"
-    other = Kernels(gemm="cublas", store_kv="index_copy", rope_kv="split", expand_attention="fa3",
-                    pdl=False)
+    assert selected_kernels() == Kernels() and expand_kernel() == "fa3"
+    other = Kernels(gemm="cublas", store_kv="index_copy", rope_kv="split",
+                    expand_attention="triton", pdl=False)
     previous = select_kernels(other)
     try:
         assert previous == Kernels() and selected_kernels() == other
-        assert expand_kernel() == "fa3"
+        assert expand_kernel() == "triton"
     finally:
         select_kernels(previous)
     assert selected_kernels() == Kernels() and not pdl_launch(torch.zeros(1))
-    assert expand_kernel() == "triton"
+    assert expand_kernel() == "fa3"
     for field, value in (("gemm", "cutlass"), ("store_kv", "scatter"), ("rope_kv", "triton"),
                          ("expand_attention", "cuda")):
         with pytest.raises(ValueError, match=f"{field} must be one of"):

@@ -87,23 +87,25 @@ def test_a_cascade_gives_the_same_on_either_kernel_compiled_and_captured(mode, s
     assert isinstance(md, fa3_spec.CascadeMetadata) and md.expand is not None
     q = torch.randn(num_queries(world, mode), HQ, D, device="cuda", dtype=torch.bfloat16)
 
-    def attend(q):
-        return fa3_spec.cascade_attention(q, kc, vc, md, attention_backend="fa3")
+    def attend(q, kernel):
+        previous = select_expand_kernel(kernel)
+        try:
+            return fa3_spec.cascade_attention(q, kc, vc, md, attention_backend="fa3")
+        finally:
+            select_expand_kernel(previous)
 
-    previous = select_expand_kernel("fa3")
+    names = cuda_kernel_names(lambda: attend(q, "triton"))
+    assert any("expand_attention_kernel" in name for name in names), names
+    assert not any("expand_attention_kernel" in n for n in cuda_kernel_names(lambda: attend(q, "fa3")))
+    torch.testing.assert_close(attend(q, "triton"), attend(q, "fa3"), atol=2e-2, rtol=2e-2)
+    previous = select_expand_kernel("triton")
     try:
-        want = attend(q)
+        compiled = torch.compile(lambda q: fa3_spec.cascade_attention(q, kc, vc, md,
+                                                                      attention_backend="fa3"),
+                                 fullgraph=True)
+        graph, out = capture(compiled, q)
     finally:
         select_expand_kernel(previous)
-    assert any("expand_attention_kernel" in name for name in cuda_kernel_names(lambda: attend(q)))
-    torch.testing.assert_close(attend(q), want, atol=2e-2, rtol=2e-2)
-    compiled = torch.compile(attend, fullgraph=True)
-    graph, out = capture(compiled, q)
     q.copy_(torch.randn_like(q))
     graph.replay()
-    previous = select_expand_kernel("fa3")
-    try:
-        want = attend(q)
-    finally:
-        select_expand_kernel(previous)
-    torch.testing.assert_close(out, want, atol=2e-2, rtol=2e-2)
+    torch.testing.assert_close(out, attend(q, "fa3"), atol=2e-2, rtol=2e-2)

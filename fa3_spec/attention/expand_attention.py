@@ -23,9 +23,10 @@ both).
 `cascade_attention` routes an expand call here under ``attention_backend=
 "fa3"`` when `expand_call_applies` (static facts of the call: one query per
 row, page size 1, no window, softcap or FP8) and `expand_kernel` is
-``"triton"`` (the default); `select_expand_kernel("fa3")` keeps every call
-on FA3 (a benchmark's other arm; `fa3_spec.eagle.select_kernels` sets it
-with the other kernels). The op's CUDA kernel takes the Triton path where
+``"triton"`` (`select_expand_kernel("triton")`, or
+`fa3_spec.eagle.select_kernels` with the other kernels). The default is
+``"fa3"``: every call on FA3, until the two are compared on the GPU
+(``benchmarks/RESULTS.md``). The op's CUDA kernel takes the Triton path where
 `expand_kernel_applies` (layouts and sizes), else calls FA3; its default
 (CPU) implementation is the reference.
 """
@@ -47,7 +48,7 @@ from .reference import paged_attention_reference
 EXPAND_KERNELS = ("fa3", "triton")
 #: The most keys a row may attend for the Triton kernel (one key tile).
 MAX_EXPAND_KEYS = 128
-_SELECTED = {"kernel": "triton"}
+_SELECTED = {"kernel": "fa3"}
 
 
 def select_expand_kernel(kernel: str) -> str:

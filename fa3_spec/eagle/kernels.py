@@ -32,8 +32,8 @@ class Kernels:
             or ``"index_copy"``.
         rope_kv: ``fa3_spec::rope_store_kv``: ``"fused"`` (one Triton launch)
             or ``"split"`` (plain torch inside the op).
-        expand_attention: a tree's expand calls under FA3: ``"triton"``
-            (``fa3_spec::expand_attention``) or ``"fa3"``.
+        expand_attention: a tree's expand calls under FA3: ``"fa3"`` (the
+            default, FA3 itself) or ``"triton"`` (``fa3_spec::expand_attention``).
         pdl: programmatic dependent launch of the library's Triton kernels
             on Hopper (`fa3_spec.triton_support.pdl_launch`).
     """
@@ -41,7 +41,7 @@ class Kernels:
     gemm: str = "triton"
     store_kv: str = "triton"
     rope_kv: str = "fused"
-    expand_attention: str = "triton"
+    expand_attention: str = "fa3"
     pdl: bool = True
 
     def __post_init__(self) -> None:
