@@ -16,7 +16,8 @@ on (pytest then only waits) `PARALLEL` jobs run at once. Every torch runs one
 thread: this process (conftest.py) and each child (``OMP_NUM_THREADS=1``), so
 that no two multi-threaded processes share the two cores (their OpenMP threads
 would spin against each other: many-small-op tests then run several times
-slower). ``FA3_SPEC_TEST_CHILDREN=1``: torch's default threads, and the jobs
+slower). Jobs marked ``heavy=True`` are submitted first, so that no long job
+is the last to start. ``FA3_SPEC_TEST_CHILDREN=1``: torch's default threads, and the jobs
 run one after another once the children tests are reached. Beside the tests,
 a first job (`PREFETCH`) fills sglang's cache before any other process reads it.
 
@@ -172,6 +173,9 @@ class Jobs:
         self._started = True
         items = [item for item in self._session.items
                  if item.get_closest_marker("children") is not None and not _skipped(item)]
+        # Jobs marked ``heavy=True`` (half a minute or more each) first: the
+        # last job to end sets the session's end, so no long one starts last.
+        items.sort(key=lambda item: not item.get_closest_marker("children").kwargs.get("heavy"))
         if items and PARALLEL > 1:  # one after another (PARALLEL = 1) needs no prefetch
             self._prefetch = self._pool.submit(self._gated, "(sglang prefetch)",
                                                lambda: run(PREFETCH, timeout=1800, check=False))

@@ -28,7 +28,7 @@ def _cli_audit(tmp):
     return done.returncode, done.stdout, json.loads(out.read_text()) if out.exists() else None
 
 
-@pytest.mark.children(job=_cli_audit)
+@pytest.mark.children(job=_cli_audit, heavy=True)
 def test_audit_cli_writes_json_rows(child):
     code, stdout, rows = child.result()
     assert code == 0, stdout[-2000:]

@@ -242,7 +242,7 @@ def _addmm_counts(tmp):
 
 
 @pytest.mark.slow
-@pytest.mark.children(job=_addmm_counts)
+@pytest.mark.children(job=_addmm_counts, heavy=True)
 def test_no_region_program_adds_a_residual_to_a_matmul_in_an_addmm(child):
     """Inductor makes ``x + a @ w`` one ``addmm`` when the sum leaves the graph
     (on a GPU: on CPU always), and cuBLAS's addmm first copies ``x`` into

@@ -68,7 +68,7 @@ def _run_smallest_batch(tmp):
                 cases=[c.get("name") for c in ET.parse(stem.with_suffix(".xml")).iter("testcase")])
 
 
-@pytest.mark.children(job=_run_smallest_batch)
+@pytest.mark.children(job=_run_smallest_batch, heavy=True)
 def test_a_batch_writes_its_summary_and_junit_xml(child):
     doc = child.result()
     s = doc["summary"]

@@ -225,7 +225,7 @@ def _compile_twice(tmp):
 
 
 @pytest.mark.slow
-@pytest.mark.children(job=_compile_twice)
+@pytest.mark.children(job=_compile_twice, heavy=True)
 def test_compile_cache_round_trip_across_processes(child):
     """A second process with an empty inductor cache dir hits the saved
     artifacts of both compiles the one save followed."""

@@ -200,7 +200,7 @@ def _learn(tmp):
     return json.loads(done.stdout.strip().splitlines()[-1])
 
 
-@pytest.mark.children(job=_learn)
+@pytest.mark.children(job=_learn, heavy=True)
 def test_training_raises_held_out_first_depth_acceptance(child):
     report = child.result()
     assert report["stopped"] == "tokens" and report["tokens"] >= 30000
@@ -486,7 +486,7 @@ def _accept_rows(tmp):
     return {"head": str(head), "doc": json.loads(out.read_text())}
 
 
-@pytest.mark.children(job=_accept_rows)
+@pytest.mark.children(job=_accept_rows, heavy=True)
 def test_the_acceptance_benchmark_measures_a_trained_head_against_the_derived_draft(child):
     # benchmarks/draft_heads.py accept on CPU: every temperature-0 row exact in
     # float64 (--strict), per-depth rates recorded, the timed rows' ratio.
