@@ -18,7 +18,7 @@ import torch
 import fa3_spec
 from fa3_spec.eagle import DEFAULT_SCRIPT, EagleEngine, LoopConfig
 from fa3_spec.eagle.acceptance import scripted_acceptance
-from fa3_spec.eagle.kernels import Kernels
+from fa3_spec.eagle.kernels import Kernels, parse_kernels
 from fa3_spec.graphs import CompilePolicy
 
 #: What a row says of scripted acceptance: the tokens emitted per iteration,
@@ -97,20 +97,8 @@ def compiled_as(eng: EagleEngine) -> dict:
 
 def kernels(pairs: Sequence[str]) -> Kernels:
     """`Kernels` from ``name=value`` pairs, e.g. ``["gemm=cublas", "pdl=off"]``
-    (``pdl`` takes on/off; ValueError on an unknown name or value)."""
-    choice = {}
-    for pair in pairs:
-        name, _, value = pair.partition("=")
-        names = [f.name for f in dataclasses.fields(Kernels)]
-        if name not in names or not value:
-            raise ValueError(f"expected NAME=VALUE with NAME one of {', '.join(names)}; "
-                             f"got {pair!r}")
-        if name == "pdl":
-            if value not in ("on", "off"):
-                raise ValueError(f"pdl must be on or off, got {value!r}")
-            value = value == "on"
-        choice[name] = value
-    return Kernels(**choice)
+    (`fa3_spec.eagle.kernels.parse_kernels`; ValueError on an unknown name or value)."""
+    return parse_kernels(pairs)
 
 
 def random_prompts(count: int, length: int, vocab: int, seed: int) -> List[List[int]]:

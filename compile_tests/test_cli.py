@@ -47,6 +47,9 @@ def test_audit_and_the_top_help_import_neither_the_engine_nor_the_sglang_fetcher
     (["eagle", "--device", "cpu", "--json", "/no/such/dir/out.json"],
      "the directory '/no/such/dir' does not exist"),
     (["eagle", "--device", "cpu", "--json", "."], "is a directory"),
+    (["eagle", "--kernels", "bogus=1"], "--kernels: expected NAME=VALUE with NAME one of gemm"),
+    (["eagle", "--kernels", "gemm=cublas", "gemm=triton"], "--kernels: gemm given twice"),
+    (["eagle", "--kernels", "expand_attention=cuda"], "--kernels: expand_attention must be one of"),
 ])
 def test_bad_flags_exit_2_naming_them_before_any_work(argv, says, capsys):
     with pytest.raises(SystemExit) as exit_:
@@ -60,3 +63,15 @@ def test_an_unknown_subcommand_exits_2(capsys):
     with pytest.raises(SystemExit) as exit_:
         cli.main(["serve"])
     assert exit_.value.code == 2
+
+
+def test_the_eagle_command_runs_with_the_kernels_it_is_given_and_puts_them_back(tmp_path):
+    from fa3_spec.eagle.kernels import Kernels, selected_kernels
+
+    out = tmp_path / "run.json"
+    assert cli.main(["eagle", "--kernels", "expand_attention=triton", "pdl=off", "--quiet",
+                     "--batch", "1", "--requests", "1", "--max-new-tokens", "3",
+                     "--json", str(out)]) == 0
+    recorded = json.loads(out.read_text())["config"]["kernels"]
+    assert recorded["expand_attention"] == "triton" and recorded["pdl"] is False
+    assert selected_kernels() == Kernels()

@@ -161,3 +161,16 @@ def test_kernels_are_chosen_by_a_dataclass_and_restored():
         Kernels(pdl="off")
     with pytest.raises(TypeError, match="kernels must be a Kernels"):
         select_kernels({"gemm": "cublas"})
+
+
+def test_kernels_parse_from_name_value_pairs():
+    from fa3_spec.eagle.kernels import Kernels, parse_kernels
+
+    assert parse_kernels([]) == Kernels()
+    assert parse_kernels(["expand_attention=triton", "pdl=off"]) == Kernels(
+        expand_attention="triton", pdl=False)
+    for pairs, says in ((["gemm"], "expected NAME=VALUE"), (["speed=fast"], "expected NAME=VALUE"),
+                        (["pdl=no"], "pdl must be on or off"), (["rope_kv=x"], "rope_kv must be"),
+                        (["gemm=cublas", "gemm=cublas"], "gemm given twice")):
+        with pytest.raises(ValueError, match=says):
+            parse_kernels(pairs)

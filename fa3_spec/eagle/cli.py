@@ -77,6 +77,7 @@ from .greedy import greedy_generate
 from .greedy_check import NEAR_TIE, NEAR_TIE_RULE, compare_with_greedy
 from .prefill import eos_set
 from .sync_probe import HostSyncProbe
+from .kernels import parse_kernels, select_kernels, selected_kernels
 from .iteration import DEFAULT_SCRIPT, LoopConfig
 from .models import make_models
 from .policy import AcceptanceProfile, CostProfile, choose_shapes, shape_key
@@ -165,6 +166,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--compile-cache", metavar="PATH", default=None,
                    help="file of PyTorch's compile caches: loaded before compiling, written after "
                         "capture (a restart skips most of inductor's work)")
+    p.add_argument("--kernels", nargs="+", default=[], metavar="NAME=VALUE",
+                   help="the ops' CUDA kernels for this run (fa3_spec.eagle.kernels.Kernels), "
+                        "e.g. expand_attention=triton (a tree's expand calls on the Triton kernel "
+                        "instead of FA3) or gemm=cublas pdl=off; default: the library's")
     p.add_argument("--scripted", default=None, nargs="?", const=",".join(map(str, DEFAULT_SCRIPT)),
                    help="force emitted tokens per iteration from this sequence "
                         f"(default {','.join(map(str, DEFAULT_SCRIPT))}, mean 3.5); output is not the model's")
@@ -401,6 +406,16 @@ def run_eagle(args: argparse.Namespace, *, log=print) -> dict:
     problem = usage_error(args)
     if problem is not None:
         raise UsageError(problem)
+    # The ops' kernels for this run (usage_error parsed them), put back after it.
+    previous = select_kernels(parse_kernels(args.kernels))
+    try:
+        return _run_loop(args, log)
+    finally:
+        select_kernels(previous)
+
+
+def _run_loop(args: argparse.Namespace, log) -> dict:
+    """`run_eagle` once its options are checked and its kernels selected."""
     device = _resolve_device(args.device)
     scripted = _scripted(args)
     dtype = DTYPES[args.dtype] if args.dtype else None
@@ -479,7 +494,8 @@ def run_eagle(args: argparse.Namespace, *, log=print) -> dict:
                   scripted=list(scripted) if scripted else None,
                   temperature=args.temperature, top_p=args.top_p,
                   sampling_top_k=args.sampling_top_k, sampling_seed=args.sampling_seed,
-                  cost_profile=args.cost_profile, acceptance_profile=args.acceptance_profile)
+                  cost_profile=args.cost_profile, acceptance_profile=args.acceptance_profile,
+                  kernels=dataclasses.asdict(selected_kernels()))
     log(_describe(config, scripted, loaded.info if loaded else None), flush=True)
     if speculation is not None:
         for line in describe_speculation(speculation):
@@ -676,6 +692,10 @@ def usage_error(args: argparse.Namespace) -> Optional[str]:
                 check_writable(flag, path)
             except UsageError as exc:
                 return str(exc)
+    try:
+        parse_kernels(args.kernels)
+    except ValueError as exc:
+        return f"--kernels: {exc}"
     if args.strict and not args.check_greedy:
         return "--strict goes with --check-greedy (it says what a greedy mismatch is)"
     if args.temperature > 0 and args.check_greedy:

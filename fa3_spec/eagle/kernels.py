@@ -11,6 +11,7 @@ engine of the process, and a CUDA graph keeps the kernels it was captured with.
 from __future__ import annotations
 
 import dataclasses
+from typing import Sequence
 
 from ..attention.expand_attention import EXPAND_KERNELS, select_expand_kernel
 from ..attention.kv_store import STORE_KV_IMPLS, store_kv, store_kv_cuda, store_kv_index_copy
@@ -18,7 +19,7 @@ from ..triton_support import set_pdl
 from .gemm import GEMM_IMPLS, skinny_mm, skinny_mm_cublas, skinny_mm_cuda
 from .rope_kv import ROPE_KV_IMPLS, rope_store_kv, rope_store_kv_cuda, rope_store_kv_split
 
-__all__ = ["Kernels", "select_kernels", "selected_kernels"]
+__all__ = ["Kernels", "parse_kernels", "select_kernels", "selected_kernels"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -55,6 +56,33 @@ class Kernels:
 
 
 _SELECTED = {"kernels": Kernels()}
+
+
+def parse_kernels(pairs: Sequence[str]) -> Kernels:
+    """`Kernels` from ``NAME=VALUE`` pairs, the defaults for names not given:
+    ``["expand_attention=triton", "pdl=off"]`` (``pdl`` takes ``on`` or
+    ``off``). How a command line names them (``fa3-spec eagle --kernels``).
+
+    Raises:
+        ValueError: a pair that is not ``NAME=VALUE`` with NAME a field, a
+            name given twice, or a value the field refuses (the message
+            names it).
+    """
+    names = [f.name for f in dataclasses.fields(Kernels)]
+    choice = {}
+    for pair in pairs:
+        name, _, value = str(pair).partition("=")
+        if name not in names or not value:
+            raise ValueError(f"expected NAME=VALUE with NAME one of {', '.join(names)}; "
+                             f"got {pair!r}")
+        if name in choice:
+            raise ValueError(f"{name} given twice")
+        if name == "pdl":
+            if value not in ("on", "off"):
+                raise ValueError(f"pdl must be on or off, got {value!r}")
+            value = value == "on"
+        choice[name] = value
+    return Kernels(**choice)
 
 
 def select_kernels(kernels: Kernels) -> Kernels:
