@@ -66,6 +66,7 @@ def test_an_unknown_subcommand_exits_2(capsys):
 
 
 def test_the_eagle_command_runs_with_the_kernels_it_is_given_and_puts_them_back(tmp_path):
+    from fa3_spec.attention import expand_kernel, select_expand_kernel
     from fa3_spec.eagle.kernels import Kernels, selected_kernels
 
     out = tmp_path / "run.json"
@@ -74,4 +75,13 @@ def test_the_eagle_command_runs_with_the_kernels_it_is_given_and_puts_them_back(
                      "--json", str(out)]) == 0
     recorded = json.loads(out.read_text())["config"]["kernels"]
     assert recorded["expand_attention"] == "triton" and recorded["pdl"] is False
-    assert selected_kernels() == Kernels()
+    assert selected_kernels() == Kernels() and expand_kernel() == "fa3"
+    # Without --kernels the process's own choice stands, and is recorded.
+    previous = select_expand_kernel("triton")
+    try:
+        assert cli.main(["eagle", "--quiet", "--batch", "1", "--requests", "1",
+                         "--max-new-tokens", "3", "--json", str(out)]) == 0
+        assert expand_kernel() == "triton"
+        assert json.loads(out.read_text())["config"]["kernels"]["expand_attention"] == "triton"
+    finally:
+        select_expand_kernel(previous)

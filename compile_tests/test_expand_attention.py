@@ -48,6 +48,18 @@ for dtype in (torch.float32, torch.float16):
             empty_rows_zero=bool((got_o[[0, 7]] == 0).all()),
             empty_rows_lse=bool(torch.isneginf(got_l[:, [0, 7]]).all())))
 
+# A row that claims three queries (max_seqlen_q = 1 says one): its first gets
+# the row's attention, the other two 0 and -inf, never what the allocator left.
+qx = torch.randn(4, 8, 32)
+kx, vx = torch.randn(S, 1, 2, 32), torch.randn(S, 1, 2, 32)
+cux = torch.tensor([0, 3, 4], dtype=torch.int32)
+ptx, slx = torch.randint(0, S, (2, 4), generator=g, dtype=torch.int32), torch.tensor([3, 4], dtype=torch.int32)
+want_o, want_l = expand_attention(qx, kx, vx, ptx, slx, cux, 4, 0.3)
+got_o, got_l = expand_attention_triton(qx, kx, vx, ptx, slx, cux, 4, 0.3)
+out["extra"] = dict(
+    first=bool(torch.allclose(got_o[[0, 3]], want_o[[0, 3]], atol=1e-5)),
+    zero=bool((got_o[1:3] == 0).all()), lse=bool(torch.isneginf(got_l[:, 1:3]).all()))
+
 q = torch.randn(4, 8, 32)
 k = torch.randn(S, 1, 2, 32)
 v = torch.randn(S, 1, 2, 32)
@@ -67,6 +79,7 @@ bad = {
     "cu length": (q, k, v, pt, sl, cu[:-1], 6),
     "key bound 0": (q, k, v, pt, sl, cu, 0),
     "key bound above the tile": (q, k, v, pt, sl, cu, 129),
+    "empty cache": (q, k[:0], v[:0], pt, sl, cu, 6),
 }
 for name, args in bad.items():
     try:
@@ -90,6 +103,7 @@ def test_the_kernel_reads_what_the_reference_reads_whatever_the_indices_hold(chi
         tol = 1e-5 if case["dtype"] == "torch.float32" else 4e-3  # fp16: a few units
         assert case["out_err"] <= tol and case["lse_err"] <= 1e-4, case
         assert case["same_inf"] and case["empty_rows_zero"] and case["empty_rows_lse"], case
+    assert doc["extra"] == dict(first=True, zero=True, lse=True)
     # ... and it refuses, by layout and size alone, what it cannot take.
     assert doc["applies"]
     for name, (refused, raised) in doc["refused"].items():
@@ -155,3 +169,39 @@ def test_select_expand_kernel_refuses_an_unknown_kernel():
     with pytest.raises(ValueError, match="kernel must be one of"):
         select_expand_kernel("torch")
     assert expand_kernel() == "fa3"
+
+
+def test_an_expand_call_under_fa3_with_the_kernel_selected_goes_to_the_op():
+    """On CPU the op's default is the reference: an expand call routed to it
+    under ``"fa3"`` gives the torch backend's result (FA3 itself would refuse
+    CPU tensors)."""
+    from fa3_spec.attention import attention_call
+
+    q, k, v, pt, sl, cu = _tensors()
+    md = FA3Metadata(pt, sl, cu, cu, 1, 4, 1, False)
+    want = attention_call(q, k, v, md, softmax_scale=0.25, attention_backend="torch")
+    previous = select_expand_kernel("triton")
+    try:
+        got = attention_call(q, k, v, md, softmax_scale=0.25, attention_backend="fa3")
+    finally:
+        select_expand_kernel(previous)
+    assert torch.equal(got[0], want[0].to(got[0].dtype)) and torch.equal(got[1], want[1])
+
+
+def test_a_region_passes_the_kernel_s_tile_as_an_expand_call_s_key_bound():
+    """FA3's equivalent bound (127 for 1-127 keys) shares one program among
+    the draft steps; under the expand kernel the tile's bound does (16 for
+    1-16 keys), so the kernel does not read a tile of 128 for 16 keys."""
+    from fa3_spec.attention import expand_key_bound
+    from fa3_spec.eagle.regions import _encode_metadata
+
+    assert [expand_key_bound(n) for n in (1, 5, 16, 17, 128)] == [16, 16, 16, 32, 128]
+    _, _, _, pt, sl, cu = _tensors()
+    md = FA3Metadata(pt, sl, cu, cu, 1, 5, 1, False)
+    assert _encode_metadata(md, fa3=True)[1][2] == 127
+    previous = select_expand_kernel("triton")
+    try:
+        assert _encode_metadata(md, fa3=True)[1][2] == 16
+        assert _encode_metadata(md)[1][2] == 5  # no rewrite off FA3
+    finally:
+        select_expand_kernel(previous)

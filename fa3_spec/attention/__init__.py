@@ -10,7 +10,7 @@ from .cascade import (ATTENTION_BACKENDS, attention_call, cascade_attention,
                       fa3_plans, resolve_attention_backend)
 from .expand_attention import (EXPAND_KERNELS, MAX_EXPAND_KEYS, expand_attention,
                                expand_attention_triton, expand_call_applies, expand_kernel,
-                               expand_kernel_applies, select_expand_kernel)
+                               expand_kernel_applies, expand_key_bound, select_expand_kernel)
 from .fa3_op import default_num_splits, fa3_paged_attention, fa3_scheduler_plan, plan_entries
 from .kv_store import (STORE_KV_IMPLS, fused_store_applies, fused_store_available, store_kv,
                        store_kv_fused, store_kv_index_copy)
@@ -36,6 +36,7 @@ __all__ = [
     "expand_call_applies",
     "expand_kernel",
     "expand_kernel_applies",
+    "expand_key_bound",
     "fa3_available",
     "fa3_equivalent_key_bound",
     "fa3_paged_attention",

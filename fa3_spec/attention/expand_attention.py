@@ -16,9 +16,10 @@ What it reads is the library's read rule for such a call
 min(cache_seqlens[r], max_seqlen_k)`` at ``page_table[r, min(t, W - 1)]``,
 each slot clamped into the cache, so whatever the index tensors hold the
 kernel reads and writes inside its tensors. A row with no key gives output
-0 and LSE ``-inf``. Queries that no row owns are not written, as FA3 leaves
-them (`fa3_spec.attention.attention_call` masks them to 0 and ``-inf`` for
-both).
+0 and LSE ``-inf``; so do the queries past its first of a row that claims
+more than one (``cu_seqlens_q`` says so; the builders never do). Queries
+that no row owns are not written, as FA3 leaves them
+(`fa3_spec.attention.attention_call` masks them to 0 and ``-inf`` for both).
 
 `cascade_attention` routes an expand call here under ``attention_backend=
 "fa3"`` when `expand_call_applies` (static facts of the call: one query per
@@ -49,6 +50,16 @@ EXPAND_KERNELS = ("fa3", "triton")
 #: The most keys a row may attend for the Triton kernel (one key tile).
 MAX_EXPAND_KEYS = 128
 _SELECTED = {"kernel": "fa3"}
+
+
+def expand_key_bound(max_seqlen_k: int) -> int:
+    """The key tile the kernel reads for a call bounded by ``max_seqlen_k``
+    keys: the next power of two, at least 16 (``tl.dot``'s least). Calls
+    whose bounds give one tile run one compiled kernel, and a compiled
+    region may pass this bound instead of the call's own
+    (`fa3_spec.eagle.regions`): the keys read are those below
+    ``cache_seqlens``, which the builders keep below the call's bound."""
+    return max(16, 1 << max(0, int(max_seqlen_k) - 1).bit_length())
 
 
 def select_expand_kernel(kernel: str) -> str:
@@ -123,7 +134,7 @@ def expand_kernel_applies(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch
                           cu_seqlens_q: torch.Tensor, max_seqlen_k: int) -> bool:
     """Whether the Triton kernel takes these tensors (layouts, dtypes and
     sizes only, never values): Triton importable; ``q`` and contiguous caches
-    of one dtype (bf16, fp16 or fp32) on one device; ``D == Dv`` a power of
+    of at least one slot, of one dtype (bf16, fp16 or fp32), on one device; ``D == Dv`` a power of
     two from 16 to 256; ``H_q`` a multiple of ``H_kv`` with at most 16 query
     heads per KV head; int32 index tensors, ``cu_seqlens_q`` one longer than
     ``cache_seqlens`` and ``page_table`` with one row each and a unit column
@@ -135,7 +146,7 @@ def expand_kernel_applies(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch
         return False
     total_q, hq, d = q.shape
     slots, page, hkv, dk = k_cache.shape
-    if page != 1 or dk != d or d < 16 or d > 256 or d & (d - 1):
+    if slots == 0 or page != 1 or dk != d or d < 16 or d > 256 or d & (d - 1):
         return False
     if hkv == 0 or hq % hkv or hq // hkv > 16:
         return False
@@ -172,7 +183,7 @@ def _kernel():
                                 q_row_stride, q_head_stride, scale_log2,
                                 HQ: tl.constexpr, HKV: tl.constexpr, D: tl.constexpr,
                                 BLOCK_G: tl.constexpr, BLOCK_K: tl.constexpr,
-                                PDL: tl.constexpr):
+                                IEEE: tl.constexpr, PDL: tl.constexpr):
         # Program (r, h): the query of row r, KV head h's group of query heads.
         if PDL:  # wait for the previous kernel before any load or store (pdl_launch)
             tl.extra.cuda.gdc_wait()
@@ -204,14 +215,20 @@ def _kernel():
         qv = tl.load(q + qi * q_row_stride + head[:, None] * q_head_stride + d[None, :],
                      mask=q_mask, other=0.0)  # [BLOCK_G, D]
 
-        s = tl.dot(qv, tl.trans(k)) * scale_log2  # [BLOCK_G, BLOCK_K], log2 units
+        if IEEE:  # fp32: no TF32 rounding
+            s = tl.dot(qv, tl.trans(k), input_precision="ieee") * scale_log2
+        else:
+            s = tl.dot(qv, tl.trans(k)) * scale_log2  # [BLOCK_G, BLOCK_K], log2 units
         s = tl.where(live[None, :], s, float("-inf"))
         m = tl.max(s, 1)
         m = tl.where(n > 0, m, 0.0)
         p = tl.exp2(s - m[:, None])
         p = tl.where(live[None, :], p, 0.0)
         total = tl.sum(p, 1)
-        o = tl.dot(p.to(v.dtype), v)  # probabilities in the input dtype, as FA3
+        if IEEE:
+            o = tl.dot(p, v, input_precision="ieee")
+        else:
+            o = tl.dot(p.to(v.dtype), v)  # probabilities in the input dtype, as FA3
         o = o / tl.where(total > 0, total, 1.0)[:, None]
         ln2: tl.constexpr = 0.6931471805599453
         lse_row = tl.where(total > 0, (m + tl.log2(tl.where(total > 0, total, 1.0))) * ln2,
@@ -219,6 +236,15 @@ def _kernel():
         tl.store(out + qi * (HQ * D) + head[:, None] * D + d[None, :],
                  o.to(out.dtype.element_ty), mask=q_mask)
         tl.store(lse + head.to(tl.int64) * total_q + qi, lse_row, mask=in_group)
+        # A row that claims more queries than its one: those get 0 and -inf
+        # (in range only; no query is left as the allocator left it).
+        extra = tl.where(owns, tl.minimum(end, total_q) - start - 1, 0)
+        for e in range(0, extra):
+            qe = start + 1 + e
+            tl.store(out + qe * (HQ * D) + head[:, None] * D + d[None, :],
+                     tl.zeros([BLOCK_G, D], dtype=out.dtype.element_ty), mask=q_mask)
+            tl.store(lse + head.to(tl.int64) * total_q + qe,
+                     tl.full([BLOCK_G], float("-inf"), tl.float32), mask=in_group)
 
     return triton, expand_attention_kernel
 
@@ -258,7 +284,8 @@ def _launch(q, k_cache, v_cache, page_table, cache_seqlens, cu_seqlens_q, max_se
             total_q, k_cache.shape[0], page_table.shape[1], page_table.stride(0), max_seqlen_k,
             q.stride(0), q.stride(1), softmax_scale * math.log2(math.e),
             HQ=hq, HKV=hkv, D=d, BLOCK_G=max(16, triton.next_power_of_2(hq // hkv)),
-            BLOCK_K=max(16, triton.next_power_of_2(max_seqlen_k)), PDL=pdl, num_warps=4,
+            BLOCK_K=expand_key_bound(max_seqlen_k), IEEE=q.dtype == torch.float32, PDL=pdl,
+            num_warps=4,
             **pdl_kwargs(pdl))
     return out, lse
 

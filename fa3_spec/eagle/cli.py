@@ -77,6 +77,7 @@ from .greedy import greedy_generate
 from .greedy_check import NEAR_TIE, NEAR_TIE_RULE, compare_with_greedy
 from .prefill import eos_set
 from .sync_probe import HostSyncProbe
+from ..attention import expand_kernel
 from .kernels import parse_kernels, select_kernels, selected_kernels
 from .iteration import DEFAULT_SCRIPT, LoopConfig
 from .models import make_models
@@ -406,6 +407,8 @@ def run_eagle(args: argparse.Namespace, *, log=print) -> dict:
     problem = usage_error(args)
     if problem is not None:
         raise UsageError(problem)
+    if not args.kernels:  # the process's own choice stands
+        return _run_loop(args, log)
     # The ops' kernels for this run (usage_error parsed them), put back after it.
     previous = select_kernels(parse_kernels(args.kernels))
     try:
@@ -495,7 +498,8 @@ def _run_loop(args: argparse.Namespace, log) -> dict:
                   temperature=args.temperature, top_p=args.top_p,
                   sampling_top_k=args.sampling_top_k, sampling_seed=args.sampling_seed,
                   cost_profile=args.cost_profile, acceptance_profile=args.acceptance_profile,
-                  kernels=dataclasses.asdict(selected_kernels()))
+                  kernels=dict(dataclasses.asdict(selected_kernels()),
+                               expand_attention=expand_kernel()))
     log(_describe(config, scripted, loaded.info if loaded else None), flush=True)
     if speculation is not None:
         for line in describe_speculation(speculation):

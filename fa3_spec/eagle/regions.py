@@ -72,7 +72,8 @@ from typing import Dict, List, Optional, Sequence, Tuple
 
 import torch
 
-from ..attention import fa3_equivalent_key_bound, resolve_attention_backend
+from ..attention import (MAX_EXPAND_KEYS, expand_kernel, expand_key_bound,
+                         fa3_equivalent_key_bound, resolve_attention_backend)
 from ..graphs import compile_fullgraph, with_own_code
 from ..metadata import CascadeMetadata, FA3Metadata
 from .layer import LayerShape, LayerWeights, layer_body
@@ -113,7 +114,11 @@ def _encode_metadata(metadata, fa3: bool = False) -> Tuple[List[torch.Tensor], L
     kind 0 for an `FA3Metadata`, 1 for a `CascadeMetadata`. With ``fa3``
     each call's ``max_seqlen_k`` is `fa3_equivalent_key_bound`'s: the same
     FA3 call, so the draft steps (whose expand calls differ only in that
-    bound) share one program."""
+    bound) share one program. An expand call that the expand kernel takes
+    (`fa3_spec.attention.expand_kernel` ``"triton"``) gets
+    `expand_key_bound`'s instead: the kernel's tile follows the bound, and
+    FA3's equivalent (127 for 1-127 keys) would give it eight times the
+    tile."""
     if isinstance(metadata, CascadeMetadata):
         kind = 1
     elif isinstance(metadata, FA3Metadata):
@@ -125,7 +130,10 @@ def _encode_metadata(metadata, fa3: bool = False) -> Tuple[List[torch.Tensor], L
     for call in metadata.calls:
         tensors += [getattr(call, f) for f in _MD_TENSORS]
         values = {f: int(getattr(call, f)) for f in _MD_STATICS}
-        if fa3:
+        if fa3 and expand_kernel() == "triton" and call.page_size == 1 and \
+                call.max_seqlen_q == 1 and expand_key_bound(call.max_seqlen_k) <= MAX_EXPAND_KEYS:
+            values["max_seqlen_k"] = expand_key_bound(call.max_seqlen_k)
+        elif fa3:
             values["max_seqlen_k"] = fa3_equivalent_key_bound(call)
         statics += [values[f] for f in _MD_STATICS]
     return tensors, statics
@@ -199,7 +207,10 @@ def _run_program(x: torch.Tensor, deltas: List[torch.Tensor], attn_in: Optional[
     """Both ops' body: the compiled program of this call's key, run.
     ``(x_in, attn_out, mlp_out)`` (`layer_body`), without ``x_in`` when
     ``deltas`` is empty."""
+    # The expand kernel's choice is in the key: a program bakes in where its
+    # expand calls run.
     key = (tuple(md_statics), tuple(dims), eps, attention_backend, num_splits, compile_backend,
+           expand_kernel(),
            len(deltas), attn_in is not None, len(weights), len(plans), str(x.device),
            tuple(t.dtype for t in (x, cos, slots, k_cache, *weights, *md_tensors)))
     with _LOCK:
