@@ -174,7 +174,7 @@ class Jobs:
         items = [item for item in self._session.items
                  if item.get_closest_marker("children") is not None and not _skipped(item)]
         # Jobs marked ``heavy=True`` (half a minute or more each) first: the
-        # last job to end sets the session's end, so no long one starts last.
+        # last job to end sets when the tests end, so no long one starts last.
         items.sort(key=lambda item: not item.get_closest_marker("children").kwargs.get("heavy"))
         if items and PARALLEL > 1:  # one after another (PARALLEL = 1) needs no prefetch
             self._prefetch = self._pool.submit(self._gated, "(sglang prefetch)",

@@ -204,7 +204,7 @@ def test_a_compiled_caller_runs_its_regions_again_without_any_recompile(models, 
 
 #: Inductor's device test patched to the GPU's answer, in a child process
 #: (the patch is in no cache key: a fresh cache, nothing read or left, and
-#: nothing compiled under it reaches this session's caches or programs).
+#: nothing compiled under it reaches the test process's caches or programs).
 ADDMM_CHILD = r"""
 import json, sys
 sys.path.insert(0, {tests!r})

@@ -26,8 +26,8 @@ that no row owns are not written, as FA3 leaves them
 row, page size 1, no window, softcap or FP8) and `expand_kernel` is
 ``"triton"`` (`select_expand_kernel("triton")`, or
 `fa3_spec.eagle.select_kernels` with the other kernels). The default is
-``"fa3"``: every call on FA3, until the two are compared on the GPU
-(``benchmarks/RESULTS.md``). The op's CUDA kernel takes the Triton path where
+``"fa3"``: every call on FA3 (``benchmarks/RESULTS.md`` compares the two).
+The op's CUDA kernel takes the Triton path where
 `expand_kernel_applies` (layouts and sizes), else calls FA3; its default
 (CPU) implementation is the reference.
 """
@@ -36,7 +36,7 @@ from __future__ import annotations
 
 import functools
 import math
-from typing import Tuple
+from typing import Optional, Tuple
 
 import torch
 
@@ -77,14 +77,28 @@ def expand_kernel() -> str:
     return _SELECTED["kernel"]
 
 
+def _one_query_per_slot(md: FA3Metadata) -> bool:
+    """The metadata half of an expand call: one query per row in page size 1, no window."""
+    return md.max_seqlen_q == 1 and md.page_size == 1 and md.window_left == -1
+
+
 def expand_call_applies(md: FA3Metadata, q: torch.Tensor, *, softcap: float,
                         window_size: tuple, descaled: bool) -> bool:
     """Whether an FA3 call of ``md`` is an expand call this op serves (static
     facts only): one query per row in page size 1, no window, no softcap, no
     FP8 descales, and a bf16 or fp16 ``q``."""
-    return (md.max_seqlen_q == 1 and md.page_size == 1 and tuple(window_size) == (-1, -1)
-            and md.window_left == -1 and softcap == 0.0 and not descaled
-            and q.dtype in (torch.bfloat16, torch.float16))
+    return (_one_query_per_slot(md) and tuple(window_size) == (-1, -1) and softcap == 0.0
+            and not descaled and q.dtype in (torch.bfloat16, torch.float16))
+
+
+def selected_key_bound(md: FA3Metadata) -> Optional[int]:
+    """The key bound a compiled region may pass for ``md``'s call when the
+    expand kernel is selected and takes it (`expand_key_bound`), or None:
+    the call's bound is then FA3's to read (`fa3_spec.eagle.regions`)."""
+    if expand_kernel() != "triton" or not _one_query_per_slot(md):
+        return None
+    bound = expand_key_bound(md.max_seqlen_k)
+    return bound if bound <= MAX_EXPAND_KEYS else None
 
 
 def _check(q, k_cache, v_cache, page_table, cache_seqlens, cu_seqlens_q) -> None:

@@ -77,7 +77,6 @@ from .greedy import greedy_generate
 from .greedy_check import NEAR_TIE, NEAR_TIE_RULE, compare_with_greedy
 from .prefill import eos_set
 from .sync_probe import HostSyncProbe
-from ..attention import expand_kernel
 from .kernels import parse_kernels, select_kernels, selected_kernels
 from .iteration import DEFAULT_SCRIPT, LoopConfig
 from .models import make_models
@@ -498,8 +497,7 @@ def _run_loop(args: argparse.Namespace, log) -> dict:
                   temperature=args.temperature, top_p=args.top_p,
                   sampling_top_k=args.sampling_top_k, sampling_seed=args.sampling_seed,
                   cost_profile=args.cost_profile, acceptance_profile=args.acceptance_profile,
-                  kernels=dict(dataclasses.asdict(selected_kernels()),
-                               expand_attention=expand_kernel()))
+                  kernels=dataclasses.asdict(selected_kernels()))
     log(_describe(config, scripted, loaded.info if loaded else None), flush=True)
     if speculation is not None:
         for line in describe_speculation(speculation):

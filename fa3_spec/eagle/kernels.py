@@ -13,7 +13,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Sequence
 
-from ..attention.expand_attention import EXPAND_KERNELS, select_expand_kernel
+from ..attention.expand_attention import EXPAND_KERNELS, expand_kernel, select_expand_kernel
 from ..attention.kv_store import STORE_KV_IMPLS, store_kv, store_kv_cuda, store_kv_index_copy
 from ..triton_support import set_pdl
 from .gemm import GEMM_IMPLS, skinny_mm, skinny_mm_cublas, skinny_mm_cuda
@@ -105,5 +105,8 @@ def select_kernels(kernels: Kernels) -> Kernels:
 
 
 def selected_kernels() -> Kernels:
-    """The kernels registered now (`Kernels()` unless `select_kernels` changed them)."""
-    return _SELECTED["kernels"]
+    """The kernels registered now (`Kernels()` unless `select_kernels` changed
+    them). The expand kernel is read where it is kept
+    (`fa3_spec.attention.expand_kernel`), which `select_expand_kernel` may
+    have set on its own."""
+    return dataclasses.replace(_SELECTED["kernels"], expand_attention=expand_kernel())

@@ -72,8 +72,8 @@ from typing import Dict, List, Optional, Sequence, Tuple
 
 import torch
 
-from ..attention import (MAX_EXPAND_KEYS, expand_kernel, expand_key_bound,
-                         fa3_equivalent_key_bound, resolve_attention_backend)
+from ..attention import fa3_equivalent_key_bound, resolve_attention_backend
+from ..attention.expand_attention import expand_kernel, selected_key_bound
 from ..graphs import compile_fullgraph, with_own_code
 from ..metadata import CascadeMetadata, FA3Metadata
 from .layer import LayerShape, LayerWeights, layer_body
@@ -115,8 +115,7 @@ def _encode_metadata(metadata, fa3: bool = False) -> Tuple[List[torch.Tensor], L
     each call's ``max_seqlen_k`` is `fa3_equivalent_key_bound`'s: the same
     FA3 call, so the draft steps (whose expand calls differ only in that
     bound) share one program. An expand call that the expand kernel takes
-    (`fa3_spec.attention.expand_kernel` ``"triton"``) gets
-    `expand_key_bound`'s instead: the kernel's tile follows the bound, and
+    gets `fa3_spec.attention.expand_attention.selected_key_bound` instead: the kernel's tile follows the bound, and
     FA3's equivalent (127 for 1-127 keys) would give it eight times the
     tile."""
     if isinstance(metadata, CascadeMetadata):
@@ -130,11 +129,9 @@ def _encode_metadata(metadata, fa3: bool = False) -> Tuple[List[torch.Tensor], L
     for call in metadata.calls:
         tensors += [getattr(call, f) for f in _MD_TENSORS]
         values = {f: int(getattr(call, f)) for f in _MD_STATICS}
-        if fa3 and expand_kernel() == "triton" and call.page_size == 1 and \
-                call.max_seqlen_q == 1 and expand_key_bound(call.max_seqlen_k) <= MAX_EXPAND_KEYS:
-            values["max_seqlen_k"] = expand_key_bound(call.max_seqlen_k)
-        elif fa3:
-            values["max_seqlen_k"] = fa3_equivalent_key_bound(call)
+        if fa3:
+            bound = selected_key_bound(call)
+            values["max_seqlen_k"] = fa3_equivalent_key_bound(call) if bound is None else bound
         statics += [values[f] for f in _MD_STATICS]
     return tensors, statics
 
