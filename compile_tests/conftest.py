@@ -23,6 +23,25 @@ if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
 
+def pytest_addoption(parser):
+    parser.addoption("--kernels", action="append", default=[], metavar="NAME=VALUE",
+                     help="run the tests on these op kernels (fa3_spec.eagle.parse_kernels), "
+                          "e.g. --kernels expand_attention=triton; repeat for more")
+
+
+def pytest_configure(config):
+    """``--kernels``: select the op kernels before any test compiles or captures;
+    tests that choose a kernel themselves put this choice back."""
+    pairs = config.getoption("--kernels")
+    if pairs:
+        from fa3_spec.eagle.kernels import parse_kernels, select_kernels
+        try:
+            kernels = parse_kernels(pairs)
+        except ValueError as e:
+            raise pytest.UsageError(f"--kernels: {e}") from None
+        select_kernels(kernels)
+
+
 def pytest_collection_modifyitems(items):
     """Tests marked ``children`` (children.py) run last, in their order: their jobs run
     beside the in-process tests, then side by side while pytest only waits for them."""

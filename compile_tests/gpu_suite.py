@@ -281,7 +281,7 @@ def run_batch(i: int, n: int, out: pathlib.Path, budget: float | None = None,
                    **environment(), marker=MARKER, selection=dict(count=len(everything),
                                                                   digest=digest(everything)),
                    estimate_s=round(sum(map(estimate, planned)), 1), finished=False, stopped=None,
-                   exit_code=None, all_tests=everything, planned=planned, tests={})
+                   exit_code=None, pytest_args=list(pytest_args), all_tests=everything, planned=planned, tests={})
     recorder = Recorder(summary, stem.with_suffix(".json"), begin, budget)
     recorder.write()
     print(f"gpu_suite: batch {i}/{n}: {len(planned)} of {len(everything)} GPU tests, "
