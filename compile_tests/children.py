@@ -21,6 +21,11 @@ is the last to start. ``FA3_SPEC_TEST_CHILDREN=1``: torch's default threads, and
 run one after another once the children tests are reached. Beside the tests,
 a first job (`PREFETCH`) fills sglang's cache before any other process reads it.
 
+A test marked ``@pytest.mark.children(whole=True)`` runs whole in a child pytest
+(`run_whole_test`): its own body, fixtures and assertions, as in the session; the
+session's test reports the child's outcome. That moves a long in-process test to
+the other core.
+
 Children run with the environment the session started with (not what a test
 set in this process since, e.g. ``TRITON_INTERPRET`` from conftest.py)
 and are killed if the session ends first. Each job's own time is listed at the
@@ -32,10 +37,12 @@ from __future__ import annotations
 import concurrent.futures
 import json
 import os
+import pathlib
 import re
 import signal
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 
@@ -100,42 +107,168 @@ def triton_interpreter_job(code: str):
     return job
 
 
-def run(cmd, *, cwd=None, timeout=600, check=True, env_extra=None) -> subprocess.CompletedProcess:
+#: Set in a child pytest (`run_whole_test`): there a ``whole=True`` test runs as any other.
+IN_CHILD_ENV = "FA3_SPEC_TEST_IN_CHILD"
+IN_CHILD = os.environ.get(IN_CHILD_ENV) == "1"
+#: The ``env_extra`` names a forked job may set: read when used, not when torch or
+#: the library is imported (Triton, which reads ``TRITON_INTERPRET``, is not preloaded).
+FORKABLE_ENV = frozenset({"TRITON_INTERPRET", "PYTHONPATH", IN_CHILD_ENV})
+
+
+def whole(item) -> bool:
+    """``item`` is marked ``children(whole=True)`` and this is the session, not its child."""
+    marker = item.get_closest_marker("children")
+    return marker is not None and bool(marker.kwargs.get("whole")) and not IN_CHILD
+
+
+def run_whole_test(nodeid: str, tmp) -> dict:
+    """The job of a ``whole=True`` test: pytest on ``nodeid`` alone in a child;
+    ``{outcome: passed | failed | skipped, message}`` from its JUnit XML."""
+    import xml.etree.ElementTree as ET
+
+    report = tmp / "report.xml"
+    done = run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider",
+                f"--junitxml={report}", nodeid], cwd=str(_HERE.parent), check=False,
+               env_extra={IN_CHILD_ENV: "1"})
+    cases = list(ET.parse(report).iter("testcase")) if report.exists() else []
+    if len(cases) != 1:
+        return dict(outcome="failed", message=f"the child pytest ran {len(cases)} tests "
+                    f"(exit {done.returncode}):\n{done.stdout[-3000:]}{done.stderr[-3000:]}")
+    for tag in ("failure", "error", "skipped"):
+        found = cases[0].find(tag)
+        if found is not None:
+            text = found.get("message", "") if tag == "skipped" else (found.text or "")
+            return dict(outcome="skipped" if tag == "skipped" else "failed", message=text)
+    return dict(outcome="passed", message="")
+
+
+def run(cmd, *, cwd=None, timeout=600, check=True, env_extra=None,
+        fresh=False) -> subprocess.CompletedProcess:
     """``subprocess.run(cmd, check=check, capture_output=True, text=True)`` in `env`,
-    killed when the session ends first; a failure names the command and its stderr."""
+    killed when the session ends first; a failure names the command and its stderr.
+
+    A Python command (``sys.executable`` first) runs as a fork of the fork server
+    (forkserver.py), which has imported torch and the library already, unless
+    ``fresh`` (a test of what a command imports) or ``env_extra`` sets a name
+    outside `FORKABLE_ENV`."""
+    extra = dict(env_extra or {})
+    if not fresh and cmd[0] == sys.executable and len(cmd) > 1 and set(extra) <= FORKABLE_ENV:
+        server = _server()
+        if server is not None:
+            out, err, code = server.run([str(c) for c in cmd[1:]], cwd or os.getcwd(),
+                                        env(**extra), timeout)
+            return _done(cmd, code, out, err, check)
     # Its own process group: a kill reaches its children too (a notebook's kernel).
-    proc = subprocess.Popen(cmd, cwd=cwd, env=env(**(env_extra or {})), text=True,
+    proc = subprocess.Popen(cmd, cwd=cwd, env=env(**extra), text=True,
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                             start_new_session=True)
     with _lock:
-        _running.add(proc)
+        _running.add(proc.pid)
     try:
         out, err = proc.communicate(timeout=timeout)
     except BaseException:
-        _kill(proc)
+        _kill(proc.pid)
         proc.communicate()
         raise
     finally:
         with _lock:
-            _running.discard(proc)
-    if check and proc.returncode != 0:
-        raise AssertionError(f"{' '.join(map(str, cmd))} exited {proc.returncode}:\n"
-                             f"{err[-4000:]}")
-    return subprocess.CompletedProcess(cmd, proc.returncode, out, err)
+            _running.discard(proc.pid)
+    return _done(cmd, proc.returncode, out, err, check)
 
 
-def _kill(proc):
+def _done(cmd, code, out, err, check) -> subprocess.CompletedProcess:
+    if check and code != 0:
+        raise AssertionError(f"{' '.join(map(str, cmd))} exited {code}:\n{err[-4000:]}")
+    return subprocess.CompletedProcess(cmd, code, out, err)
+
+
+class _ForkServer:
+    """The client of one forkserver.py process: `run` sends a request and polls its
+    directory for the exit status."""
+
+    def __init__(self):
+        self._proc = subprocess.Popen([sys.executable, str(_HERE / "forkserver.py")],
+                                      env=env(), stdin=subprocess.PIPE,
+                                      stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                                      start_new_session=True, cwd=str(_HERE))
+        self._write = threading.Lock()
+        self._dirs = tempfile.TemporaryDirectory(prefix="fa3_spec_forks_")
+        self._count = 0
+        if self._proc.stdout.readline().strip() != b"ready":
+            self._proc.kill()
+            raise RuntimeError(f"forkserver.py did not start: "
+                               f"{self._proc.stderr.read().decode()[-2000:]}")
+
+    def run(self, argv, cwd, environment, timeout):
+        with self._write:
+            self._count += 1
+            where = pathlib.Path(self._dirs.name) / str(self._count)
+            where.mkdir()
+            self._proc.stdin.write((json.dumps(dict(argv=argv, cwd=str(cwd), env=environment,
+                                                    dir=str(where))) + "\n").encode())
+            self._proc.stdin.flush()
+        pid = None
+        deadline = time.monotonic() + timeout
+        try:
+            while not (where / "status").exists():
+                if pid is None and (where / "pid").exists():
+                    pid = int((where / "pid").read_text())
+                    with _lock:
+                        _running.add(pid)
+                if self._proc.poll() is not None:
+                    raise RuntimeError("forkserver.py exited")
+                if time.monotonic() > deadline:
+                    raise subprocess.TimeoutExpired(argv, timeout)
+                time.sleep(0.05)
+        except BaseException:
+            if pid is not None:
+                _kill(pid)
+            raise
+        finally:
+            if pid is not None:
+                with _lock:
+                    _running.discard(pid)
+        return ((where / "stdout").read_text(errors="replace"),
+                (where / "stderr").read_text(errors="replace"),
+                int((where / "status").read_text()))
+
+    def close(self):
+        _kill(self._proc.pid)
+        self._dirs.cleanup()
+
+
+_HERE = pathlib.Path(__file__).resolve().parent
+_servers: list = []  # the one server, once started (or None: it failed to start)
+
+
+def _server():
+    with _lock:
+        if not _servers:
+            try:
+                _servers.append(_ForkServer())
+            except (OSError, RuntimeError) as e:
+                sys.stderr.write(f"children: no fork server, fresh processes instead ({e})\n")
+                _servers.append(None)
+        return _servers[0]
+
+
+def _kill(pid):
     try:
-        os.killpg(proc.pid, signal.SIGKILL)
+        os.killpg(pid, signal.SIGKILL)
     except ProcessLookupError:
         pass
 
 
 def kill_running():
-    """Kill every child `run` started that is still running (the session is ending)."""
+    """Kill every child `run` started that is still running, and the fork server
+    (the session is ending)."""
     with _lock:
-        for proc in list(_running):
-            _kill(proc)
+        for pid in list(_running):
+            _kill(pid)
+        for server in _servers:
+            if server is not None:
+                server.close()
+        _servers[:] = [None] * bool(_servers)
 
 
 def _skipped(item) -> bool:
@@ -172,7 +305,8 @@ class Jobs:
             return
         self._started = True
         items = [item for item in self._session.items
-                 if item.get_closest_marker("children") is not None and not _skipped(item)]
+                 if item.get_closest_marker("children") is not None and not _skipped(item)
+                 and (whole(item) or not item.get_closest_marker("children").kwargs.get("whole"))]
         # Jobs marked ``heavy=True`` (half a minute or more each) first: the
         # last job to end sets when the tests end, so no long one starts last.
         items.sort(key=lambda item: not item.get_closest_marker("children").kwargs.get("heavy"))
@@ -196,7 +330,11 @@ class Jobs:
                 SECONDS[name] = time.perf_counter() - begin
 
     def _submit(self, item):
-        job = item.get_closest_marker("children").kwargs["job"]
+        if whole(item):
+            def job(tmp, **params):
+                return run_whole_test(item.nodeid, tmp)
+        else:
+            job = item.get_closest_marker("children").kwargs["job"]
         params = dict(getattr(getattr(item, "callspec", None), "params", {}))
         tmp = self._tmp.mktemp(re.sub(r"\W", "_", item.name)[:40], numbered=True)
 

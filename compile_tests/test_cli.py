@@ -20,7 +20,7 @@ print(json.dumps(sorted(m for m in sys.modules if m.startswith("fa3_spec"))))
 
 
 def _imported(*argv) -> set:
-    done = children.run([sys.executable, "-c", IMPORTS, *argv])
+    done = children.run([sys.executable, "-c", IMPORTS, *argv], fresh=True)
     return set(json.loads(done.stdout.strip().splitlines()[-1]))
 
 

@@ -135,7 +135,7 @@ print(json.dumps(out))
 
 
 def _import_job(tmp):
-    return json.loads(children.run([sys.executable, "-c", IMPORT_PROBE]).stdout.splitlines()[-1])
+    return json.loads(children.run([sys.executable, "-c", IMPORT_PROBE], fresh=True).stdout.splitlines()[-1])
 
 
 @pytest.mark.children(job=_import_job)
