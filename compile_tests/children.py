@@ -21,11 +21,6 @@ is the last to start. ``FA3_SPEC_TEST_CHILDREN=1``: torch's default threads, and
 run one after another once the children tests are reached. Beside the tests,
 a first job (`PREFETCH`) fills sglang's cache before any other process reads it.
 
-A test marked ``@pytest.mark.children(whole=True)`` runs whole in a child pytest
-(`run_whole_test`): its own body, fixtures and assertions, as in the session; the
-session's test reports the child's outcome. That moves a long in-process test to
-the other core.
-
 Children run with the environment the session started with (not what a test
 set in this process since, e.g. ``TRITON_INTERPRET`` from conftest.py)
 and are killed if the session ends first. Each job's own time is listed at the
@@ -107,39 +102,9 @@ def triton_interpreter_job(code: str):
     return job
 
 
-#: Set in a child pytest (`run_whole_test`): there a ``whole=True`` test runs as any other.
-IN_CHILD_ENV = "FA3_SPEC_TEST_IN_CHILD"
-IN_CHILD = os.environ.get(IN_CHILD_ENV) == "1"
 #: The ``env_extra`` names a forked job may set: read when used, not when torch or
 #: the library is imported (Triton, which reads ``TRITON_INTERPRET``, is not preloaded).
-FORKABLE_ENV = frozenset({"TRITON_INTERPRET", "PYTHONPATH", IN_CHILD_ENV})
-
-
-def whole(item) -> bool:
-    """``item`` is marked ``children(whole=True)`` and this is the session, not its child."""
-    marker = item.get_closest_marker("children")
-    return marker is not None and bool(marker.kwargs.get("whole")) and not IN_CHILD
-
-
-def run_whole_test(nodeid: str, tmp) -> dict:
-    """The job of a ``whole=True`` test: pytest on ``nodeid`` alone in a child;
-    ``{outcome: passed | failed | skipped, message}`` from its JUnit XML."""
-    import xml.etree.ElementTree as ET
-
-    report = tmp / "report.xml"
-    done = run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider",
-                f"--junitxml={report}", nodeid], cwd=str(_HERE.parent), check=False,
-               env_extra={IN_CHILD_ENV: "1"})
-    cases = list(ET.parse(report).iter("testcase")) if report.exists() else []
-    if len(cases) != 1:
-        return dict(outcome="failed", message=f"the child pytest ran {len(cases)} tests "
-                    f"(exit {done.returncode}):\n{done.stdout[-3000:]}{done.stderr[-3000:]}")
-    for tag in ("failure", "error", "skipped"):
-        found = cases[0].find(tag)
-        if found is not None:
-            text = found.get("message", "") if tag == "skipped" else (found.text or "")
-            return dict(outcome="skipped" if tag == "skipped" else "failed", message=text)
-    return dict(outcome="passed", message="")
+FORKABLE_ENV = frozenset({"TRITON_INTERPRET", "PYTHONPATH"})
 
 
 def run(cmd, *, cwd=None, timeout=600, check=True, env_extra=None,
@@ -305,8 +270,7 @@ class Jobs:
             return
         self._started = True
         items = [item for item in self._session.items
-                 if item.get_closest_marker("children") is not None and not _skipped(item)
-                 and (whole(item) or not item.get_closest_marker("children").kwargs.get("whole"))]
+                 if item.get_closest_marker("children") is not None and not _skipped(item)]
         # Jobs marked ``heavy=True`` (half a minute or more each) first: the
         # last job to end sets when the tests end, so no long one starts last.
         items.sort(key=lambda item: not item.get_closest_marker("children").kwargs.get("heavy"))
@@ -330,11 +294,7 @@ class Jobs:
                 SECONDS[name] = time.perf_counter() - begin
 
     def _submit(self, item):
-        if whole(item):
-            def job(tmp, **params):
-                return run_whole_test(item.nodeid, tmp)
-        else:
-            job = item.get_closest_marker("children").kwargs["job"]
+        job = item.get_closest_marker("children").kwargs["job"]
         params = dict(getattr(getattr(item, "callspec", None), "params", {}))
         tmp = self._tmp.mktemp(re.sub(r"\W", "_", item.name)[:40], numbered=True)
 

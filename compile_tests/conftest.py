@@ -60,19 +60,6 @@ def _child_jobs(request, tmp_path_factory):
     jobs.close()
 
 
-@pytest.hookimpl(tryfirst=True)
-def pytest_pyfunc_call(pyfuncitem):
-    """A ``children(whole=True)`` test reports what its child pytest found (children.py)."""
-    if not children.whole(pyfuncitem):
-        return None
-    done = pyfuncitem.funcargs["_child_jobs"].future(pyfuncitem).result()
-    if done["outcome"] == "skipped":
-        pytest.skip(done["message"])
-    if done["outcome"] != "passed":
-        pytest.fail(f"in a child pytest:\n{done['message']}", pytrace=False)
-    return True
-
-
 @pytest.fixture
 def child(request, _child_jobs):
     """The result of this test's ``@pytest.mark.children(job=...)``: ``child.result()``."""

@@ -385,7 +385,6 @@ def test_an_engine_with_regions_under_a_dynamic_frame_is_exact_to_greedy(models)
     assert stats["unique_graphs"] - graphs == 1 + regions.compiled_programs()
 
 
-@pytest.mark.children(whole=True, heavy=True)  # a long test: the other core
 def test_a_chain_engine_shares_one_frame_with_bucket_one_under_aot_eager(models):
     """A chain (topk 1) under aot_eager, buckets 1, 2 and 4, ``ancestors``
     (the loop's default; ``branch`` was checked once by hand, not here: each

@@ -57,12 +57,26 @@ def test_every_test_that_skips_without_cuda_is_marked_gpu(child):
     assert {gpu_suite.file_of(it["nodeid"]) for it in items if it["gpu"]} <= set(gpu_suite.SECONDS)
 
 
+#: ``gpu_suite.py ARGV...`` with the collection above instead of its own (the same
+#: pytest collection, already tested by the tests above): argv[1] holds the items.
+RUN_WITH_ITEMS = """
+import json, pathlib, sys
+import gpu_suite
+items = json.loads(pathlib.Path(sys.argv[1]).read_text())
+gpu_suite.collect = lambda select=gpu_suite.MARKER: [it for it in items if it["gpu"]]
+sys.exit(gpu_suite.main(sys.argv[2:]))
+"""
+
+
 def _run_smallest_batch(tmp):
-    gpu = [it["nodeid"] for it in _collected(tmp) if it["gpu"]]  # what `-m gpu` collects
+    items = _collected(tmp)
+    gpu = [it["nodeid"] for it in items if it["gpu"]]  # what `-m gpu` collects
     n = 8
     i = 1 + min(range(n), key=lambda j: (len(gpu_suite.split(gpu, n)[j]), j))
-    done = children.run([sys.executable, "compile_tests/gpu_suite.py", "--batch", f"{i}/{n}",
-                         "--out", str(tmp / "out")], cwd=gpu_suite.ROOT)
+    (tmp / "items.json").write_text(json.dumps(items))
+    done = children.run([sys.executable, "-c", RUN_WITH_ITEMS, str(tmp / "items.json"),
+                         "--batch", f"{i}/{n}", "--out", str(tmp / "out")], cwd=gpu_suite.ROOT,
+                        env_extra={"PYTHONPATH": str(gpu_suite.ROOT / "compile_tests")})
     stem = tmp / "out" / f"batch-{i}-of-{n}"
     return dict(i=i, n=n, stdout=done.stdout, summary=json.loads(stem.with_suffix(".json").read_text()),
                 cases=[c.get("name") for c in ET.parse(stem.with_suffix(".xml")).iter("testcase")])
