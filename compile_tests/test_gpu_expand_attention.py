@@ -54,6 +54,29 @@ def test_the_kernel_gives_fa3_s_output_and_lse(batch, n):
     assert (got_o[~live] == 0).all() and torch.isneginf(got_l[:, ~live]).all()
 
 
+@pytest.mark.parametrize("d, hq, hkv, n, dtype", [
+    (256, 32, 2, 128, torch.bfloat16),  # the largest tile: D 256, 16 heads per KV head, 128 keys
+    (64, 8, 8, 33, torch.float16),      # one head per KV head, keys not a power of two
+])
+def test_the_kernel_gives_fa3_s_output_and_lse_at_the_edges_of_its_tiles(d, hq, hkv, n, dtype):
+    g = torch.Generator(device="cuda").manual_seed(d + n)
+    rows = 24
+    q = torch.randn(rows, hq, d, device="cuda", dtype=dtype, generator=g)
+    k = torch.randn(SLOTS, 1, hkv, d, device="cuda", dtype=dtype, generator=g)
+    v = torch.randn(SLOTS, 1, hkv, d, device="cuda", dtype=dtype, generator=g)
+    pt = torch.randint(1, SLOTS, (rows, n), device="cuda", generator=g, dtype=torch.int32)
+    sl = torch.randint(1, n + 1, (rows,), device="cuda", generator=g, dtype=torch.int32)
+    sl[0], sl[1], sl[2] = n, 0, 1  # every key, none, one
+    cu = torch.arange(rows + 1, device="cuda", dtype=torch.int32)
+    scale = d ** -0.5
+    got_o, got_l = expand_attention_triton(q, k, v, pt, sl, cu, n, scale)
+    want_o, want_l = fa3_paged_attention(q, k, v, pt, sl, cu, 1, scale, False, 1)
+    live = sl > 0
+    torch.testing.assert_close(got_o[live], want_o[live], atol=2e-2, rtol=2e-2)
+    torch.testing.assert_close(got_l[:, live], want_l[:, live], atol=1e-3, rtol=1e-4)
+    assert (got_o[~live] == 0).all() and torch.isneginf(got_l[:, ~live]).all()
+
+
 def test_the_op_is_one_launch_of_the_kernel():
     q, k, v, pt, sl, cu = _expand(4, 16)
     names = cuda_kernel_names(lambda: expand_attention(q, k, v, pt, sl, cu, 16, 0.1))
