@@ -152,17 +152,19 @@ class _ForkServer:
     directory for the exit status."""
 
     def __init__(self):
-        self._proc = subprocess.Popen([sys.executable, str(_HERE / "forkserver.py")],
-                                      env=env(), stdin=subprocess.PIPE,
-                                      stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                                      start_new_session=True, cwd=str(_HERE))
-        self._write = threading.Lock()
         self._dirs = tempfile.TemporaryDirectory(prefix="fa3_spec_forks_")
+        log = pathlib.Path(self._dirs.name) / "server.stderr"  # a file: a pipe could fill
+        with open(log, "wb") as err:
+            self._proc = subprocess.Popen([sys.executable, str(_HERE / "forkserver.py")],
+                                          env=env(), stdin=subprocess.PIPE,
+                                          stdout=subprocess.PIPE, stderr=err,
+                                          start_new_session=True, cwd=str(_HERE))
+        self._write = threading.Lock()
         self._count = 0
         if self._proc.stdout.readline().strip() != b"ready":
             self._proc.kill()
             raise RuntimeError(f"forkserver.py did not start: "
-                               f"{self._proc.stderr.read().decode()[-2000:]}")
+                               f"{log.read_text(errors='replace')[-2000:]}")
 
     def run(self, argv, cwd, environment, timeout):
         with self._write:
