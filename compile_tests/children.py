@@ -188,6 +188,8 @@ class _ForkServer:
                     raise subprocess.TimeoutExpired(argv, timeout)
                 time.sleep(0.05)
         except BaseException:
+            if pid is None and (where / "pid").exists():
+                pid = int((where / "pid").read_text())
             if pid is not None:
                 _kill(pid)
             raise
@@ -220,10 +222,14 @@ def _server():
 
 
 def _kill(pid):
-    try:
-        os.killpg(pid, signal.SIGKILL)
-    except ProcessLookupError:
-        pass
+    """SIGKILL to the process group ``pid`` leads, or to ``pid`` alone when it leads
+    none yet (a fork that has not reached its ``setsid``)."""
+    for kill in (os.killpg, os.kill):
+        try:
+            kill(pid, signal.SIGKILL)
+            return
+        except ProcessLookupError:
+            pass
 
 
 def kill_running():

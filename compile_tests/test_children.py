@@ -3,6 +3,7 @@ interpreter would."""
 
 import json
 import signal
+import subprocess
 import sys
 
 import pytest
@@ -29,14 +30,19 @@ def _probe_both_ways(tmp):
                            "signal.SIGTERM)"], check=False)
     message = children.run([sys.executable, "-c", "import sys; sys.exit('bad input')"],
                            check=False)
-    return out, killed.returncode, (message.returncode, message.stderr)
+    try:
+        children.run([sys.executable, "-c", "import time; time.sleep(60)"], timeout=1)
+        timed_out = False
+    except subprocess.TimeoutExpired:
+        timed_out = True
+    return out, killed.returncode, (message.returncode, message.stderr), timed_out
 
 
 @pytest.mark.children(job=_probe_both_ways)
 def test_a_forked_job_runs_as_a_fresh_interpreter_would(child):
     """The fork server's jobs see the argv, working directory, environment and
-    ``__main__`` a fresh ``python -c`` sees, and exit the same ways."""
-    out, killed, message = child.result()
+    ``__main__`` a fresh ``python -c`` sees, exit the same ways, and time out."""
+    out, killed, message, timed_out = child.result()
     code, stdout, stderr = out[False]
     (seen, forked), (fresh_seen, fresh_forked) = ([json.loads(line) for line in out[f][1].splitlines()]
                                                   for f in (False, True))
@@ -47,3 +53,4 @@ def test_a_forked_job_runs_as_a_fresh_interpreter_would(child):
     assert seen["main"] == "__main__" and seen["path0"] == ""
     assert killed == -signal.SIGTERM
     assert message == (1, "bad input\n")
+    assert timed_out
