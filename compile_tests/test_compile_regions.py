@@ -385,20 +385,46 @@ def test_an_engine_with_regions_under_a_dynamic_frame_is_exact_to_greedy(models)
     assert stats["unique_graphs"] - graphs == 1 + regions.compiled_programs()
 
 
-def test_a_chain_engine_shares_one_frame_with_bucket_one_under_aot_eager(models):
+#: The chain engine's check in a child (its aot_eager trace is the longest of these
+#: tests: it runs on the other core, children.py); prints the frame count.
+CHAIN_CHILD = r"""
+import json, sys
+sys.path.insert(0, {tests!r})
+import torch
+torch.set_num_threads(1)
+from fa3_spec.eagle import make_models
+from test_compile_regions import _assert_alone_then_three_match_greedy, _engine
+
+torch.manual_seed(0)
+models = make_models("tiny", draft="derived", num_layers=3, dtype=torch.float64)  # the fixture's
+eng = _engine(models, [1, 2, 4], "aot_eager", max_new=4, topk=1, num_steps=2,
+              num_draft_tokens=3)
+assert eng.lc.draft_attention == "ancestors"
+_assert_alone_then_three_match_greedy(eng, models)
+print(json.dumps(eng.runner.compile_counter.frame_count))
+"""
+
+
+def _chain_frames(tmp):
+    import json
+    import pathlib
+    import sys
+
+    code = CHAIN_CHILD.format(tests=str(pathlib.Path(__file__).resolve().parent))
+    return json.loads(children.run([sys.executable, "-c", code]).stdout.strip().splitlines()[-1])
+
+
+@pytest.mark.children(job=_chain_frames, heavy=True)
+def test_a_chain_engine_shares_one_frame_with_bucket_one_under_aot_eager(child):
     """A chain (topk 1) under aot_eager, buckets 1, 2 and 4, ``ancestors``
     (the loop's default; ``branch`` was checked once by hand, not here: each
     case costs about 40 s of the CPU suite): one frame, the same tokens as
-    greedy. With one leaf per request the per-leaf tensors are
-    ``[B]``, and a reshape or a copy of such a view guarded the batch against
-    1 in its layout check (the draft steps' slots and parents, the layer's
-    head split, the reference attention's LSE): bucket 1 compiled a frame of
-    its own."""
-    eng = _engine(models, [1, 2, 4], "aot_eager", max_new=4, topk=1, num_steps=2,
-                  num_draft_tokens=3)
-    assert eng.lc.draft_attention == "ancestors"
-    _assert_alone_then_three_match_greedy(eng, models)
-    assert eng.runner.compile_counter.frame_count == 1
+    greedy (asserted in the child). With one leaf per request the per-leaf
+    tensors are ``[B]``, and a reshape or a copy of such a view guarded the
+    batch against 1 in its layout check (the draft steps' slots and parents,
+    the layer's head split, the reference attention's LSE): bucket 1 compiled
+    a frame of its own."""
+    assert child.result() == 1
 
 
 def test_a_static_runner_stays_static_after_the_same_step_ran_at_another_batch():
