@@ -13,6 +13,9 @@ Variants (seed configuration: P = 2, topk = 8, 5 steps):
     lengths, draft slots over the full int64 range), with ``cfg.num_pages``
     set to the KV pool size. memcheck must report 0 errors: whatever the
     inputs hold, nothing reads or writes out of range.
+``fixed-expand-kernel``
+    ``fixed`` with the tree's expand calls on the expand kernel
+    (`fa3_spec.attention.select_expand_kernel`), under the same garbage.
 ``prefix-eager``
     `UpstreamStyleBuilder(revert_pr_27360=True)` on CUDA, eager: PyTorch's
     ``scatter_`` checks its indices and trips a device-side assert.
@@ -43,7 +46,8 @@ CFG = fa3_spec.SpecConfig(page_size=2, topk=8, num_steps=5, num_draft_tokens=16,
                           max_context_len=512)
 
 
-def fixed():
+def fixed(expand_kernel="fa3"):
+    fa3_spec.attention.select_expand_kernel(expand_kernel)  # before the compile reads it
     world = make_world(CFG, 4, num_padding=1, seed=0, device="cuda")
     # The KV pool size lets the builders clamp page ids into the pool. Without
     # it, garbage draft slots became garbage page ids and FA3 read wild
@@ -91,7 +95,8 @@ def prefix_unchecked():
     _pre_fix(scatter)
 
 
-VARIANTS = {"fixed": fixed, "prefix-eager": _pre_fix, "prefix-unchecked": prefix_unchecked}
+VARIANTS = {"fixed": fixed, "fixed-expand-kernel": lambda: fixed("triton"),
+            "prefix-eager": _pre_fix, "prefix-unchecked": prefix_unchecked}
 
 if __name__ == "__main__":
     variant = sys.argv[1]

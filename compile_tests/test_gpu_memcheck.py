@@ -1,4 +1,5 @@
-"""compute-sanitizer memcheck over the captured draft loop, and over the pre-#27360 switch.
+"""compute-sanitizer memcheck over the captured draft loop (its expand calls on FA3
+and on the expand kernel), and over the pre-#27360 switch.
 
 Skipped without CUDA sm90 + FA3 or without ``compute-sanitizer`` on PATH (or
 in /usr/local/cuda/bin). Each case runs `memcheck_probe.py` in a subprocess.
@@ -40,9 +41,10 @@ def _memcheck(variant, **env):
     return (int(summary.group(1)) if summary else None), text, done.returncode
 
 
-def test_fixed_path_captured_draft_loop_is_clean():
-    errors, text, rc = _memcheck("fixed", TORCHINDUCTOR_COMPILE_THREADS="1")
-    assert "PROBE fixed done" in text, text[-3000:]
+@pytest.mark.parametrize("variant", ["fixed", "fixed-expand-kernel"])
+def test_fixed_path_captured_draft_loop_is_clean(variant):
+    errors, text, rc = _memcheck(variant, TORCHINDUCTOR_COMPILE_THREADS="1")
+    assert f"PROBE {variant} done" in text, text[-3000:]
     assert errors == 0 and rc == 0, text[-3000:]
 
 
