@@ -18,7 +18,7 @@ import torch
 import fa3_spec
 from fa3_spec.eagle import DEFAULT_SCRIPT, EagleEngine, LoopConfig
 from fa3_spec.eagle.acceptance import scripted_acceptance
-from fa3_spec.eagle.kernels import Kernels, parse_kernels
+from fa3_spec.eagle.kernels import parse_kernels
 from fa3_spec.graphs import CompilePolicy
 
 #: What a row says of scripted acceptance: the tokens emitted per iteration,
@@ -95,10 +95,9 @@ def compiled_as(eng: EagleEngine) -> dict:
     return dict(compile=eng.policy.compile_backend or "none", compile_regions=eng.policy.regions)
 
 
-def kernels(pairs: Sequence[str]) -> Kernels:
-    """`Kernels` from ``name=value`` pairs, e.g. ``["gemm=cublas", "pdl=off"]``
-    (`fa3_spec.eagle.kernels.parse_kernels`; ValueError on an unknown name or value)."""
-    return parse_kernels(pairs)
+#: `Kernels` from the benchmarks' ``--kernels name=value`` pairs, e.g.
+#: ``["gemm=cublas", "pdl=off"]``: the library's parser, as ``fa3-spec eagle`` uses it.
+kernels = parse_kernels
 
 
 def random_prompts(count: int, length: int, vocab: int, seed: int) -> List[List[int]]:

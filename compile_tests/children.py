@@ -1,4 +1,4 @@
-"""Tests whose work runs in child processes, run beside the rest of the session.
+"""Tests whose work runs in child processes, run beside the rest of the test run.
 
 A benchmark smoke, a notebook, a CLI run or a cross-process cache check spends
 its time in a child Python (importing torch, tracing, compiling) while pytest
@@ -11,7 +11,7 @@ in the job is raised there).
 CI has two cores and the in-process tests keep about one busy. So, with
 `PARALLEL` = 2 (the default): every selected job is submitted before the first
 test and they run one at a time beside the in-process tests; conftest.py
-moves the children tests to the end of the session, and from the first of them
+moves the children tests to the end of the run, and from the first of them
 on (pytest then only waits) `PARALLEL` jobs run at once. Every torch runs one
 thread: this process (conftest.py) and each child (``OMP_NUM_THREADS=1``), so
 that no two multi-threaded processes share the two cores (their OpenMP threads
@@ -21,9 +21,9 @@ is the last to start. ``FA3_SPEC_TEST_CHILDREN=1``: torch's default threads, and
 run one after another once the children tests are reached. Beside the tests,
 a first job (`PREFETCH`) fills sglang's cache before any other process reads it.
 
-Children run with the environment the session started with (not what a test
+Children run with the environment the test run started with (not what a test
 set in this process since, e.g. ``TRITON_INTERPRET`` from conftest.py)
-and are killed if the session ends first. Each job's own time is listed at the
+and are killed if the test run ends first. Each job's own time is listed at the
 end of the run (the children tests' durations are mostly waiting).
 """
 
@@ -46,7 +46,7 @@ import time
 PARALLEL = max(1, int(os.environ.get("FA3_SPEC_TEST_CHILDREN",
                                      min(2, len(os.sched_getaffinity(0))))))
 
-_ENV = dict(os.environ)  # as the session started (conftest imports this first)
+_ENV = dict(os.environ)  # as the test run started (conftest imports this first)
 _running: set = set()
 #: nodeid -> a finished job's own wall time (listed at the end of the run).
 SECONDS: dict = {}
@@ -54,7 +54,7 @@ _lock = threading.Lock()
 
 
 def env(**extra) -> dict:
-    """The environment of a child: the session's initial one, one thread (PARALLEL > 1)."""
+    """The environment of a child: the test run's initial one, one thread (PARALLEL > 1)."""
     out = dict(_ENV)
     if PARALLEL > 1:
         out.setdefault("OMP_NUM_THREADS", "1")
@@ -110,7 +110,7 @@ FORKABLE_ENV = frozenset({"TRITON_INTERPRET", "PYTHONPATH"})
 def run(cmd, *, cwd=None, timeout=600, check=True, env_extra=None,
         fresh=False) -> subprocess.CompletedProcess:
     """``subprocess.run(cmd, check=check, capture_output=True, text=True)`` in `env`,
-    killed when the session ends first; a failure names the command and its stderr.
+    killed when the test run ends first; a failure names the command and its stderr.
 
     A Python command (``sys.executable`` first) runs as a fork of the fork server
     (forkserver.py), which has imported torch and the library already, unless
@@ -207,18 +207,20 @@ class _ForkServer:
 
 
 _HERE = pathlib.Path(__file__).resolve().parent
-_servers: list = []  # the one server, once started (or None: it failed to start)
+#: ``"server"``: the one `_ForkServer` once asked for, or None (it did not start, or
+#: the test run is ending): jobs then run as fresh processes.
+_FORK = {}
 
 
 def _server():
     with _lock:
-        if not _servers:
+        if "server" not in _FORK:
             try:
-                _servers.append(_ForkServer())
+                _FORK["server"] = _ForkServer()
             except (OSError, RuntimeError) as e:
                 sys.stderr.write(f"children: no fork server, fresh processes instead ({e})\n")
-                _servers.append(None)
-        return _servers[0]
+                _FORK["server"] = None
+        return _FORK["server"]
 
 
 def _kill(pid):
@@ -234,14 +236,14 @@ def _kill(pid):
 
 def kill_running():
     """Kill every child `run` started that is still running, and the fork server
-    (the session is ending)."""
+    (the test run is ending)."""
     with _lock:
         for pid in list(_running):
             _kill(pid)
-        for server in _servers:
-            if server is not None:
-                server.close()
-        _servers[:] = [None] * bool(_servers)
+        server = _FORK.get("server")
+        if server is not None:
+            server.close()
+        _FORK["server"] = None
 
 
 def _skipped(item) -> bool:
@@ -260,7 +262,7 @@ PREFETCH = [sys.executable, "-c", "from fa3_spec.harness.sglang_upstream import 
 
 
 class Jobs:
-    """The session's jobs: all submitted before the first test, one running at a time
+    """The test run's jobs: all submitted before the first test, one running at a time
     beside the in-process tests, `PARALLEL` at a time once only children tests are left."""
 
     def __init__(self, session, tmp_path_factory):

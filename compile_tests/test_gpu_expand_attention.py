@@ -27,31 +27,40 @@ pytestmark = [
 HQ, HKV, D, SLOTS = 32, 8, 128, 8192  # llama3-8b's heads
 
 
-def _expand(batch, n, seed=0, dtype=torch.bfloat16):
-    """A tree's expand call: ``batch * n`` rows of one query over up to ``n`` slots."""
+def _calls(rows, n, seed, dtype=torch.bfloat16, hq=HQ, hkv=HKV, d=D):
+    """An expand call's tensors: ``rows`` rows of one query over up to ``n`` slots."""
     g = torch.Generator(device="cuda").manual_seed(seed)
-    rows = batch * n
-    q = torch.randn(rows, HQ, D, device="cuda", dtype=dtype, generator=g)
-    k = torch.randn(SLOTS, 1, HKV, D, device="cuda", dtype=dtype, generator=g)
-    v = torch.randn(SLOTS, 1, HKV, D, device="cuda", dtype=dtype, generator=g)
+    q = torch.randn(rows, hq, d, device="cuda", dtype=dtype, generator=g)
+    k = torch.randn(SLOTS, 1, hkv, d, device="cuda", dtype=dtype, generator=g)
+    v = torch.randn(SLOTS, 1, hkv, d, device="cuda", dtype=dtype, generator=g)
     pt = torch.randint(1, SLOTS, (rows, n), device="cuda", generator=g, dtype=torch.int32)
     sl = torch.randint(1, n + 1, (rows,), device="cuda", generator=g, dtype=torch.int32)
-    sl[::7] = 0  # rows with no key
     cu = torch.arange(rows + 1, device="cuda", dtype=torch.int32)
     return q, k, v, pt, sl, cu
 
 
-@pytest.mark.parametrize("batch", [1, 8, 64])
-@pytest.mark.parametrize("n", [8, 16])
-def test_the_kernel_gives_fa3_s_output_and_lse(batch, n):
-    q, k, v, pt, sl, cu = _expand(batch, n, seed=batch * 100 + n)
-    scale = D ** -0.5
+def _expand(batch, n, seed=0, dtype=torch.bfloat16):
+    """A tree's expand call: ``batch * n`` rows of one query over up to ``n`` slots."""
+    q, k, v, pt, sl, cu = _calls(batch * n, n, seed, dtype)
+    sl[::7] = 0  # rows with no key
+    return q, k, v, pt, sl, cu
+
+
+def _assert_gives_fa3_s(q, k, v, pt, sl, cu, n):
+    """The kernel's output and LSE are FA3's on rows with keys; 0 and -inf on the rest."""
+    scale = q.shape[-1] ** -0.5
     got_o, got_l = expand_attention_triton(q, k, v, pt, sl, cu, n, scale)
     want_o, want_l = fa3_paged_attention(q, k, v, pt, sl, cu, 1, scale, False, 1)
     live = sl > 0
     torch.testing.assert_close(got_o[live], want_o[live], atol=2e-2, rtol=2e-2)
     torch.testing.assert_close(got_l[:, live], want_l[:, live], atol=1e-3, rtol=1e-4)
     assert (got_o[~live] == 0).all() and torch.isneginf(got_l[:, ~live]).all()
+
+
+@pytest.mark.parametrize("batch", [1, 8, 64])
+@pytest.mark.parametrize("n", [8, 16])
+def test_the_kernel_gives_fa3_s_output_and_lse(batch, n):
+    _assert_gives_fa3_s(*_expand(batch, n, seed=batch * 100 + n), n)
 
 
 @pytest.mark.parametrize("d, hq, hkv, n, dtype", [
@@ -59,22 +68,9 @@ def test_the_kernel_gives_fa3_s_output_and_lse(batch, n):
     (64, 8, 8, 33, torch.float16),      # one head per KV head, keys not a power of two
 ])
 def test_the_kernel_gives_fa3_s_output_and_lse_at_the_edges_of_its_tiles(d, hq, hkv, n, dtype):
-    g = torch.Generator(device="cuda").manual_seed(d + n)
-    rows = 24
-    q = torch.randn(rows, hq, d, device="cuda", dtype=dtype, generator=g)
-    k = torch.randn(SLOTS, 1, hkv, d, device="cuda", dtype=dtype, generator=g)
-    v = torch.randn(SLOTS, 1, hkv, d, device="cuda", dtype=dtype, generator=g)
-    pt = torch.randint(1, SLOTS, (rows, n), device="cuda", generator=g, dtype=torch.int32)
-    sl = torch.randint(1, n + 1, (rows,), device="cuda", generator=g, dtype=torch.int32)
+    q, k, v, pt, sl, cu = _calls(24, n, d + n, dtype, hq, hkv, d)
     sl[0], sl[1], sl[2] = n, 0, 1  # every key, none, one
-    cu = torch.arange(rows + 1, device="cuda", dtype=torch.int32)
-    scale = d ** -0.5
-    got_o, got_l = expand_attention_triton(q, k, v, pt, sl, cu, n, scale)
-    want_o, want_l = fa3_paged_attention(q, k, v, pt, sl, cu, 1, scale, False, 1)
-    live = sl > 0
-    torch.testing.assert_close(got_o[live], want_o[live], atol=2e-2, rtol=2e-2)
-    torch.testing.assert_close(got_l[:, live], want_l[:, live], atol=1e-3, rtol=1e-4)
-    assert (got_o[~live] == 0).all() and torch.isneginf(got_l[:, ~live]).all()
+    _assert_gives_fa3_s(q, k, v, pt, sl, cu, n)
 
 
 def test_the_op_is_one_launch_of_the_kernel():

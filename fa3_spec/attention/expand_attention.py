@@ -26,8 +26,7 @@ that no row owns are not written, as FA3 leaves them
 row, page size 1, no window, softcap or FP8) and `expand_kernel` is
 ``"triton"`` (`select_expand_kernel("triton")`, or
 `fa3_spec.eagle.select_kernels` with the other kernels). The default is
-``"fa3"``: every call on FA3 (``benchmarks/RESULTS.md`` compares the two).
-The op's CUDA kernel takes the Triton path where
+``"fa3"``: every call on FA3. The op's CUDA kernel takes the Triton path where
 `expand_kernel_applies` (layouts and sizes), else calls FA3; its default
 (CPU) implementation is the reference.
 """

@@ -115,9 +115,9 @@ def _encode_metadata(metadata, fa3: bool = False) -> Tuple[List[torch.Tensor], L
     each call's ``max_seqlen_k`` is `fa3_equivalent_key_bound`'s: the same
     FA3 call, so the draft steps (whose expand calls differ only in that
     bound) share one program. An expand call that the expand kernel takes
-    gets `fa3_spec.attention.expand_attention.selected_key_bound` instead: the kernel's tile follows the bound, and
-    FA3's equivalent (127 for 1-127 keys) would give it eight times the
-    tile."""
+    gets `fa3_spec.attention.expand_attention.selected_key_bound` instead:
+    the kernel's tile follows the bound, and FA3's equivalent (127 for 1-127
+    keys) would give it eight times the tile."""
     if isinstance(metadata, CascadeMetadata):
         kind = 1
     elif isinstance(metadata, FA3Metadata):
