@@ -103,7 +103,9 @@ def triton_interpreter_job(code: str):
 
 
 #: The ``env_extra`` names a forked job may set: read when used, not when torch or
-#: the library is imported (Triton, which reads ``TRITON_INTERPRET``, is not preloaded).
+#: the library is imported. ``TRITON_INTERPRET`` only while the fork server has
+#: not imported Triton (torch's dynamo does where Triton is installed), see
+#: `_ForkServer.serves`.
 FORKABLE_ENV = frozenset({"TRITON_INTERPRET", "PYTHONPATH"})
 
 
@@ -114,12 +116,12 @@ def run(cmd, *, cwd=None, timeout=600, check=True, env_extra=None,
 
     A Python command (``sys.executable`` first) runs as a fork of the fork server
     (forkserver.py), which has imported torch and the library already, unless
-    ``fresh`` (a test of what a command imports) or ``env_extra`` sets a name
-    outside `FORKABLE_ENV`."""
+    ``fresh`` (a test of what a command imports), ``env_extra`` sets a name
+    outside `FORKABLE_ENV`, or the server cannot serve its environment."""
     extra = dict(env_extra or {})
     if not fresh and cmd[0] == sys.executable and len(cmd) > 1 and set(extra) <= FORKABLE_ENV:
         server = _server()
-        if server is not None:
+        if server is not None and server.serves(env(**extra)):
             out, err, code = server.run([str(c) for c in cmd[1:]], cwd or os.getcwd(),
                                         env(**extra), timeout)
             return _done(cmd, code, out, err, check)
@@ -148,23 +150,33 @@ def _done(cmd, code, out, err, check) -> subprocess.CompletedProcess:
 
 
 class _ForkServer:
-    """The client of one forkserver.py process: `run` sends a request and polls its
-    directory for the exit status."""
+    """The client of one forkserver.py process started in ``environment`` (`env` by
+    default): `run` sends a request and polls its directory for the exit status."""
 
-    def __init__(self):
+    def __init__(self, environment=None):
+        self._env = env() if environment is None else dict(environment)
         self._dirs = tempfile.TemporaryDirectory(prefix="fa3_spec_forks_")
         log = pathlib.Path(self._dirs.name) / "server.stderr"  # a file: a pipe could fill
         with open(log, "wb") as err:
             self._proc = subprocess.Popen([sys.executable, str(_HERE / "forkserver.py")],
-                                          env=env(), stdin=subprocess.PIPE,
+                                          env=self._env, stdin=subprocess.PIPE,
                                           stdout=subprocess.PIPE, stderr=err,
                                           start_new_session=True, cwd=str(_HERE))
         self._write = threading.Lock()
         self._count = 0
-        if self._proc.stdout.readline().strip() != b"ready":
+        try:
+            #: Whether the server's preloads imported Triton.
+            self.triton = bool(json.loads(self._proc.stdout.readline())["triton"])
+        except (ValueError, KeyError, TypeError):
             self._proc.kill()
             raise RuntimeError(f"forkserver.py did not start: "
-                               f"{log.read_text(errors='replace')[-2000:]}")
+                               f"{log.read_text(errors='replace')[-2000:]}") from None
+
+    def serves(self, environment) -> bool:
+        """Whether a fork runs a job in ``environment`` as a fresh interpreter would:
+        Triton, once imported, keeps the interpreter mode of its import."""
+        return not self.triton or (environment.get("TRITON_INTERPRET")
+                                   == self._env.get("TRITON_INTERPRET"))
 
     def run(self, argv, cwd, environment, timeout):
         with self._write:

@@ -3,8 +3,11 @@
 Most of a short child job's CPU time is importing torch and the library. This
 process imports them once, then forks a child per request, so each job starts
 where a fresh ``python`` would be after those imports. The server starts no
-thread and imports no Triton (a job may still choose Triton's interpreter
-mode), so a fork is a clean copy.
+thread, so a fork is a clean copy. Where Triton is installed, torch's dynamo
+imports it, and Triton makes its own library's jit functions at import in the
+mode ``TRITON_INTERPRET`` then names: so the server's first line says whether
+Triton is loaded (``{"triton": true}``), and the client forks no job that
+names another mode.
 
 Protocol: one JSON request per line on stdin, ``{"argv", "cwd", "env", "dir"}``;
 ``argv`` is what follows the interpreter (``-c CODE ...``, ``-m MODULE ...`` or
@@ -26,7 +29,7 @@ import select
 import sys
 import traceback
 
-#: What every job finds imported (none of them imports Triton).
+#: What every job finds imported.
 PRELOAD = ("torch", "torch._dynamo", "fa3_spec", "fa3_spec.eagle")
 
 
@@ -86,10 +89,8 @@ def _run_job(request: dict) -> int:
 def serve() -> None:
     for name in PRELOAD:
         __import__(name)
-    if "triton" in sys.modules:
-        raise SystemExit("forkserver: a preloaded module imported Triton")
     jobs: dict = {}  # pid -> its directory
-    sys.stdout.write("ready\n")
+    sys.stdout.write(json.dumps({"triton": "triton" in sys.modules}) + "\n")
     sys.stdout.flush()
     stdin = sys.stdin.buffer
     while True:

@@ -1,6 +1,7 @@
 """children.py: a job forked from the fork server (forkserver.py) runs as a fresh
 interpreter would."""
 
+import importlib.util
 import json
 import signal
 import subprocess
@@ -9,11 +10,12 @@ import sys
 import pytest
 
 import children
+from fa3_spec.harness.sglang_upstream import TRITON_VERSION, default_cache_dir
 
 PROBE = '''
 import json, os, sys
-print(json.dumps(dict(argv=sys.argv, cwd=os.getcwd(), interpret=os.environ.get("TRITON_INTERPRET"),
-                      path0=sys.path[0], main=__name__)))
+print(json.dumps(dict(argv=sys.argv, cwd=os.getcwd(), pythonpath=os.environ.get("PYTHONPATH"),
+                      path=sys.path[:2], main=__name__)))
 print(json.dumps("torch" in sys.modules))
 print("to stderr", file=sys.stderr)
 sys.exit(int(sys.argv[1]))
@@ -24,7 +26,7 @@ def _probe_both_ways(tmp):
     out = {}
     for fresh in (False, True):
         done = children.run([sys.executable, "-c", PROBE, "3", "x"], cwd=tmp, check=False,
-                            env_extra={"TRITON_INTERPRET": "1"}, fresh=fresh)
+                            env_extra={"PYTHONPATH": str(tmp / "extra")}, fresh=fresh)
         out[fresh] = (done.returncode, done.stdout, done.stderr)
     killed = children.run([sys.executable, "-c", "import os, signal; os.kill(os.getpid(), "
                            "signal.SIGTERM)"], check=False)
@@ -35,22 +37,81 @@ def _probe_both_ways(tmp):
         timed_out = False
     except subprocess.TimeoutExpired:
         timed_out = True
-    return out, killed.returncode, (message.returncode, message.stderr), timed_out
+    return out, killed.returncode, (message.returncode, message.stderr), timed_out, tmp
 
 
 @pytest.mark.children(job=_probe_both_ways)
 def test_a_forked_job_runs_as_a_fresh_interpreter_would(child):
     """The fork server's jobs see the argv, working directory, environment and
     ``__main__`` a fresh ``python -c`` sees, exit the same ways, and time out."""
-    out, killed, message, timed_out = child.result()
+    out, killed, message, timed_out, tmp = child.result()
     code, stdout, stderr = out[False]
     (seen, forked), (fresh_seen, fresh_forked) = ([json.loads(line) for line in out[f][1].splitlines()]
                                                   for f in (False, True))
     assert forked and not fresh_forked  # the fork had torch imported already; a fresh one not
     assert (code, seen, stderr) == (out[True][0], fresh_seen, out[True][2])
     assert code == 3 and "to stderr" in stderr
-    assert seen["argv"] == ["-c", "3", "x"] and seen["interpret"] == "1"
-    assert seen["main"] == "__main__" and seen["path0"] == ""
+    assert seen["argv"] == ["-c", "3", "x"] and seen["pythonpath"] == str(tmp / "extra")
+    assert seen["main"] == "__main__" and seen["path"] == ["", str(tmp / "extra")]
     assert killed == -signal.SIGTERM
     assert message == (1, "bad input\n")
     assert timed_out
+
+
+#: A kernel that calls one of Triton's own jit functions (``tl.sum``).
+TOTAL = """import torch, triton, triton.language as tl
+
+
+@triton.jit
+def total(x_ptr, out_ptr):
+    tl.store(out_ptr, tl.sum(tl.load(x_ptr + tl.arange(0, 4)), axis=0))
+
+
+x, out = torch.arange(4.0), torch.zeros(1)
+total[(1,)](x, out)
+print(out.item())
+"""
+
+
+def _triton_path():
+    """Where Triton imports from: installed (None), else the cache the prefetch
+    fills; ``False`` where there is none."""
+    if importlib.util.find_spec("triton") is not None:
+        return None
+    cached = default_cache_dir() / f"triton-{TRITON_VERSION}"
+    return str(cached) if (cached / "triton" / "__init__.py").is_file() else False
+
+
+def _server_with_triton(tmp):
+    path = _triton_path()
+    if path is False:
+        return None
+    base = children.env(**({} if path is None else {"PYTHONPATH": path}))
+    base.pop("TRITON_INTERPRET", None)
+    interpret = {**base, "TRITON_INTERPRET": "1"}
+    (tmp / "total.py").write_text(TOTAL)
+    server = children._ForkServer(base)
+    try:
+        forked = server.run(["total.py"], tmp, interpret, 300)
+        fresh = children.run([sys.executable, "total.py"], cwd=tmp, fresh=True,
+                             env_extra={k: interpret[k] for k in ("PYTHONPATH", "TRITON_INTERPRET")
+                                        if k in interpret})
+        return (server.triton, server.serves(base), server.serves(interpret), forked[2],
+                fresh.stdout)
+    finally:
+        server.close()
+
+
+@pytest.mark.children(job=_server_with_triton)
+def test_a_server_that_imported_triton_forks_no_job_of_another_interpreter_mode(child):
+    """Where Triton is installed, torch's dynamo imports it, and Triton makes its
+    own jit functions (``tl.sum``) in the mode of that import: a fork asked for
+    ``TRITON_INTERPRET=1`` cannot run an interpreted kernel, so such a job runs
+    fresh."""
+    found = child.result()
+    if found is None:
+        pytest.skip("no Triton installed or cached")
+    triton, serves_its_own, serves_interpret, forked_code, fresh_stdout = found
+    assert triton and serves_its_own and not serves_interpret
+    assert forked_code != 0  # why the rule: the fork's tl.sum is a compiled-mode function
+    assert fresh_stdout.strip() == "6.0"
