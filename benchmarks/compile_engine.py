@@ -6,6 +6,9 @@ above 1 those buckets share one frame with a symbolic batch and bucket 1 is a
 static frame of its own), in a fresh process with an empty inductor cache.
 ``--layers inline`` traces the decoder layers into the frame instead of
 compiling them as regions (`fa3_spec.eagle.regions`, the default).
+``--batch unbacked`` makes the batch an unbacked symbol
+(`fa3_spec.graphs.CompilePolicy`'s ``unbacked_batch``), so that bucket 1
+joins the shared frame.
 
 The child reports the compile + capture seconds per bucket, then ms per
 iteration at each of ``--time-batches`` (replays back to back after 3, synced
@@ -82,7 +85,8 @@ def parse_bucket_shapes(pairs) -> dict:
     return out
 
 
-def child(cache: str, buckets, timed, num_layers, inline: bool, shapes=None) -> dict:
+def child(cache: str, buckets, timed, num_layers, inline: bool, shapes=None,
+          unbacked: bool = False) -> dict:
     """One fresh process: build, compile and capture the engine, then time it."""
     torch.manual_seed(0)
     models = make_models("llama3-8b", draft="random", device="cuda", num_layers=num_layers)
@@ -93,10 +97,12 @@ def child(cache: str, buckets, timed, num_layers, inline: bool, shapes=None) -> 
                               max_new=500, max_context_len=1024 + 600, also=chosen,
                               attention_backend="fa3")
     eng = workload.engine(lc, models, scripted=True, buckets=buckets, device="cuda",
-                          cache_path=cache, regions=False if inline else None, shapes=shapes)
+                          cache_path=cache, regions=False if inline else None, shapes=shapes,
+                          unbacked_batch=unbacked)
     t0 = time.perf_counter()
     per = eng.capture()
     out = dict(mode="dynamic" if eng.policy.dynamic_batch else "static",
+               batch="unbacked" if eng.policy.unbacked_batch else "backed",
                shapes={str(b): s and list(s) for b, s in eng.shapes.items()},
                compile_regions=eng.policy.regions,
                draft_attention=lc.draft_attention,
@@ -144,6 +150,9 @@ def parser() -> argparse.ArgumentParser:
     ap.add_argument("--layers", choices=["regions", "inline"], default="regions",
                     help="the decoder layers as compiled regions (the engine's default) or "
                          "traced inline")
+    ap.add_argument("--batch", choices=["backed", "unbacked"], default="backed",
+                    help="the shared frame's batch symbol: backed (the engine's default; "
+                         "bucket 1 compiles a frame of its own) or unbacked")
     ap.add_argument("--shapes", nargs="+", default=None, metavar="BUCKET=TOPK,STEPS,N|off",
                     help="each bucket's own shape (default: P 2 / topk 8 / N 16 everywhere)")
     ap.add_argument("--json", metavar="PATH")
@@ -167,7 +176,7 @@ def main(argv=None) -> int:
         return 2
     if args._child:
         print(json.dumps(child(args._child, sorted(args.buckets), timed, args.num_layers,
-                               args.layers == "inline", shapes)))
+                               args.layers == "inline", shapes, args.batch == "unbacked")))
         return 0
     if not torch.cuda.is_available():
         print(f"{PROG} times CUDA graphs: it needs a CUDA device", file=sys.stderr)
@@ -180,7 +189,8 @@ def main(argv=None) -> int:
         for i, phase in enumerate(phases):
             cmd = [sys.executable, runs.script("compile.py"), "engine", "--_child", cache,
                    "--buckets", *map(str, args.buckets), "--time-batches", *map(str, timed),
-                   "--layers", args.layers] + (["--shapes", *args.shapes] if shapes else [])
+                   "--layers", args.layers, "--batch", args.batch] + (
+                       ["--shapes", *args.shapes] if shapes else [])
             if args.num_layers:
                 cmd += ["--num-layers", str(args.num_layers)]
             row = runs.fresh_process_row(cmd, os.path.join(tmp, f"inductor-{i}"), phase)

@@ -66,7 +66,7 @@ def loop_config(config: Sequence[int], *, batch: int, context: int, max_new: int
 
 def engine(lc: LoopConfig, models, *, scripted: bool = False, regions: Optional[bool] = None,
            device="cpu", compile_backend: str = "auto", graphs: Optional[bool] = None,
-           **kw) -> EagleEngine:
+           unbacked_batch: bool = False, **kw) -> EagleEngine:
     """`EagleEngine` over ``lc`` and ``models`` on ``device`` (``kw``: ``buckets``,
     ``max_reqs``, ``cache_path``, ...).
 
@@ -74,15 +74,20 @@ def engine(lc: LoopConfig, models, *, scripted: bool = False, regions: Optional[
     whatever the models say (the same work every iteration; the tokens are not
     the model's). ``regions``: False traces the decoder layers inline where
     the engine would compile them as regions; None is the engine's choice.
+    ``unbacked_batch``: the engine's policy with the batch unbacked
+    (`CompilePolicy`'s ``unbacked_batch``).
     """
     buckets = kw.get("buckets")
-    if regions is not None:
+    if regions is not None or unbacked_batch:
         if buckets is None:
-            raise ValueError("regions= needs buckets=")
+            raise ValueError("regions= and unbacked_batch= need buckets=")
         available = hasattr(models, "with_compile_regions")
-        kw["policy"] = CompilePolicy.for_loop(device=device, compile_backend=compile_backend,
-                                              graphs=graphs, buckets=buckets,
-                                              regions_available=regions and available)
+        policy = CompilePolicy.for_loop(device=device, compile_backend=compile_backend,
+                                        graphs=graphs, buckets=buckets,
+                                        regions_available=available and regions is not False)
+        if unbacked_batch:
+            policy = dataclasses.replace(policy, size_oblivious=False, unbacked_batch=True)
+        kw["policy"] = policy
     else:
         kw.update(compile_backend=compile_backend, graphs=graphs)
     if scripted:

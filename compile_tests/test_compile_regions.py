@@ -385,33 +385,51 @@ def test_an_engine_with_regions_under_a_dynamic_frame_is_exact_to_greedy(models)
     assert stats["unique_graphs"] - graphs == 1 + regions.compiled_programs()
 
 
-#: The chain engine's check in a child (its aot_eager trace is the longest of these
-#: tests: it runs on the other core, children.py); prints the frame count.
-CHAIN_CHILD = r"""
+#: The engine checks run in a child (their aot_eager traces are the longest of
+#: these tests: they run on the other core, children.py). ``{engine}`` builds
+#: ``eng``, whose tokens must be greedy's; the child prints the frames its
+#: runner compiled.
+ENGINE_FRAMES_CHILD = r"""
 import json, sys
 sys.path.insert(0, {tests!r})
 import torch
 torch.set_num_threads(1)
 from fa3_spec.eagle import make_models
+from fa3_spec.graphs import CompilePolicy
 from test_compile_regions import _assert_alone_then_three_match_greedy, _engine
 
 torch.manual_seed(0)
 models = make_models("tiny", draft="derived", num_layers=3, dtype=torch.float64)  # the fixture's
-eng = _engine(models, [1, 2, 4], "aot_eager", max_new=4, topk=1, num_steps=2,
-              num_draft_tokens=3)
-assert eng.lc.draft_attention == "ancestors"
+{engine}
 _assert_alone_then_three_match_greedy(eng, models)
 print(json.dumps(eng.runner.compile_counter.frame_count))
 """
 
+CHAIN = """eng = _engine(models, [1, 2, 4], "aot_eager", max_new=4, topk=1, num_steps=2,
+              num_draft_tokens=3)
+assert eng.lc.draft_attention == "ancestors" and eng.policy.size_oblivious"""
+#: A tree (topk 4), the batch unbacked.
+TREE_UNBACKED = """eng = _engine(models, [1, 2, 4], "aot_eager", max_new=4, policy=CompilePolicy(
+    compile_backend="aot_eager", graphs=False, unbacked_batch=True))
+assert eng.lc.spec.topk == 4 and eng.policy.unbacked_batch"""
 
-def _chain_frames(tmp):
+
+def _frames(tmp, engine):
     import json
     import pathlib
     import sys
 
-    code = CHAIN_CHILD.format(tests=str(pathlib.Path(__file__).resolve().parent))
+    code = ENGINE_FRAMES_CHILD.format(tests=str(pathlib.Path(__file__).resolve().parent),
+                                      engine=engine)
     return json.loads(children.run([sys.executable, "-c", code]).stdout.strip().splitlines()[-1])
+
+
+def _chain_frames(tmp):
+    return _frames(tmp, CHAIN)
+
+
+def _tree_unbacked_frames(tmp):
+    return _frames(tmp, TREE_UNBACKED)
 
 
 @pytest.mark.children(job=_chain_frames, heavy=True)
@@ -424,6 +442,15 @@ def test_a_chain_engine_shares_one_frame_with_bucket_one_under_aot_eager(child):
     batch against 1 in its layout check (the draft steps' slots and parents,
     the layer's head split, the reference attention's LSE): bucket 1 compiled
     a frame of its own."""
+    assert child.result() == 1
+
+
+@pytest.mark.children(job=_tree_unbacked_frames, heavy=True)
+def test_a_tree_engine_with_an_unbacked_batch_shares_one_frame_with_bucket_one(child):
+    """A tree (topk 4) under aot_eager with ``unbacked_batch``, buckets 1, 2
+    and 4: one frame, the same tokens as greedy (asserted in the child). The
+    iteration never asks for the batch's value (a step that did would fail to
+    trace with the batch unbacked)."""
     assert child.result() == 1
 
 
@@ -484,6 +511,68 @@ def test_a_size_oblivious_runner_compiles_bucket_one_into_the_shared_frame():
         assert len(record) == frames and record[0], record  # the first frame: symbolic
         if not oblivious:
             assert record[1] == set(), record  # bucket 1's own frame: a constant batch
+
+
+UNBACKED_CHILD = r"""
+import json
+import torch
+torch.set_num_threads(1)
+from fa3_spec.graphs import CompilePolicy, CUDAGraphRunner
+
+
+def step(x):  # a view of a non-contiguous, batch-leading layout, as attention's einsums make
+    return {"y": torch.einsum("bij,bjk->bik", x.transpose(1, 2), x)}
+
+
+frames = {}
+for name in ("size_oblivious", "unbacked_batch"):
+    torch._dynamo.reset()
+    policy = CompilePolicy(compile_backend="inductor", graphs=False, **{name: True})
+    runner = CUDAGraphRunner(step, example=lambda bs: {"x": torch.zeros(bs, 3, 4)},
+                             buckets=[1, 2, 4], policy=policy)
+    for bs in (4, 1, 2, 3):
+        x = torch.randn(bs, 3, 4)
+        torch.testing.assert_close(runner(x=x)["y"], x.transpose(1, 2) @ x)
+    frames[name] = runner.compile_counter.frame_count
+print(json.dumps(frames))
+"""
+
+
+def _inductor_frames(tmp):
+    import json
+    import sys
+
+    return json.loads(children.run([sys.executable, "-c", UNBACKED_CHILD]).stdout.splitlines()[-1])
+
+
+@pytest.mark.children(job=_inductor_frames)
+def test_an_unbacked_batch_compiles_bucket_one_into_the_shared_frame_under_inductor(child):
+    """Inductor lowers a view of a non-contiguous, batch-leading layout with
+    backed-size reasoning, so under ``size_oblivious`` bucket 1 still compiles a
+    frame of its own (the control); with ``unbacked_batch`` one frame serves
+    buckets 1, 2 and 4, and batches 1 to 4 get the step's results (asserted in
+    the child)."""
+    assert child.result() == {"size_oblivious": 2, "unbacked_batch": 1}
+
+
+def test_unbacked_batch_needs_a_dynamic_compiled_step_and_batch_leading_inputs():
+    from fa3_spec.graphs import CompilePolicy, CUDAGraphRunner
+
+    for kwargs in (dict(dynamic_batch=False, compile_backend="eager"),
+                   dict(compile_backend=None, graphs=False)):
+        with pytest.raises(ValueError, match="unbacked_batch=True needs dynamic_batch=True"):
+            CompilePolicy(unbacked_batch=True, **kwargs)
+    with pytest.raises(ValueError, match="not both"):
+        CompilePolicy(compile_backend="eager", graphs=False, size_oblivious=True,
+                      unbacked_batch=True)
+    with pytest.raises(TypeError, match="unbacked_batch must be a bool, got 1"):
+        CompilePolicy(compile_backend="eager", unbacked_batch=1)
+    policy = CompilePolicy(compile_backend="eager", graphs=False, unbacked_batch=True)
+    runner = CUDAGraphRunner(lambda x, table: {"y": x}, buckets=[1, 2], policy=policy,
+                             example=lambda bs: {"x": torch.zeros(bs), "table": torch.zeros(8)})
+    with pytest.raises(ValueError, match=r"lead with the batch: 'table' has shape \(8,\) in bucket 2"):
+        runner.capture()
+    assert not runner.captured
 
 
 def test_size_oblivious_needs_a_dynamic_compiled_step():

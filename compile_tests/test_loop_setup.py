@@ -1,6 +1,7 @@
 """benchmarks/workload.py: the loop configuration, engine, kernels and prompts
 the benchmarks share; and the entry points' refusals of bad invocations."""
 
+import dataclasses
 import pathlib
 import sys
 
@@ -46,6 +47,20 @@ def test_the_engine_scripts_acceptance_and_can_keep_the_layers_inline():
     assert workload.SCRIPTED == "scripted:" + ",".join(map(str, DEFAULT_SCRIPT))
     with pytest.raises(ValueError, match="buckets"):
         workload.engine(lc, models, regions=False)
+
+
+def test_the_engine_can_take_an_unbacked_batch_keeping_the_rest_of_its_policy():
+    models = make_models("tiny", draft="random")
+    lc = workload.loop_config((2, 4, 3, 6), batch=4, context=8, max_new=16)
+    for backend in ("inductor", "aot_eager"):
+        default = workload.engine(lc, models, buckets=[1, 2, 4], compile_backend=backend)
+        unbacked = workload.engine(lc, models, buckets=[1, 2, 4], compile_backend=backend,
+                                   unbacked_batch=True)
+        assert unbacked.policy.unbacked_batch and not unbacked.policy.size_oblivious
+        assert dataclasses.replace(unbacked.policy, unbacked_batch=False,
+                                   size_oblivious=default.policy.size_oblivious) == default.policy
+    with pytest.raises(ValueError, match="buckets"):
+        workload.engine(lc, models, unbacked_batch=True)
 
 
 def test_kernels_come_from_name_value_pairs():

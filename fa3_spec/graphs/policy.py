@@ -11,8 +11,9 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import inspect
 import types
-from typing import Callable, Dict, Optional, Sequence, Tuple
+from typing import Callable, Dict, Mapping, Optional, Sequence, Tuple
 
 import torch
 
@@ -89,6 +90,29 @@ def size_oblivious(compiled: Callable) -> Callable:
     return call
 
 
+#: The keyword arguments this torch's ``mark_unbacked`` takes (``shape_id``,
+#: ``min``, ``max`` and ``hint_override`` came in later releases).
+_UNBACKED_OPTIONS = frozenset(inspect.signature(torch._dynamo.decorators.mark_unbacked).parameters)
+
+
+def mark_batch(inputs: Mapping[str, torch.Tensor], bucket: int, largest: int,
+               unbacked: bool) -> None:
+    """Mark dimension 0 of a bucket's ``inputs`` (each ``[bucket, ...]``) as the
+    dynamic batch: backed (``maybe_mark_dynamic``), or with ``unbacked`` one
+    unbacked symbol for all of them in ``[1, largest]``, whose size hint is
+    ``largest`` (what inductor tunes for: the bucket a backed frame compiles first)."""
+    for name, t in inputs.items():
+        if not unbacked:
+            torch._dynamo.maybe_mark_dynamic(t, 0)
+            continue
+        if t.dim() == 0 or t.shape[0] != bucket:
+            raise ValueError(f"unbacked_batch needs every input to lead with the batch: "
+                             f"{name!r} has shape {tuple(t.shape)} in bucket {bucket}")
+        bounds = dict(hint_override=largest, min=1, max=largest)  # where this torch takes them
+        torch._dynamo.decorators.mark_unbacked(
+            t, 0, shape_id="batch", **{k: v for k, v in bounds.items() if k in _UNBACKED_OPTIONS})
+
+
 @dataclasses.dataclass(frozen=True)
 class CompilePolicy:
     """How a runner compiles and captures its step.
@@ -107,6 +131,15 @@ class CompilePolicy:
             were 1: a step that broadcasts its batch against another, or
             branches on it being 1, would run its batch >= 2 code at batch 1
             (none of the library's steps does).
+        unbacked_batch: with ``dynamic_batch``, the batch is one unbacked
+            symbol (dynamo's ``mark_unbacked``) that every input shares, in
+            ``[1, largest bucket]``: nothing is guarded on its value, so
+            bucket 1 shares the frame under every backend. ``size_oblivious``
+            reaches only what dynamo traces: inductor's lowering of a view of
+            a non-contiguous, batch-leading layout still guards a backed batch
+            against 1. Every input must then lead with the batch, and a step
+            that branches on the batch's value fails to trace instead of
+            guarding.
         regions: the step's model runs each decoder layer as a compiled
             region (`fa3_spec.eagle.regions`), so the compile does not grow
             with depth.
@@ -118,11 +151,12 @@ class CompilePolicy:
     graphs: bool = True
     dynamic_batch: bool = True
     size_oblivious: bool = False
+    unbacked_batch: bool = False
     regions: bool = False
     inductor_options: Tuple[Tuple[str, object], ...] = tuple(INDUCTOR_OPTIONS.items())
 
     def __post_init__(self) -> None:
-        for name in ("graphs", "dynamic_batch", "size_oblivious", "regions"):
+        for name in ("graphs", "dynamic_batch", "size_oblivious", "unbacked_batch", "regions"):
             if not isinstance(getattr(self, name), bool):
                 raise TypeError(f"{name} must be a bool, got {getattr(self, name)!r}")
         if self.compile_backend is not None and not isinstance(self.compile_backend, str) \
@@ -133,6 +167,17 @@ class CompilePolicy:
             raise ValueError("size_oblivious=True needs dynamic_batch=True and a compile_backend, "
                              f"got dynamic_batch={self.dynamic_batch!r}, "
                              f"compile_backend={self.compile_backend!r}")
+        if self.unbacked_batch:
+            if not (self.dynamic_batch and self.compile_backend is not None):
+                raise ValueError("unbacked_batch=True needs dynamic_batch=True and a "
+                                 f"compile_backend, got dynamic_batch={self.dynamic_batch!r}, "
+                                 f"compile_backend={self.compile_backend!r}")
+            if self.size_oblivious:
+                raise ValueError("give size_oblivious=True or unbacked_batch=True, not both: "
+                                 "an unbacked batch is never specialised anyway")
+            if "shape_id" not in _UNBACKED_OPTIONS:
+                raise RuntimeError(f"unbacked_batch=True needs mark_unbacked's shape_id (one "
+                                   f"symbol for every input); torch {torch.__version__} has none")
         if self.regions and self.compile_backend is None:
             raise ValueError("regions=True compiles each layer and needs a compile_backend")
 
@@ -173,7 +218,8 @@ class CompilePolicy:
           constant). Under ``aot_eager`` and ``eager`` bucket 1 shares the
           frame (``size_oblivious``); under inductor it is a frame of its
           own, because inductor's lowering of a reshape between ``[B, K]``
-          and ``[B * K]`` guards the batch against 1 even then.
+          and ``[B * K]`` guards the batch against 1 even then (a policy
+          with ``unbacked_batch``, given to the engine, shares it).
         * Decoder layers run as compiled regions under inductor when the
           models offer them: one compile of a layer serves every layer.
         * Inductor with a symbolic batch: index propagation off (it fails on

@@ -84,7 +84,7 @@ import torch.utils._pytree as pytree
 
 from ..probes import RecordingBackend
 from .cache import load_compile_cache, save_compile_cache
-from .policy import CompilePolicy, size_oblivious
+from .policy import CompilePolicy, mark_batch, size_oblivious
 
 
 def check_buckets(buckets, largest: Optional[int] = None) -> List[int]:
@@ -270,8 +270,7 @@ class CUDAGraphRunner:
                 static = {k: v.clone() for k, v in self.example(bucket).items()}
             statics[bucket] = static
             if self.strategy in ("manual", "compile") and self.dynamic_batch:
-                for t in static.values():
-                    torch._dynamo.maybe_mark_dynamic(t, 0)
+                mark_batch(static, bucket, max(self.buckets), self.policy.unbacked_batch)
             if self.strategy == "manual":
                 pool = pool if pool is not None else torch.cuda.graph_pool_handle()
                 graphs[bucket], outputs[bucket] = capture(
