@@ -36,9 +36,11 @@ pytestmark = [
 
 
 def _engine(models, p, k, s, n, *, batch, max_new, prompt_len, buckets, compile_backend,
-            graphs=True, draft_attention=LoopConfig.draft_attention, compile_regions=None):
+            graphs=True, draft_attention=LoopConfig.draft_attention, compile_regions=None,
+            unbacked_batch=False):
     """``compile_regions``: None, the engine's own policy; False, a policy resolved as
-    for models without regions; True, one with them (inductor only)."""
+    for models without regions; True, one with them (inductor only). ``unbacked_batch``:
+    that policy with the batch unbacked (needs ``compile_regions``)."""
     spec = fa3_spec.SpecConfig(page_size=p, topk=k, num_steps=s, num_draft_tokens=n,
                                max_bs=batch, max_context_len=prompt_len + max_new + n)
     spec = dataclasses.replace(spec, num_pages=spec.pool_pages(2 * batch, draft_attention))
@@ -51,20 +53,24 @@ def _engine(models, p, k, s, n, *, batch, max_new, prompt_len, buckets, compile_
                                     graphs=graphs, buckets=buckets,
                                     regions_available=compile_regions)
     assert policy.regions is compile_regions
+    if unbacked_batch:
+        policy = dataclasses.replace(policy, size_oblivious=False, unbacked_batch=True)
     return EagleEngine(lc, models, max_reqs=2 * batch, buckets=buckets, policy=policy,
                        device="cuda")
 
 
 def check(preset, p, k, s, n, *, batch=4, requests=8, max_new=32, prompt_len=48,
           buckets=None, compile_backend=None, num_layers=None, label="",
-          draft_attention=LoopConfig.draft_attention, compile_regions=None):
+          draft_attention=LoopConfig.draft_attention, compile_regions=None,
+          unbacked_batch=False):
     torch.manual_seed(0)
     models = make_models(preset, draft="derived", device="cuda", num_layers=num_layers)
     prompts, news = workload(requests, page_size=p, max_prompt=prompt_len, max_new=max_new,
                              vocab=models.vocab_size, seed=0)
     eng = _engine(models, p, k, s, n, batch=batch, max_new=max_new, prompt_len=prompt_len,
                   buckets=buckets or [batch], compile_backend=compile_backend,
-                  draft_attention=draft_attention, compile_regions=compile_regions)
+                  draft_attention=draft_attention, compile_regions=compile_regions,
+                  unbacked_batch=unbacked_batch)
     regions.clear_programs()  # each test counts the programs its engine compiles
     graphs = torch._dynamo.utils.counters["stats"]["unique_graphs"]
     eng.capture()
@@ -89,6 +95,7 @@ def check(preset, p, k, s, n, *, batch=4, requests=8, max_new=32, prompt_len=48,
                   host_syncs_per_iteration=probe.worst,
                   compile=compile_backend, buckets=eng.buckets,
                   dynamic_batch=eng.policy.dynamic_batch,
+                  unbacked_batch=eng.policy.unbacked_batch,
                   frames=eng.runner.compile_counter.frame_count,
                   compile_regions=eng.policy.regions,
                   region_programs=regions.compiled_programs(),
@@ -159,6 +166,19 @@ def test_inductor_with_a_dynamic_batch_matches_greedy_up_to_near_ties(draft_atte
                    label=f"tiny-inductor-dynamic-{draft_attention}-regions-{compile_regions}",
                    draft_attention=draft_attention)
     assert report["dynamic_batch"] and report["frames"] == 2
+    _check_programs(report, compile_regions, compiles_per_program=2)
+
+
+@pytest.mark.parametrize("compile_regions", [True, False])
+def test_inductor_with_an_unbacked_batch_shares_bucket_one_and_matches_greedy(compile_regions):
+    """Inductor with the batch unbacked (`CompilePolicy`'s ``unbacked_batch``):
+    one frame for buckets 1, 2 and 4, captured per bucket, the same tokens up
+    to near ties. The layer programs still see bucket 1's size-1 rows and
+    compile twice, as with a frame of bucket 1's own."""
+    report = check("tiny", 2, 8, 5, 16, batch=4, requests=10, buckets=[1, 2, 4],
+                   compile_backend="inductor", compile_regions=compile_regions,
+                   unbacked_batch=True, label=f"tiny-inductor-unbacked-regions-{compile_regions}")
+    assert report["unbacked_batch"] and report["frames"] == 1
     _check_programs(report, compile_regions, compiles_per_program=2)
 
 
