@@ -6,9 +6,10 @@ above 1 those buckets share one frame with a symbolic batch and bucket 1 is a
 static frame of its own), in a fresh process with an empty inductor cache.
 ``--layers inline`` traces the decoder layers into the frame instead of
 compiling them as regions (`fa3_spec.eagle.regions`, the default).
-``--batch unbacked`` makes the batch an unbacked symbol
-(`fa3_spec.graphs.CompilePolicy`'s ``unbacked_batch``), so that bucket 1
-joins the shared frame.
+``--batch unbacked`` makes the batch an unbacked symbol and traces the
+layer programs size-oblivious (`fa3_spec.graphs.CompilePolicy`'s
+``unbacked_batch`` and ``size_oblivious``), so that bucket 1 compiles
+nothing of its own.
 
 The child reports the compile + capture seconds per bucket, then ms per
 iteration at each of ``--time-batches`` (replays back to back after 3, synced

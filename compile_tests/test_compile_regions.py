@@ -396,22 +396,26 @@ import torch
 torch.set_num_threads(1)
 from fa3_spec.eagle import make_models
 from fa3_spec.graphs import CompilePolicy
+from fa3_spec.eagle import regions
 from test_compile_regions import _assert_alone_then_three_match_greedy, _engine
 
 torch.manual_seed(0)
 models = make_models("tiny", draft="derived", num_layers=3, dtype=torch.float64)  # the fixture's
+graphs = torch._dynamo.utils.counters["stats"]["unique_graphs"]
 {engine}
 _assert_alone_then_three_match_greedy(eng, models)
-print(json.dumps(eng.runner.compile_counter.frame_count))
+print(json.dumps([eng.runner.compile_counter.frame_count, regions.compiled_programs(),
+                  torch._dynamo.utils.counters["stats"]["unique_graphs"] - graphs]))
 """
 
 CHAIN = """eng = _engine(models, [1, 2, 4], "aot_eager", max_new=4, topk=1, num_steps=2,
               num_draft_tokens=3)
 assert eng.lc.draft_attention == "ancestors" and eng.policy.size_oblivious"""
-#: A tree (topk 4), the batch unbacked.
-TREE_UNBACKED = """eng = _engine(models, [1, 2, 4], "aot_eager", max_new=4, policy=CompilePolicy(
-    compile_backend="aot_eager", graphs=False, unbacked_batch=True))
-assert eng.lc.spec.topk == 4 and eng.policy.unbacked_batch"""
+#: A tree (topk 4), the batch unbacked, the layers as regions traced size-oblivious.
+TREE_UNBACKED = """eng = _engine(models, [1, 2, 4], None, max_new=4, policy=CompilePolicy(
+    compile_backend="eager", graphs=False, unbacked_batch=True, size_oblivious=True,
+    regions=True))
+assert eng.lc.spec.topk == 4 and eng.lc.draft_attention == 'ancestors'"""
 
 
 def _frames(tmp, engine):
@@ -442,16 +446,21 @@ def test_a_chain_engine_shares_one_frame_with_bucket_one_under_aot_eager(child):
     batch against 1 in its layout check (the draft steps' slots and parents,
     the layer's head split, the reference attention's LSE): bucket 1 compiled
     a frame of its own."""
-    assert child.result() == 1
+    assert child.result()[0] == 1
 
 
 @pytest.mark.children(job=_tree_unbacked_frames, heavy=True)
-def test_a_tree_engine_with_an_unbacked_batch_shares_one_frame_with_bucket_one(child):
-    """A tree (topk 4) under aot_eager with ``unbacked_batch``, buckets 1, 2
-    and 4: one frame, the same tokens as greedy (asserted in the child). The
-    iteration never asks for the batch's value (a step that did would fail to
-    trace with the batch unbacked)."""
-    assert child.result() == 1
+def test_a_tree_engine_with_an_unbacked_batch_compiles_nothing_for_bucket_one(child):
+    """A tree (topk 4) with ``unbacked_batch`` and ``size_oblivious``, the
+    layers as regions, dynamo tracing the frame and the programs (eager
+    backend), buckets 1, 2 and 4: the same tokens as greedy (asserted in the
+    child), one frame, and each layer program compiled once, bucket 1's
+    one-row calls and the first draft step's one-column page table included.
+    The iteration never asks for the batch's value (a step that did would
+    fail to trace with the batch unbacked)."""
+    frames, programs, graphs = child.result()
+    assert frames == 1 and programs >= 3
+    assert graphs == frames + programs
 
 
 def test_a_static_runner_stays_static_after_the_same_step_ran_at_another_batch():
@@ -562,9 +571,6 @@ def test_unbacked_batch_needs_a_dynamic_compiled_step_and_batch_leading_inputs()
                    dict(compile_backend=None, graphs=False)):
         with pytest.raises(ValueError, match="unbacked_batch=True needs dynamic_batch=True"):
             CompilePolicy(unbacked_batch=True, **kwargs)
-    with pytest.raises(ValueError, match="not both"):
-        CompilePolicy(compile_backend="eager", graphs=False, size_oblivious=True,
-                      unbacked_batch=True)
     with pytest.raises(TypeError, match="unbacked_batch must be a bool, got 1"):
         CompilePolicy(compile_backend="eager", unbacked_batch=1)
     policy = CompilePolicy(compile_backend="eager", graphs=False, unbacked_batch=True)

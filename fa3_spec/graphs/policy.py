@@ -139,7 +139,10 @@ class CompilePolicy:
             a non-contiguous, batch-leading layout still guards a backed batch
             against 1. Every input must then lead with the batch, and a step
             that branches on the batch's value fails to trace instead of
-            guarding.
+            guarding. With ``regions``, add ``size_oblivious``: the layer
+            programs compile inside the frame's call with their row counts
+            backed, and size-oblivious tracing keeps bucket 1's one-row calls
+            in the programs the other buckets compiled.
         regions: the step's model runs each decoder layer as a compiled
             region (`fa3_spec.eagle.regions`), so the compile does not grow
             with depth.
@@ -172,9 +175,6 @@ class CompilePolicy:
                 raise ValueError("unbacked_batch=True needs dynamic_batch=True and a "
                                  f"compile_backend, got dynamic_batch={self.dynamic_batch!r}, "
                                  f"compile_backend={self.compile_backend!r}")
-            if self.size_oblivious:
-                raise ValueError("give size_oblivious=True or unbacked_batch=True, not both: "
-                                 "an unbacked batch is never specialised anyway")
             if "shape_id" not in _UNBACKED_OPTIONS:
                 raise RuntimeError(f"unbacked_batch=True needs mark_unbacked's shape_id (one "
                                    f"symbol for every input); torch {torch.__version__} has none")
