@@ -74,21 +74,17 @@ def engine(lc: LoopConfig, models, *, scripted: bool = False, regions: Optional[
     whatever the models say (the same work every iteration; the tokens are not
     the model's). ``regions``: False traces the decoder layers inline where
     the engine would compile them as regions; None is the engine's choice.
-    ``unbacked_batch``: the engine's policy with the batch unbacked and the
-    layer programs traced size-oblivious (`CompilePolicy`'s ``unbacked_batch``
-    and ``size_oblivious``): bucket 1 compiles nothing of its own.
+    ``unbacked_batch``: `CompilePolicy.for_loop`'s (bucket 1 compiles nothing
+    of its own).
     """
     buckets = kw.get("buckets")
     if regions is not None or unbacked_batch:
         if buckets is None:
             raise ValueError("regions= and unbacked_batch= need buckets=")
         available = hasattr(models, "with_compile_regions")
-        policy = CompilePolicy.for_loop(device=device, compile_backend=compile_backend,
-                                        graphs=graphs, buckets=buckets,
-                                        regions_available=available and regions is not False)
-        if unbacked_batch:
-            policy = dataclasses.replace(policy, size_oblivious=True, unbacked_batch=True)
-        kw["policy"] = policy
+        kw["policy"] = CompilePolicy.for_loop(
+            device=device, compile_backend=compile_backend, graphs=graphs, buckets=buckets,
+            regions_available=available and regions is not False, unbacked_batch=unbacked_batch)
     else:
         kw.update(compile_backend=compile_backend, graphs=graphs)
     if scripted:

@@ -103,9 +103,10 @@ def triton_interpreter_job(code: str):
 
 
 #: The ``env_extra`` names a forked job may set: read when used, not when torch or
-#: the library is imported. ``TRITON_INTERPRET`` only while the fork server has
-#: not imported Triton (torch's dynamo does where Triton is installed), see
-#: `_ForkServer.serves`.
+#: the library is imported. ``TRITON_INTERPRET`` only where the fork server has
+#: not imported Triton (torch's dynamo does where Triton is installed) or has the
+#: job's mode (`_ForkServer.serves`). A ``PYTHONPATH`` that made another torch or
+#: Triton importable would not reach the preloaded modules; no job sets one.
 FORKABLE_ENV = frozenset({"TRITON_INTERPRET", "PYTHONPATH"})
 
 

@@ -404,6 +404,7 @@ models = make_models("tiny", draft="derived", num_layers=3, dtype=torch.float64)
 graphs = torch._dynamo.utils.counters["stats"]["unique_graphs"]
 {engine}
 _assert_alone_then_three_match_greedy(eng, models)
+assert eng.runner.compile_counter.data_dependent == [], eng.runner.compile_counter.data_dependent
 print(json.dumps([eng.runner.compile_counter.frame_count, regions.compiled_programs(),
                   torch._dynamo.utils.counters["stats"]["unique_graphs"] - graphs]))
 """
@@ -438,7 +439,8 @@ def _tree_unbacked_frames(tmp):
 
 @pytest.mark.children(job=_chain_frames, heavy=True)
 def test_a_chain_engine_shares_one_frame_with_bucket_one_under_aot_eager(child):
-    """A chain (topk 1) under aot_eager, buckets 1, 2 and 4, ``ancestors``
+    """A chain (topk 1) under aot_eager, buckets 1, 2 and 4 (the requests run
+    in buckets 1 and 4), ``ancestors``
     (the loop's default; ``branch`` was checked once by hand, not here: each
     case costs about 40 s of the CPU suite): one frame, the same tokens as
     greedy (asserted in the child). With one leaf per request the per-leaf
@@ -453,8 +455,9 @@ def test_a_chain_engine_shares_one_frame_with_bucket_one_under_aot_eager(child):
 def test_a_tree_engine_with_an_unbacked_batch_compiles_nothing_for_bucket_one(child):
     """A tree (topk 4) with ``unbacked_batch`` and ``size_oblivious``, the
     layers as regions, dynamo tracing the frame and the programs (eager
-    backend), buckets 1, 2 and 4: the same tokens as greedy (asserted in the
-    child), one frame, and each layer program compiled once, bucket 1's
+    backend), buckets 1, 2 and 4 (the requests run in buckets 1 and 4): the
+    same tokens as greedy (asserted in the child), one frame, no
+    data-dependent node, and each layer program compiled once, bucket 1's
     one-row calls and the first draft step's one-column page table included.
     The iteration never asks for the batch's value (a step that did would
     fail to trace with the batch unbacked)."""
@@ -543,6 +546,7 @@ for name in ("size_oblivious", "unbacked_batch"):
         x = torch.randn(bs, 3, 4)
         torch.testing.assert_close(runner(x=x)["y"], x.transpose(1, 2) @ x)
     frames[name] = runner.compile_counter.frame_count
+    assert runner.compile_counter.data_dependent == [], runner.compile_counter.data_dependent
 print(json.dumps(frames))
 """
 
@@ -579,6 +583,36 @@ def test_unbacked_batch_needs_a_dynamic_compiled_step_and_batch_leading_inputs()
     with pytest.raises(ValueError, match=r"lead with the batch: 'table' has shape \(8,\) in bucket 2"):
         runner.capture()
     assert not runner.captured
+
+
+def test_the_loop_policy_with_an_unbacked_batch_is_dynamic_for_any_buckets(monkeypatch):
+    """``for_loop(unbacked_batch=True)``: one dynamic frame even where the
+    default keeps static frames (one bucket above 1), the layer programs
+    traced size-oblivious, inductor's options for a symbolic batch."""
+    from fa3_spec.graphs import CompilePolicy, policy as policy_module
+
+    for buckets in ([1, 4], [1, 2, 4], [4]):
+        for backend in ("inductor", "aot_eager"):
+            got = CompilePolicy.for_loop(device="cpu", compile_backend=backend, buckets=buckets,
+                                         regions_available=True, unbacked_batch=True)
+            assert got.dynamic_batch and got.unbacked_batch and got.size_oblivious
+            assert got.regions is (backend == "inductor")
+            if backend == "inductor":
+                assert got.options["constant_and_index_propagation"] is False
+                assert got.options["combo_kernels"] is False
+    static = CompilePolicy.for_loop(device="cpu", compile_backend="inductor", buckets=[1, 4],
+                                    regions_available=True)
+    assert not static.dynamic_batch and not static.unbacked_batch  # the control: the default
+    with pytest.raises(ValueError, match="unbacked_batch=True needs a compile backend"):
+        CompilePolicy.for_loop(device="cpu", compile_backend=None, buckets=[1, 4],
+                               regions_available=False, unbacked_batch=True)
+    with pytest.raises(TypeError, match="unbacked_batch must be a bool, got 'yes'"):
+        CompilePolicy.for_loop(device="cpu", compile_backend="inductor", buckets=[1, 4],
+                               regions_available=False, unbacked_batch="yes")
+    # A torch whose mark_unbacked cannot bound the symbol or share it is refused by name.
+    monkeypatch.setattr(policy_module, "_UNBACKED_OPTIONS", frozenset({"t", "index", "shape_id"}))
+    with pytest.raises(RuntimeError, match="lacks hint_override, max, min"):
+        CompilePolicy(compile_backend="eager", unbacked_batch=True)
 
 
 def test_size_oblivious_needs_a_dynamic_compiled_step():

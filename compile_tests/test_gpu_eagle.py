@@ -40,8 +40,7 @@ def _engine(models, p, k, s, n, *, batch, max_new, prompt_len, buckets, compile_
             unbacked_batch=False):
     """``compile_regions``: None, the engine's own policy; False, a policy resolved as
     for models without regions; True, one with them (inductor only). ``unbacked_batch``:
-    that policy with the batch unbacked and the layer programs traced size-oblivious
-    (needs ``compile_regions``)."""
+    that policy's (needs ``compile_regions``)."""
     spec = fa3_spec.SpecConfig(page_size=p, topk=k, num_steps=s, num_draft_tokens=n,
                                max_bs=batch, max_context_len=prompt_len + max_new + n)
     spec = dataclasses.replace(spec, num_pages=spec.pool_pages(2 * batch, draft_attention))
@@ -52,10 +51,9 @@ def _engine(models, p, k, s, n, *, batch, max_new, prompt_len, buckets, compile_
                            compile_backend=compile_backend, device="cuda")
     policy = CompilePolicy.for_loop(device="cuda", compile_backend=compile_backend,
                                     graphs=graphs, buckets=buckets,
-                                    regions_available=compile_regions)
+                                    regions_available=compile_regions,
+                                    unbacked_batch=unbacked_batch)
     assert policy.regions is compile_regions
-    if unbacked_batch:
-        policy = dataclasses.replace(policy, size_oblivious=True, unbacked_batch=True)
     return EagleEngine(lc, models, max_reqs=2 * batch, buckets=buckets, policy=policy,
                        device="cuda")
 
@@ -98,6 +96,7 @@ def check(preset, p, k, s, n, *, batch=4, requests=8, max_new=32, prompt_len=48,
                   dynamic_batch=eng.policy.dynamic_batch,
                   unbacked_batch=eng.policy.unbacked_batch,
                   frames=eng.runner.compile_counter.frame_count,
+                  data_dependent=eng.runner.compile_counter.data_dependent,
                   compile_regions=eng.policy.regions,
                   region_programs=regions.compiled_programs(),
                   graphs=torch._dynamo.utils.counters["stats"]["unique_graphs"] - graphs)
@@ -183,6 +182,7 @@ def test_inductor_with_an_unbacked_batch_shares_bucket_one_and_matches_greedy(co
                    compile_backend="inductor", compile_regions=compile_regions,
                    unbacked_batch=True, label=f"tiny-inductor-unbacked-regions-{compile_regions}")
     assert report["unbacked_batch"] and report["frames"] == 1
+    assert report["data_dependent"] == [], report
     _check_programs(report, compile_regions, one_column_extra=False)
 
 

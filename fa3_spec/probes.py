@@ -146,8 +146,11 @@ class RecordingBackend:
             # Count the node that introduces an unbacked symbol, not every
             # node that merely carries it on (sym_size, comparisons, asserts).
             inherited = set().union(*(unbacked(a) for a in node.all_input_nodes))
-            if _reads_a_python_scalar(node):
-                pass  # dynamo's own unwrapping of a dynamic Python float/int argument
+            if node.op == "placeholder" or _reads_a_python_scalar(node):
+                # An input's unbacked size was marked so by its caller
+                # (mark_unbacked), not read from device data; and dynamo's own
+                # unwrapping of a dynamic Python float/int argument.
+                pass
             elif (node.op == "call_method" and node.target in ("item", "tolist")) or (
                     unbacked(node) - inherited):
                 self.data_dependent.append(f"{node.op}:{op}")

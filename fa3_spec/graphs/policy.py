@@ -90,9 +90,11 @@ def size_oblivious(compiled: Callable) -> Callable:
     return call
 
 
-#: The keyword arguments this torch's ``mark_unbacked`` takes (``shape_id``,
-#: ``min``, ``max`` and ``hint_override`` came in later releases).
+#: The keyword arguments this torch's ``mark_unbacked`` takes.
 _UNBACKED_OPTIONS = frozenset(inspect.signature(torch._dynamo.decorators.mark_unbacked).parameters)
+#: Those `mark_batch` passes (later torch releases than ``mark_unbacked``
+#: itself): one symbol for every input, its bounds, and its size hint.
+_UNBACKED_BATCH_OPTIONS = frozenset({"shape_id", "min", "max", "hint_override"})
 
 
 def mark_batch(inputs: Mapping[str, torch.Tensor], bucket: int, largest: int,
@@ -108,9 +110,8 @@ def mark_batch(inputs: Mapping[str, torch.Tensor], bucket: int, largest: int,
         if t.dim() == 0 or t.shape[0] != bucket:
             raise ValueError(f"unbacked_batch needs every input to lead with the batch: "
                              f"{name!r} has shape {tuple(t.shape)} in bucket {bucket}")
-        bounds = dict(hint_override=largest, min=1, max=largest)  # where this torch takes them
-        torch._dynamo.decorators.mark_unbacked(
-            t, 0, shape_id="batch", **{k: v for k, v in bounds.items() if k in _UNBACKED_OPTIONS})
+        torch._dynamo.decorators.mark_unbacked(t, 0, shape_id="batch", min=1, max=largest,
+                                               hint_override=largest)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -175,9 +176,11 @@ class CompilePolicy:
                 raise ValueError("unbacked_batch=True needs dynamic_batch=True and a "
                                  f"compile_backend, got dynamic_batch={self.dynamic_batch!r}, "
                                  f"compile_backend={self.compile_backend!r}")
-            if "shape_id" not in _UNBACKED_OPTIONS:
-                raise RuntimeError(f"unbacked_batch=True needs mark_unbacked's shape_id (one "
-                                   f"symbol for every input); torch {torch.__version__} has none")
+            missing = sorted(_UNBACKED_BATCH_OPTIONS - _UNBACKED_OPTIONS)
+            if missing:
+                raise RuntimeError(f"unbacked_batch=True needs torch._dynamo's mark_unbacked "
+                                   f"with {', '.join(sorted(_UNBACKED_BATCH_OPTIONS))}; torch "
+                                   f"{torch.__version__} lacks {', '.join(missing)}")
         if self.regions and self.compile_backend is None:
             raise ValueError("regions=True compiles each layer and needs a compile_backend")
 
@@ -207,7 +210,7 @@ class CompilePolicy:
     @classmethod
     def for_loop(cls, *, device, compile_backend: Optional[str] = "auto",
                  graphs: Optional[bool] = None, buckets: Sequence[int],
-                 regions_available: bool) -> "CompilePolicy":
+                 regions_available: bool, unbacked_batch: bool = False) -> "CompilePolicy":
         """The EAGLE engine's policy on ``device``.
 
         * ``compile_backend``: one of `COMPILE_BACKENDS` (None is ``"none"``);
@@ -222,6 +225,9 @@ class CompilePolicy:
           with ``unbacked_batch``, given to the engine, shares it).
         * Decoder layers run as compiled regions under inductor when the
           models offer them: one compile of a layer serves every layer.
+        * ``unbacked_batch``: the batch unbacked and, for the layer programs,
+          size-oblivious tracing, whatever the backend and buckets: bucket 1
+          then compiles nothing of its own.
         * Inductor with a symbolic batch: index propagation off (it fails on
           the iteration's symbolic loop ranges), and with regions also combo
           kernels off (it groups a reduction over the symbolic batch around
@@ -242,16 +248,23 @@ class CompilePolicy:
             raise TypeError(f"graphs must be a bool or None, got {graphs!r}")
         if graphs and not cuda:
             raise ValueError("graphs=True needs a CUDA device")
+        compiled = compile_backend != "none"
+        if not isinstance(unbacked_batch, bool):
+            raise TypeError(f"unbacked_batch must be a bool, got {unbacked_batch!r}")
+        if unbacked_batch and not compiled:
+            raise ValueError(f"unbacked_batch=True needs a compile backend, got "
+                             f"compile_backend={compile_backend!r} on {device}")
         inductor = compile_backend == "inductor"
-        dynamic = len([b for b in buckets if b > 1]) > 1 or not inductor
+        dynamic = len([b for b in buckets if b > 1]) > 1 or not inductor or unbacked_batch
         regions = inductor and regions_available
         options = dict(INDUCTOR_OPTIONS)
         if inductor and dynamic:
             options["constant_and_index_propagation"] = False
             if regions:
                 options["combo_kernels"] = False
-        compiled = compile_backend != "none"
         return cls(compile_backend=compile_backend if compiled else None, graphs=graphs,
                    dynamic_batch=dynamic,
-                   size_oblivious=dynamic and compile_backend in ("aot_eager", "eager"),
+                   size_oblivious=dynamic and (unbacked_batch
+                                               or compile_backend in ("aot_eager", "eager")),
+                   unbacked_batch=unbacked_batch,
                    regions=regions, inductor_options=tuple(options.items()))
