@@ -134,8 +134,8 @@ class CompilePolicy:
             (none of the library's steps does).
         unbacked_batch: with ``dynamic_batch``, the batch is one unbacked
             symbol (dynamo's ``mark_unbacked``) that every input shares, in
-            ``[1, largest bucket]``: nothing is guarded on its value, so
-            bucket 1 shares the frame under every backend. ``size_oblivious``
+            ``[1, largest bucket]``: no guard specialises it, so bucket 1
+            shares the frame under every backend. ``size_oblivious``
             reaches only what dynamo traces: inductor's lowering of a view of
             a non-contiguous, batch-leading layout still guards a backed batch
             against 1. Every input must then lead with the batch, and a step
@@ -221,8 +221,8 @@ class CompilePolicy:
           constant). Under ``aot_eager`` and ``eager`` bucket 1 shares the
           frame (``size_oblivious``); under inductor it is a frame of its
           own, because inductor's lowering of a reshape between ``[B, K]``
-          and ``[B * K]`` guards the batch against 1 even then (a policy
-          with ``unbacked_batch``, given to the engine, shares it).
+          and ``[B * K]`` guards the batch against 1 even then
+          (``unbacked_batch``, below, shares it).
         * Decoder layers run as compiled regions under inductor when the
           models offer them: one compile of a layer serves every layer.
         * ``unbacked_batch``: the batch unbacked and, for the layer programs,
