@@ -412,11 +412,13 @@ print(json.dumps([eng.runner.compile_counter.frame_count, regions.compiled_progr
 CHAIN = """eng = _engine(models, [1, 2, 4], "aot_eager", max_new=4, topk=1, num_steps=2,
               num_draft_tokens=3)
 assert eng.lc.draft_attention == "ancestors" and eng.policy.size_oblivious"""
-#: A tree (topk 4), the batch unbacked, the layers as regions traced size-oblivious.
-TREE_UNBACKED = """eng = _engine(models, [1, 2, 4], None, max_new=4, policy=CompilePolicy(
+#: A small tree (topk 2, 2 steps), the batch unbacked, the layers as regions
+#: traced size-oblivious.
+TREE_UNBACKED = """eng = _engine(models, [1, 2, 4], None, max_new=4, topk=2, num_steps=2,
+              num_draft_tokens=3, policy=CompilePolicy(
     compile_backend="eager", graphs=False, unbacked_batch=True, size_oblivious=True,
     regions=True))
-assert eng.lc.spec.topk == 4 and eng.lc.draft_attention == 'ancestors'"""
+assert eng.lc.spec.topk == 2 and eng.lc.draft_attention == 'ancestors'"""
 
 
 def _frames(tmp, engine):
@@ -453,7 +455,7 @@ def test_a_chain_engine_shares_one_frame_with_bucket_one_under_aot_eager(child):
 
 @pytest.mark.children(job=_tree_unbacked_frames, heavy=True)
 def test_a_tree_engine_with_an_unbacked_batch_compiles_nothing_for_bucket_one(child):
-    """A tree (topk 4) with ``unbacked_batch`` and ``size_oblivious``, the
+    """A tree (topk 2) with ``unbacked_batch`` and ``size_oblivious``, the
     layers as regions, dynamo tracing the frame and the programs (eager
     backend), buckets 1, 2 and 4 (the requests run in buckets 1 and 4): the
     same tokens as greedy (asserted in the child), one frame, no
