@@ -120,14 +120,15 @@ def run(cmd, *, cwd=None, timeout=600, check=True, env_extra=None,
     ``fresh`` (a test of what a command imports), ``env_extra`` sets a name
     outside `FORKABLE_ENV`, or the server cannot serve its environment."""
     extra = dict(env_extra or {})
+    environment = env(**extra)
     if not fresh and cmd[0] == sys.executable and len(cmd) > 1 and set(extra) <= FORKABLE_ENV:
         server = _server()
-        if server is not None and server.serves(env(**extra)):
+        if server is not None and server.serves(environment):
             out, err, code = server.run([str(c) for c in cmd[1:]], cwd or os.getcwd(),
-                                        env(**extra), timeout)
+                                        environment, timeout)
             return _done(cmd, code, out, err, check)
     # Its own process group: a kill reaches its children too (a notebook's kernel).
-    proc = subprocess.Popen(cmd, cwd=cwd, env=env(**extra), text=True,
+    proc = subprocess.Popen(cmd, cwd=cwd, env=environment, text=True,
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                             start_new_session=True)
     with _lock:

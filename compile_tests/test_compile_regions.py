@@ -16,6 +16,7 @@ when several buckets can share it.
 from __future__ import annotations
 
 import dataclasses
+import functools
 
 import pytest
 import torch
@@ -431,15 +432,7 @@ def _frames(tmp, engine):
     return json.loads(children.run([sys.executable, "-c", code]).stdout.strip().splitlines()[-1])
 
 
-def _chain_frames(tmp):
-    return _frames(tmp, CHAIN)
-
-
-def _tree_unbacked_frames(tmp):
-    return _frames(tmp, TREE_UNBACKED)
-
-
-@pytest.mark.children(job=_chain_frames, heavy=True)
+@pytest.mark.children(job=functools.partial(_frames, engine=CHAIN), heavy=True)
 def test_a_chain_engine_shares_one_frame_with_bucket_one_under_aot_eager(child):
     """A chain (topk 1) under aot_eager, buckets 1, 2 and 4 (the requests run
     in buckets 1 and 4), ``ancestors``
@@ -453,7 +446,7 @@ def test_a_chain_engine_shares_one_frame_with_bucket_one_under_aot_eager(child):
     assert child.result()[0] == 1
 
 
-@pytest.mark.children(job=_tree_unbacked_frames, heavy=True)
+@pytest.mark.children(job=functools.partial(_frames, engine=TREE_UNBACKED), heavy=True)
 def test_a_tree_engine_with_an_unbacked_batch_compiles_nothing_for_bucket_one(child):
     """A tree (topk 2) with ``unbacked_batch`` and ``size_oblivious``, the
     layers as regions, dynamo tracing the frame and the programs (eager

@@ -92,9 +92,12 @@ def size_oblivious(compiled: Callable) -> Callable:
 
 #: The keyword arguments this torch's ``mark_unbacked`` takes.
 _UNBACKED_OPTIONS = frozenset(inspect.signature(torch._dynamo.decorators.mark_unbacked).parameters)
-#: Those `mark_batch` passes (later torch releases than ``mark_unbacked``
-#: itself): one symbol for every input, its bounds, and its size hint.
-_UNBACKED_BATCH_OPTIONS = frozenset({"shape_id", "min", "max", "hint_override"})
+
+
+def _unbacked_batch_marks(largest: int) -> dict:
+    """`mark_batch`'s ``mark_unbacked`` arguments (later torch releases than
+    ``mark_unbacked`` itself): one symbol for every input, its bounds, its size hint."""
+    return dict(shape_id="batch", min=1, max=largest, hint_override=largest)
 
 
 def mark_batch(inputs: Mapping[str, torch.Tensor], bucket: int, largest: int,
@@ -110,8 +113,7 @@ def mark_batch(inputs: Mapping[str, torch.Tensor], bucket: int, largest: int,
         if t.dim() == 0 or t.shape[0] != bucket:
             raise ValueError(f"unbacked_batch needs every input to lead with the batch: "
                              f"{name!r} has shape {tuple(t.shape)} in bucket {bucket}")
-        torch._dynamo.decorators.mark_unbacked(t, 0, shape_id="batch", min=1, max=largest,
-                                               hint_override=largest)
+        torch._dynamo.decorators.mark_unbacked(t, 0, **_unbacked_batch_marks(largest))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -176,10 +178,11 @@ class CompilePolicy:
                 raise ValueError("unbacked_batch=True needs dynamic_batch=True and a "
                                  f"compile_backend, got dynamic_batch={self.dynamic_batch!r}, "
                                  f"compile_backend={self.compile_backend!r}")
-            missing = sorted(_UNBACKED_BATCH_OPTIONS - _UNBACKED_OPTIONS)
+            needed = set(_unbacked_batch_marks(1))
+            missing = sorted(needed - _UNBACKED_OPTIONS)
             if missing:
                 raise RuntimeError(f"unbacked_batch=True needs torch._dynamo's mark_unbacked "
-                                   f"with {', '.join(sorted(_UNBACKED_BATCH_OPTIONS))}; torch "
+                                   f"with {', '.join(sorted(needed))}; torch "
                                    f"{torch.__version__} lacks {', '.join(missing)}")
         if self.regions and self.compile_backend is None:
             raise ValueError("regions=True compiles each layer and needs a compile_backend")
