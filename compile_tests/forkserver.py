@@ -28,6 +28,7 @@ import runpy
 import select
 import sys
 import traceback
+import types
 
 #: What every job finds imported.
 PRELOAD = ("torch", "torch._dynamo", "fa3_spec", "fa3_spec.eagle")
@@ -60,7 +61,11 @@ def _run_job(request: dict) -> int:
         if argv[0] == "-c":
             sys.argv = ["-c", *argv[2:]]
             sys.path[0:0] = ["", *extra]
-            exec(compile(argv[1], "<string>", "exec"), {"__name__": "__main__"})
+            # The code runs in a fresh __main__ module, as with ``python -c``: dynamo
+            # builds guards on a function's globals through sys.modules[__module__].
+            main = types.ModuleType("__main__")
+            sys.modules["__main__"] = main
+            exec(compile(argv[1], "<string>", "exec"), main.__dict__)
         elif argv[0] == "-m":
             sys.argv = [argv[1], *argv[2:]]
             sys.path[0:0] = [os.getcwd(), *extra]

@@ -15,7 +15,8 @@ from fa3_spec.harness.sglang_upstream import TRITON_VERSION, default_cache_dir
 PROBE = '''
 import json, os, sys
 print(json.dumps(dict(argv=sys.argv, cwd=os.getcwd(), pythonpath=os.environ.get("PYTHONPATH"),
-                      path=sys.path[:2], main=__name__)))
+                      path=sys.path[:2], main=__name__,
+                      main_module=sys.modules["__main__"].__dict__ is globals())))
 print(json.dumps("torch" in sys.modules))
 print("to stderr", file=sys.stderr)
 sys.exit(int(sys.argv[1]))
@@ -53,6 +54,7 @@ def test_a_forked_job_runs_as_a_fresh_interpreter_would(child):
     assert code == 3 and "to stderr" in stderr
     assert seen["argv"] == ["-c", "3", "x"] and seen["pythonpath"] == str(tmp / "extra")
     assert seen["main"] == "__main__" and seen["path"] == ["", str(tmp / "extra")]
+    assert seen["main_module"]  # the code's globals are sys.modules["__main__"]'s, as dynamo reads
     assert killed == -signal.SIGTERM
     assert message == (1, "bad input\n")
     assert timed_out

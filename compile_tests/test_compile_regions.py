@@ -563,6 +563,35 @@ def test_an_unbacked_batch_compiles_bucket_one_into_the_shared_frame_under_induc
     assert child.result() == {"size_oblivious": 2, "unbacked_batch": 1}
 
 
+def test_an_unbacked_batch_is_one_symbol_bounded_by_the_largest_bucket():
+    """The compiler sees one unbacked batch symbol for every input, in
+    ``[1, largest bucket]``: inductor reads that range for its index widths
+    and size-oblivious reasoning, and it holds on releases whose
+    ``mark_unbacked`` takes no bounds."""
+    from torch._guards import detect_fake_mode
+
+    from fa3_spec.graphs import CompilePolicy, CUDAGraphRunner
+
+    ranges = []
+
+    def backend(gm, example_inputs):
+        env = detect_fake_mode(example_inputs).shape_env
+        unbacked = {s: r for s, r in env.var_to_range.items() if str(s).startswith("u")}
+        ranges.append(({str(env.replace(s)) for s in unbacked},  # one per input, unified
+                       {(int(r.lower), int(r.upper)) for r in unbacked.values()}))
+        return gm.forward
+
+    torch._dynamo.reset()
+    policy = CompilePolicy(compile_backend=backend, graphs=False, unbacked_batch=True)
+    runner = CUDAGraphRunner(lambda x, n: {"y": x * n}, buckets=[1, 2, 8], policy=policy,
+                             example=lambda bs: {"x": torch.zeros(bs, 3),
+                                                 "n": torch.zeros(bs, 1)})
+    for bs in (3, 1):
+        x, n = torch.randn(bs, 3), torch.randn(bs, 1)
+        torch.testing.assert_close(runner(x=x, n=n)["y"], x * n)
+    assert ranges == [({"u0"}, {(1, 8)})], ranges
+
+
 def test_unbacked_batch_needs_a_dynamic_compiled_step_and_batch_leading_inputs():
     from fa3_spec.graphs import CompilePolicy, CUDAGraphRunner
 
@@ -604,9 +633,9 @@ def test_the_loop_policy_with_an_unbacked_batch_is_dynamic_for_any_buckets(monke
     with pytest.raises(TypeError, match="unbacked_batch must be a bool, got 'yes'"):
         CompilePolicy.for_loop(device="cpu", compile_backend="inductor", buckets=[1, 4],
                                regions_available=False, unbacked_batch="yes")
-    # A torch whose mark_unbacked cannot bound the symbol or share it is refused by name.
+    # A torch whose mark_unbacked cannot share the symbol or hint it is refused by name.
     monkeypatch.setattr(policy_module, "_UNBACKED_OPTIONS", frozenset({"t", "index", "shape_id"}))
-    with pytest.raises(RuntimeError, match="lacks hint_override, max, min"):
+    with pytest.raises(RuntimeError, match="lacks hint_override"):
         CompilePolicy(compile_backend="eager", unbacked_batch=True)
 
 

@@ -96,16 +96,18 @@ _UNBACKED_OPTIONS = frozenset(inspect.signature(torch._dynamo.decorators.mark_un
 
 def _unbacked_batch_marks(largest: int) -> dict:
     """`mark_batch`'s ``mark_unbacked`` arguments (later torch releases than
-    ``mark_unbacked`` itself): one symbol for every input, its bounds, its size hint."""
-    return dict(shape_id="batch", min=1, max=largest, hint_override=largest)
+    ``mark_unbacked`` itself): one symbol for every input, and its size hint.
+    Its bounds come from `bound_batch`, which every release honours."""
+    return dict(shape_id="batch", hint_override=largest)
 
 
 def mark_batch(inputs: Mapping[str, torch.Tensor], bucket: int, largest: int,
                unbacked: bool) -> None:
     """Mark dimension 0 of a bucket's ``inputs`` (each ``[bucket, ...]``) as the
     dynamic batch: backed (``maybe_mark_dynamic``), or with ``unbacked`` one
-    unbacked symbol for all of them in ``[1, largest]``, whose size hint is
-    ``largest`` (what inductor tunes for: the bucket a backed frame compiles first)."""
+    unbacked symbol for all of them, whose size hint is ``largest`` (what
+    inductor tunes for: the bucket a backed frame compiles first); the step
+    compiled must then be `bound_batch`'s."""
     for name, t in inputs.items():
         if not unbacked:
             torch._dynamo.maybe_mark_dynamic(t, 0)
@@ -114,6 +116,27 @@ def mark_batch(inputs: Mapping[str, torch.Tensor], bucket: int, largest: int,
             raise ValueError(f"unbacked_batch needs every input to lead with the batch: "
                              f"{name!r} has shape {tuple(t.shape)} in bucket {bucket}")
         torch._dynamo.decorators.mark_unbacked(t, 0, **_unbacked_batch_marks(largest))
+
+
+def bound_batch(step: Callable, largest: int) -> Callable:
+    """``step`` (called with keyword tensors that lead with the batch) that
+    first tells the compiler its batch is in ``[1, largest]``.
+
+    ``torch._check`` on an unbacked size refines the symbol's value range,
+    which inductor reads for its index widths and size-oblivious reasoning;
+    ``mark_unbacked``'s own ``min``/``max`` exist only in later releases. On
+    plain integers (a backed or eager call) the checks are the host's own
+    comparisons and raise on a batch outside the range.
+    """
+
+    @functools.wraps(step)
+    def call(**inputs):
+        batch = next(iter(inputs.values())).shape[0]
+        torch._check(batch >= 1, lambda: "the batch is empty")
+        torch._check(batch <= largest, lambda: f"the batch exceeds the largest bucket, {largest}")
+        return step(**inputs)
+
+    return call
 
 
 @dataclasses.dataclass(frozen=True)

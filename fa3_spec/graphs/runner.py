@@ -84,7 +84,7 @@ import torch.utils._pytree as pytree
 
 from ..probes import RecordingBackend
 from .cache import load_compile_cache, save_compile_cache
-from .policy import CompilePolicy, mark_batch, size_oblivious
+from .policy import CompilePolicy, bound_batch, mark_batch, size_oblivious
 
 
 def check_buckets(buckets, largest: Optional[int] = None) -> List[int]:
@@ -232,7 +232,8 @@ class CUDAGraphRunner:
             # A static runner says so (dynamic=False): dynamo would otherwise make
             # the batch symbolic by itself when the same step code was compiled
             # before at another batch, e.g. by an earlier runner of one bucket.
-            compiled = torch.compile(step, fullgraph=True, backend=self.compile_counter,
+            traced = bound_batch(step, max(self.buckets)) if policy.unbacked_batch else step
+            compiled = torch.compile(traced, fullgraph=True, backend=self.compile_counter,
                                      dynamic=None if policy.dynamic_batch else False)
             self.compiled_step = size_oblivious(compiled) if policy.size_oblivious else compiled
 
