@@ -616,17 +616,20 @@ def test_the_loop_policy_with_an_unbacked_batch_is_dynamic_for_any_buckets(monke
     from fa3_spec.graphs import CompilePolicy, policy as policy_module
 
     for buckets in ([1, 4], [1, 2, 4], [4]):
-        for backend in ("inductor", "aot_eager"):
+        for backend, available in (("inductor", True), ("inductor", False), ("aot_eager", True)):
             got = CompilePolicy.for_loop(device="cpu", compile_backend=backend, buckets=buckets,
-                                         regions_available=True, unbacked_batch=True)
+                                         regions_available=available, unbacked_batch=True)
             assert got.dynamic_batch and got.unbacked_batch and got.size_oblivious
-            assert got.regions is (backend == "inductor")
+            assert got.regions is (backend == "inductor" and available)
             if backend == "inductor":
                 assert got.options["constant_and_index_propagation"] is False
                 assert got.options["combo_kernels"] is False
     static = CompilePolicy.for_loop(device="cpu", compile_backend="inductor", buckets=[1, 4],
                                     regions_available=True)
     assert not static.dynamic_batch and not static.unbacked_batch  # the control: the default
+    backed = CompilePolicy.for_loop(device="cpu", compile_backend="inductor", buckets=[1, 2, 4],
+                                    regions_available=False)
+    assert backed.options["combo_kernels"] is True  # a backed batch, inline: it compiles them
     with pytest.raises(ValueError, match="unbacked_batch=True needs a compile backend"):
         CompilePolicy.for_loop(device="cpu", compile_backend=None, buckets=[1, 4],
                                regions_available=False, unbacked_batch=True)

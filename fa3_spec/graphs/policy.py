@@ -255,10 +255,11 @@ class CompilePolicy:
           size-oblivious tracing, whatever the backend and buckets: bucket 1
           then compiles nothing of its own.
         * Inductor with a symbolic batch: index propagation off (it fails on
-          the iteration's symbolic loop ranges), and with regions also combo
-          kernels off (it groups a reduction over the symbolic batch around
-          the region ops into one kernel, which it cannot compile). The
-          regions' own programs keep the default options.
+          the iteration's symbolic loop ranges), and with regions or an
+          unbacked batch also combo kernels off (it groups a reduction over
+          the symbolic batch into one kernel, which it cannot compile: around
+          the region ops, or anywhere the batch is unbacked). The regions'
+          own programs keep the default options.
         """
         device = torch.device(device)
         compile_backend = "none" if compile_backend is None else compile_backend
@@ -286,7 +287,7 @@ class CompilePolicy:
         options = dict(INDUCTOR_OPTIONS)
         if inductor and dynamic:
             options["constant_and_index_propagation"] = False
-            if regions:
+            if regions or unbacked_batch:
                 options["combo_kernels"] = False
         return cls(compile_backend=compile_backend if compiled else None, graphs=graphs,
                    dynamic_batch=dynamic,
