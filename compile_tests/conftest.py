@@ -26,7 +26,7 @@ if not torch.cuda.is_available():
 def pytest_addoption(parser):
     parser.addoption("--kernels", action="append", default=[], metavar="NAME=VALUE",
                      help="run the tests on these op kernels (fa3_spec.eagle.parse_kernels), "
-                          "e.g. --kernels expand_attention=triton; repeat for more")
+                          "e.g. --kernels expand_attention=fa3; repeat for more")
 
 
 def pytest_configure(config):

@@ -70,18 +70,18 @@ def test_the_eagle_command_runs_with_the_kernels_it_is_given_and_puts_them_back(
     from fa3_spec.eagle.kernels import Kernels, selected_kernels
 
     out = tmp_path / "run.json"
-    assert cli.main(["eagle", "--kernels", "expand_attention=triton", "pdl=off", "--quiet",
+    assert cli.main(["eagle", "--kernels", "expand_attention=fa3", "pdl=off", "--quiet",
                      "--batch", "1", "--requests", "1", "--max-new-tokens", "3",
                      "--json", str(out)]) == 0
     recorded = json.loads(out.read_text())["config"]["kernels"]
-    assert recorded["expand_attention"] == "triton" and recorded["pdl"] is False
-    assert selected_kernels() == Kernels() and expand_kernel() == "fa3"
+    assert recorded["expand_attention"] == "fa3" and recorded["pdl"] is False
+    assert selected_kernels() == Kernels() and expand_kernel() == "triton"
     # Without --kernels the process's own choice stands, and is recorded.
-    previous = select_expand_kernel("triton")
+    previous = select_expand_kernel("fa3")
     try:
         assert cli.main(["eagle", "--quiet", "--batch", "1", "--requests", "1",
                          "--max-new-tokens", "3", "--json", str(out)]) == 0
-        assert expand_kernel() == "triton"
-        assert json.loads(out.read_text())["config"]["kernels"]["expand_attention"] == "triton"
+        assert expand_kernel() == "fa3"
+        assert json.loads(out.read_text())["config"]["kernels"]["expand_attention"] == "fa3"
     finally:
         select_expand_kernel(previous)

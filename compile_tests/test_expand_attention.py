@@ -161,10 +161,10 @@ def test_only_one_query_per_row_in_page_size_one_with_no_extras_is_an_expand_cal
 
 
 def test_select_expand_kernel_refuses_an_unknown_kernel():
-    assert EXPAND_KERNELS == ("fa3", "triton") and expand_kernel() == "fa3"
+    assert EXPAND_KERNELS == ("fa3", "triton") and expand_kernel() == "triton"  # the default
     with pytest.raises(ValueError, match="kernel must be one of"):
         select_expand_kernel("torch")
-    assert expand_kernel() == "fa3"
+    assert expand_kernel() == "triton"
 
 
 def test_an_expand_call_under_fa3_with_the_kernel_selected_goes_to_the_op():
@@ -194,9 +194,10 @@ def test_a_region_passes_the_kernel_s_tile_as_an_expand_call_s_key_bound():
     assert [expand_key_bound(n) for n in (1, 5, 16, 17, 128)] == [16, 16, 16, 32, 128]
     _, _, _, pt, sl, cu = _tensors()
     md = FA3Metadata(pt, sl, cu, cu, 1, 5, 1, False)
-    assert _encode_metadata(md, fa3=True)[1][2] == 127
-    previous = select_expand_kernel("triton")
+    previous = select_expand_kernel("fa3")
     try:
+        assert _encode_metadata(md, fa3=True)[1][2] == 127
+        select_expand_kernel("triton")
         assert _encode_metadata(md, fa3=True)[1][2] == 16
         assert _encode_metadata(md)[1][2] == 5  # no rewrite off FA3
     finally:

@@ -169,8 +169,8 @@ def test_kernels_parse_from_name_value_pairs():
     from fa3_spec.eagle.kernels import Kernels, parse_kernels
 
     assert parse_kernels([]) == Kernels()
-    assert parse_kernels(["expand_attention=triton", "pdl=off"]) == Kernels(
-        expand_attention="triton", pdl=False)
+    assert parse_kernels(["expand_attention=fa3", "pdl=off"]) == Kernels(
+        expand_attention="fa3", pdl=False)
     for pairs, says in ((["gemm"], "expected NAME=VALUE"), (["speed=fast"], "expected NAME=VALUE"),
                         (["pdl=no"], "pdl must be on or off"), (["rope_kv=x"], "rope_kv must be"),
                         (["gemm=cublas", "gemm=cublas"], "gemm given twice")):

@@ -270,7 +270,8 @@ def attention_call(
     already quantised. ``scheduler_metadata``: this call's plan from
     `fa3_plans` (FA3 only; the torch backend ignores it).
 
-    Under ``"fa3"`` with `select_expand_kernel("triton")` an expand call
+    Under ``"fa3"`` with the expand kernel selected (the default; see
+    `select_expand_kernel`) an expand call
     (`expand_call_applies`: one query per row in page size 1) runs
     ``fa3_spec::expand_attention``, a Triton kernel that reads the same keys
     (`fa3_spec.attention.expand_attention` says why; the call's plan is then

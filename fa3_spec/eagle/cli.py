@@ -168,8 +168,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "capture (a restart skips most of inductor's work)")
     p.add_argument("--kernels", nargs="+", default=[], metavar="NAME=VALUE",
                    help="the ops' CUDA kernels for this run (fa3_spec.eagle.kernels.Kernels), "
-                        "e.g. expand_attention=triton (a tree's expand calls on the Triton kernel "
-                        "instead of FA3) or gemm=cublas pdl=off; default: the library's")
+                        "e.g. expand_attention=fa3 (a tree's expand calls on FA3 instead of the "
+                        "Triton kernel) or gemm=cublas pdl=off; default: the library's")
     p.add_argument("--scripted", default=None, nargs="?", const=",".join(map(str, DEFAULT_SCRIPT)),
                    help="force emitted tokens per iteration from this sequence "
                         f"(default {','.join(map(str, DEFAULT_SCRIPT))}, mean 3.5); output is not the model's")

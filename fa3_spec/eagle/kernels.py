@@ -33,8 +33,10 @@ class Kernels:
             or ``"index_copy"``.
         rope_kv: ``fa3_spec::rope_store_kv``: ``"fused"`` (one Triton launch)
             or ``"split"`` (plain torch inside the op).
-        expand_attention: a tree's expand calls under FA3: ``"fa3"`` (the
-            default, FA3 itself) or ``"triton"`` (``fa3_spec::expand_attention``).
+        expand_attention: a tree's expand calls under FA3: ``"triton"``
+            (``fa3_spec::expand_attention``, one small program per row and KV
+            head) or ``"fa3"`` (FA3 itself, one CTA per row and KV head set
+            up for a key tile of 128 or more).
         pdl: programmatic dependent launch of the library's Triton kernels
             on Hopper (`fa3_spec.triton_support.pdl_launch`).
     """
@@ -42,7 +44,7 @@ class Kernels:
     gemm: str = "triton"
     store_kv: str = "triton"
     rope_kv: str = "fused"
-    expand_attention: str = "fa3"
+    expand_attention: str = "triton"
     pdl: bool = True
 
     def __post_init__(self) -> None:
@@ -60,7 +62,7 @@ _SELECTED = {"kernels": Kernels()}
 
 def parse_kernels(pairs: Sequence[str]) -> Kernels:
     """`Kernels` from ``NAME=VALUE`` pairs, the defaults for names not given:
-    ``["expand_attention=triton", "pdl=off"]`` (``pdl`` takes ``on`` or
+    ``["expand_attention=fa3", "pdl=off"]`` (``pdl`` takes ``on`` or
     ``off``). How a command line names them (``fa3-spec eagle --kernels``).
 
     Raises:
