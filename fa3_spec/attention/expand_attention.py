@@ -24,10 +24,10 @@ that no row owns are not written, as FA3 leaves them
 `cascade_attention` routes an expand call here under ``attention_backend=
 "fa3"`` when `expand_call_applies` (static facts of the call: one query per
 row, page size 1, no window, softcap or FP8) and `expand_kernel` is
-``"triton"``, the default: the EAGLE loop's iteration is faster with it at
-every batch measured (``benchmarks/RESULTS.md``). ``select_expand_kernel("fa3")``
-(or `fa3_spec.eagle.select_kernels` with the other kernels) puts every call
-on FA3. The op's CUDA kernel takes the Triton path where
+``"triton"``, the default (`DEFAULT_EXPAND_KERNEL`), since a tree's expand
+calls are many rows of a few keys each, where FA3's per-CTA setup outweighs
+the reads. ``select_expand_kernel("fa3")`` (or `fa3_spec.eagle.select_kernels`
+with the other kernels) puts every call on FA3. The op's CUDA kernel takes the Triton path where
 `expand_kernel_applies` (layouts and sizes), else calls FA3; its default
 (CPU) implementation is the reference.
 """
@@ -49,7 +49,10 @@ from .reference import paged_attention_reference
 EXPAND_KERNELS = ("fa3", "triton")
 #: The most keys a row may attend for the Triton kernel (one key tile).
 MAX_EXPAND_KEYS = 128
-_SELECTED = {"kernel": "triton"}
+#: The kernel expand calls run on until `select_expand_kernel` says otherwise
+#: (also `fa3_spec.eagle.Kernels`' default).
+DEFAULT_EXPAND_KERNEL = "triton"
+_SELECTED = {"kernel": DEFAULT_EXPAND_KERNEL}
 
 
 def expand_key_bound(max_seqlen_k: int) -> int:

@@ -13,7 +13,8 @@ from __future__ import annotations
 import dataclasses
 from typing import Sequence
 
-from ..attention.expand_attention import EXPAND_KERNELS, expand_kernel, select_expand_kernel
+from ..attention.expand_attention import (DEFAULT_EXPAND_KERNEL, EXPAND_KERNELS, expand_kernel,
+                                          select_expand_kernel)
 from ..attention.kv_store import STORE_KV_IMPLS, store_kv, store_kv_cuda, store_kv_index_copy
 from ..triton_support import set_pdl
 from .gemm import GEMM_IMPLS, skinny_mm, skinny_mm_cublas, skinny_mm_cuda
@@ -44,7 +45,7 @@ class Kernels:
     gemm: str = "triton"
     store_kv: str = "triton"
     rope_kv: str = "fused"
-    expand_attention: str = "triton"
+    expand_attention: str = DEFAULT_EXPAND_KERNEL
     pdl: bool = True
 
     def __post_init__(self) -> None:
