@@ -16,7 +16,11 @@ iteration at each of ``--time-batches`` (replays back to back after 3, synced
 at both ends: launch throughput) in the smallest bucket that holds the batch
 (the rest padding rows) and in the next bucket up, timed in blocks A, B, B, A
 of 10 replays so that the context's growth weighs both alike, and the compile
-phases PyTorch timed (``compile_phases_s``). Scripted acceptance,
+phases PyTorch timed (``compile_phases_s``); with ``--breakdown``, where
+the GPU time of each timed bucket's iteration goes (`gpu_trace.breakdown`
+of 5 profiled replays: kernel time per category and per kernel), so that two
+runs (``--batch backed`` and ``unbacked``) can be compared kernel by kernel.
+Scripted acceptance,
 ``llama3-8b`` shapes, P 2 / topk 8 / 5 steps / N 16 (or, with ``--shapes``,
 each bucket's own shape as the speculation policy picks them), context 1024. Unless
 ``--no-restart``, a second fresh process loads the first one's compile cache
@@ -36,6 +40,7 @@ import torch
 
 from fa3_spec.eagle import make_models, regions
 
+import gpu_trace
 import loop_costs
 import runs
 import workload
@@ -87,7 +92,7 @@ def parse_bucket_shapes(pairs) -> dict:
 
 
 def child(cache: str, buckets, timed, num_layers, inline: bool, shapes=None,
-          unbacked: bool = False) -> dict:
+          unbacked: bool = False, breakdown: bool = False) -> dict:
     """One fresh process: build, compile and capture the engine, then time it."""
     torch.manual_seed(0)
     models = make_models("llama3-8b", draft="random", device="cuda", num_layers=num_layers)
@@ -113,7 +118,7 @@ def child(cache: str, buckets, timed, num_layers, inline: bool, shapes=None,
                region_programs=regions.compiled_programs(),
                per_bucket={str(b): round(x, 2) for b, x in per.items()}, ms_per_iteration={},
                bucket_of_batch={}, ms_per_iteration_next_bucket={}, next_bucket_of_batch={},
-               live_requests_after={})
+               live_requests_after={}, breakdown={})
     g = torch.Generator().manual_seed(0)
     n = 0
     for b in timed:
@@ -130,6 +135,9 @@ def child(cache: str, buckets, timed, num_layers, inline: bool, shapes=None,
         if len(ms) == 2:
             out["ms_per_iteration_next_bucket"][str(b)] = ms[1]
             out["next_bucket_of_batch"][str(b)] = timed_buckets[1]
+        if breakdown:
+            out["breakdown"][str(b)] = gpu_trace.breakdown(
+                gpu_trace.profile_events(lambda: eng.launch(bucket), 5), top=0)
         # Every request still decoding (none finished and became padding while timed).
         out["live_requests_after"][str(b)] = int((eng.state["seq_lens"][:n] > 0).sum())
     # Where the compile went: seconds per phase PyTorch times (dynamo_timed),
@@ -156,6 +164,8 @@ def parser() -> argparse.ArgumentParser:
                          "bucket 1 compiles a frame of its own) or unbacked")
     ap.add_argument("--shapes", nargs="+", default=None, metavar="BUCKET=TOPK,STEPS,N|off",
                     help="each bucket's own shape (default: P 2 / topk 8 / N 16 everywhere)")
+    ap.add_argument("--breakdown", action="store_true",
+                    help="also profile each timed bucket: GPU time per kernel category and kernel")
     ap.add_argument("--json", metavar="PATH")
     ap.add_argument("--_child", metavar="CACHE", default=None, help=argparse.SUPPRESS)
     return ap
@@ -177,7 +187,8 @@ def main(argv=None) -> int:
         return 2
     if args._child:
         print(json.dumps(child(args._child, sorted(args.buckets), timed, args.num_layers,
-                               args.layers == "inline", shapes, args.batch == "unbacked")))
+                               args.layers == "inline", shapes, args.batch == "unbacked",
+                               args.breakdown)))
         return 0
     if not torch.cuda.is_available():
         print(f"{PROG} times CUDA graphs: it needs a CUDA device", file=sys.stderr)
@@ -191,7 +202,8 @@ def main(argv=None) -> int:
             cmd = [sys.executable, runs.script("compile.py"), "engine", "--_child", cache,
                    "--buckets", *map(str, args.buckets), "--time-batches", *map(str, timed),
                    "--layers", args.layers, "--batch", args.batch] + (
-                       ["--shapes", *args.shapes] if shapes else [])
+                       ["--shapes", *args.shapes] if shapes else []) + (
+                       ["--breakdown"] if args.breakdown else [])
             if args.num_layers:
                 cmd += ["--num-layers", str(args.num_layers)]
             row = runs.fresh_process_row(cmd, os.path.join(tmp, f"inductor-{i}"), phase)

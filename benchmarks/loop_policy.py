@@ -20,8 +20,9 @@ before (then only the shapes it picks and the ``--fixed`` ones run). The
 JSON holds:
 
 * ``rows``: per profile and bucket, the chosen shape (``"off"``: plain
-  decoding), its expected and measured accept length, its tokens/s against
-  plain decoding's, and the tokens/s of the largest candidate tree at that
+  decoding; with ``--max-shapes K``, at most K of them over the buckets),
+  its expected and measured accept length, its tokens/s against plain
+  decoding's, and the tokens/s of the largest candidate tree at that
   bucket (what one shape for every bucket gives);
 * ``fixed``: each ``--fixed`` config's ms per iteration at each bucket under
   the first profile, against its bytes floor (the bytes it reads over the
@@ -85,6 +86,9 @@ def parser() -> argparse.ArgumentParser:
                          "iteration on the P 2 / topk 8 / N 16 tree) or NAME=FILE.json")
     ap.add_argument("--fixed", nargs="*", default=FIXED, metavar="P,TOPK,STEPS,N",
                     help="configs held against their floors under the first profile")
+    ap.add_argument("--max-shapes", type=int, default=None, metavar="K",
+                    help="the policy uses at most K shapes over all the buckets, plain decoding "
+                         "counting as one (`choose_shapes`' max_shapes; default: no bound)")
     ap.add_argument("--cold-start", action="store_true",
                     help="also time a cold compile + capture and a restart of the engine with "
                          "the first profile's choices (CUDA; fresh processes)")
@@ -224,6 +228,9 @@ def main(argv=None) -> int:
     except ValueError as exc:
         print(f"--kernels: {exc}", file=sys.stderr)
         return 2
+    if args.max_shapes is not None and args.max_shapes < 1:
+        print(f"--max-shapes must be >= 1, got {args.max_shapes}", file=sys.stderr)
+        return 2
     if args.cold_start and args.device != "cuda":
         print("--cold-start times CUDA graphs: it needs --device cuda", file=sys.stderr)
         return 2
@@ -237,7 +244,7 @@ def main(argv=None) -> int:
                profiles={k: [list(r) for r in p.rates] for k, p in profiles.items()},
                batches=batches, iters=args.iters, warmup=args.warmup, seed=args.seed,
                draft_logit_std=args.draft_logit_std, kernels=kernels,
-               capture_s={}, measured=[])
+               max_shapes=args.max_shapes, capture_s={}, measured=[])
     try:
         times = resumed(args.resume, doc) if args.resume else {}
     except ValueError as exc:
@@ -284,7 +291,7 @@ def main(argv=None) -> int:
     largest = max((s for s in shapes), key=lambda s: (s[2], s[0]))
     rows, chosen = [], {}
     for name, profile in profiles.items():
-        chosen[name] = choose_shapes(costs, profile, batches)
+        chosen[name] = choose_shapes(costs, profile, batches, max_shapes=args.max_shapes)
         for b in batches:
             c = chosen[name][b]
             plain_tps = plain[(b, name)][1]

@@ -255,11 +255,30 @@ def test_cli_runs_the_shape_the_profiles_choose_per_bucket_and_reports_it(tmp_pa
     assert AcceptanceProfile.load(measured).rates  # the run's own profile, for the next one
 
 
+def test_cli_max_shapes_bounds_the_shapes_it_compiles(tmp_path):
+    costs, acceptance = _profiles(tmp_path)
+    out = tmp_path / "eagle.json"
+    argv = ["--preset", "tiny", "--device", "cpu", "--batch", "4", "--requests", "5",
+            "--buckets", "1", "2", "4", "--max-new-tokens", "8", "--prompt-len", "12",
+            "--check-greedy", "--attention-backend", "torch", "--cost-profile", str(costs),
+            "--acceptance-profile", str(acceptance), "--max-shapes", "2", "--quiet",
+            "--json", str(out)]
+    assert cli.main(argv) == 0
+    res = json.loads(out.read_text())
+    shapes = [r["shape"] for r in sorted(res["speculation"], key=lambda r: r["bucket"])]
+    # Unbounded: 4,3,8 / 1,3,4 / off. Two shapes: bucket 1 gives up the least.
+    assert shapes == ["1,3,4", "1,3,4", "off"]
+    assert res["exact"] is True and res["config"]["max_shapes"] == 2
+
+
 @pytest.mark.parametrize("extra, says", [
     (["--cost-profile", "COSTS"], "go together"),
     (["--cost-profile", "COSTS", "--acceptance-profile", "NOPE"], "--acceptance-profile"),
     (["--cost-profile", "COSTS", "--acceptance-profile", "ACC", "--buckets", "1", "3"],
      r"no measurement for bucket\(s\) \[3\]"),
+    (["--max-shapes", "2"], "--max-shapes bounds the shapes"),
+    (["--cost-profile", "COSTS", "--acceptance-profile", "ACC", "--max-shapes", "0"],
+     "--max-shapes: .*must be >= 1"),
 ])
 def test_cli_refuses_bad_profiles_as_usage_errors(tmp_path, capsys, extra, says):
     costs, acceptance = _profiles(tmp_path)

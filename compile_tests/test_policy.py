@@ -4,8 +4,10 @@ against the engine's own measured acceptance; the cost model's choice per
 bucket; refusals that name the argument."""
 
 import dataclasses
+import itertools
 import json
 import math
+import random
 
 import pytest
 import torch
@@ -77,6 +79,68 @@ def test_each_bucket_runs_the_shape_with_the_most_tokens_per_second():
     assert e_chain / 60.0 < 1 / 20.0 and e_tree / 70.0 < 1 / 20.0
     assert chosen[64].shape is None and chosen[64].speedup == 1.0
     assert chosen[1].speedup > 1
+
+
+def _brute_force_best_score(costs, profile, max_shapes):
+    """The largest sum of log(speedup) over every assignment of one option per
+    bucket (plain decoding or a shape measured there) with at most
+    ``max_shapes`` distinct options: the oracle for `choose_shapes`."""
+    rows = []
+    for b in sorted(costs.plain):
+        plain = 1e3 / costs.plain[b]
+        opts = [(None, 0.0)]
+        for key, ms in costs.shapes.get(b, {}).items():
+            shape = tuple(int(x) for x in key.split(","))
+            opts.append((shape, math.log(1e3 * expected_accept_length(shape, profile) / ms / plain)))
+        rows.append(opts)
+    return max(sum(score for _, score in pick) for pick in itertools.product(*rows)
+               if len({shape for shape, _ in pick}) <= max_shapes)
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_max_shapes_keeps_the_best_assignment_with_that_many_shapes(seed):
+    rng = random.Random(seed)
+    prof = AcceptanceProfile(tuple((rng.uniform(0.3, 0.7), rng.uniform(0.0, 0.25))
+                                   for _ in range(5)))
+    keys = ["1,2,3", "1,3,4", "1,5,6", "2,3,6", "2,5,8"]
+    plain = {b: 5.0 + 0.1 * b for b in (1, 2, 4, 8, 16, 32, 64)}
+    # Costs that grow with the batch and the tree, shuffled enough that the
+    # unbounded choice uses several shapes; one shape unmeasured at one bucket.
+    shapes = {b: {k: plain[b] * (1.0 + rng.uniform(0.05, 0.5) * int(k.split(",")[2]) *
+                                 (0.3 + b / 64)) for k in keys} for b in plain}
+    del shapes[64]["2,5,8"]
+    costs = CostProfile(plain=plain, shapes=shapes)
+    unbounded = choose_shapes(costs, prof)
+    used = {c.shape for c in unbounded.values()}
+    for k in range(1, 5):
+        chosen = choose_shapes(costs, prof, max_shapes=k)
+        assert len({c.shape for c in chosen.values()}) <= k
+        score = math.fsum(math.log(c.speedup) for c in chosen.values())
+        assert score == pytest.approx(_brute_force_best_score(costs, prof, k), abs=1e-12)
+        # Each bucket still reports its own option's figures.
+        for b, c in chosen.items():
+            assert c.bucket == b and c.plain_tokens_per_s == pytest.approx(1e3 / plain[b])
+        if k >= len(used):
+            assert chosen == unbounded
+
+
+def test_max_shapes_counts_plain_decoding_as_a_shape():
+    prof = AcceptanceProfile(((0.8,), (0.7,), (0.6,)))
+    # The chain wins at 1 and loses at 64, where plain decoding wins.
+    costs = CostProfile(plain={1: 5.0, 64: 20.0},
+                        shapes={1: {"1,3,4": 6.0}, 64: {"1,3,4": 60.0}})
+    assert {b: c.shape for b, c in choose_shapes(costs, prof).items()} == {1: (1, 3, 4), 64: None}
+    one = choose_shapes(costs, prof, max_shapes=1)
+    # One step for both buckets: the chain (2.2x at 1, 0.9x at 64) beats plain (1x, 1x).
+    assert {c.shape for c in one.values()} == {(1, 3, 4)}
+    assert one[64].speedup < 1
+
+
+@pytest.mark.parametrize("bad", [0, -1, 1.5, True, "2"])
+def test_max_shapes_must_be_a_positive_int(bad):
+    costs = CostProfile(plain={1: 1.0}, shapes={1: {"1,2,3": 1.0}})
+    with pytest.raises(ValueError, match=f"max_shapes must be an int >= 1 or None, got {bad!r}"):
+        choose_shapes(costs, AcceptanceProfile(((0.5,),)), max_shapes=bad)
 
 
 def test_profiles_round_trip_through_json(tmp_path):

@@ -205,6 +205,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="ms per iteration of candidate shapes and of plain decoding, per bucket")
     g.add_argument("--acceptance-profile", metavar="FILE.json", default=None,
                    help="acceptance rates per draft depth and sibling rank")
+    g.add_argument("--max-shapes", type=_positive, default=None, metavar="K",
+                   help="use at most K shapes over all the buckets, plain decoding counting as "
+                        "one (each is compiled and captured of its own): fewer shapes, a shorter "
+                        "cold start (default: no bound)")
     g.add_argument("--acceptance-out", metavar="FILE.json", default=None,
                    help="write this run's measured acceptance profile here")
     p.add_argument("--json", metavar="PATH", help="write the result as JSON")
@@ -497,7 +501,7 @@ def _run_loop(args: argparse.Namespace, log) -> dict:
                   temperature=args.temperature, top_p=args.top_p,
                   sampling_top_k=args.sampling_top_k, sampling_seed=args.sampling_seed,
                   cost_profile=args.cost_profile, acceptance_profile=args.acceptance_profile,
-                  kernels=dataclasses.asdict(selected_kernels()))
+                  max_shapes=args.max_shapes, kernels=dataclasses.asdict(selected_kernels()))
     log(_describe(config, scripted, loaded.info if loaded else None), flush=True)
     if speculation is not None:
         for line in describe_speculation(speculation):
@@ -615,7 +619,7 @@ def _speculation(args: argparse.Namespace, buckets):
         raise UsageError(f"--cost-profile {args.cost_profile!r} has no measurement for "
                          f"bucket(s) {missing} (it has {sorted(costs.plain)}); measure them or "
                          "pass --buckets")
-    return choose_shapes(costs, profile, buckets)
+    return choose_shapes(costs, profile, buckets, max_shapes=args.max_shapes)
 
 
 def speculation_rows(choices) -> List[dict]:
@@ -687,6 +691,9 @@ def usage_error(args: argparse.Namespace) -> Optional[str]:
     if (args.cost_profile is None) != (args.acceptance_profile is None):
         return "--cost-profile and --acceptance-profile go together (costs and acceptance " \
                "choose each bucket's shape)"
+    if args.max_shapes is not None and args.cost_profile is None:
+        return "--max-shapes bounds the shapes --cost-profile and --acceptance-profile choose: " \
+               "give them too"
     for flag, path in (("--acceptance-out", args.acceptance_out),
                        ("--compile-cache", args.compile_cache)):
         if path:

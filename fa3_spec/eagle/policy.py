@@ -19,13 +19,16 @@ takes to order nodes as their acceptance chances do (a calibrated draft).
 A **cost profile** holds measured milliseconds per iteration of each
 candidate shape, and of one plain decode step, per batch bucket. The policy
 picks, per bucket, the shape with the most expected tokens per second, or
-plain decoding (``None``) when no shape beats it.
+plain decoding (``None``) when no shape beats it; with ``max_shapes``, the
+best such choice that uses at most that many shapes over all the buckets
+(each is compiled and captured of its own).
 """
 
 from __future__ import annotations
 
 import dataclasses
 import heapq
+import itertools
 import json
 import math
 import pathlib
@@ -267,24 +270,72 @@ class BucketChoice:
 
 
 def choose_shapes(costs: CostProfile, profile: AcceptanceProfile,
-                  buckets: Optional[Sequence[int]] = None) -> Dict[int, BucketChoice]:
+                  buckets: Optional[Sequence[int]] = None, *,
+                  max_shapes: Optional[int] = None) -> Dict[int, BucketChoice]:
     """Per bucket (default: every bucket of ``costs``), the measured shape with
     the most expected tokens/s per row, ``E[accept] / ms``, or plain decoding
-    when none beats ``1 / plain ms``. Ties keep the smaller shape."""
-    chosen = {}
-    for b in buckets if buckets is not None else sorted(costs.plain):
+    when none beats ``1 / plain ms``. Ties keep the smaller shape.
+
+    ``max_shapes`` bounds what the engine compiles and captures: each shape
+    chosen is a step of its own (plain decoding counts as one), so at most
+    ``max_shapes`` distinct choices over all the buckets. Among the sets of at
+    most that many candidates, the one whose per-bucket best has the largest
+    sum of ``log(speedup)`` wins (every bucket weighs alike, whatever its
+    absolute tokens/s), fewer shapes on a tie; a bucket whose set holds
+    neither plain decoding nor a shape measured there rules that set out."""
+    bucket_list = list(buckets) if buckets is not None else sorted(costs.plain)
+    for b in bucket_list:
         if isinstance(b, bool) or not isinstance(b, int):
             raise TypeError(f"buckets: {b!r} is not an int batch bucket")
         if b not in costs.plain:
             raise ValueError(f"buckets: {b} has no measured plain decode step in the profile")
+    if max_shapes is not None and (isinstance(max_shapes, bool) or not isinstance(max_shapes, int)
+                                   or max_shapes < 1):
+        raise ValueError(f"max_shapes must be an int >= 1 or None, got {max_shapes!r}")
+    # Every (bucket, candidate) once: candidate None is plain decoding.
+    options: Dict[int, List[BucketChoice]] = {}
+    for b in bucket_list:
         plain = 1e3 / costs.plain[b]
-        best = BucketChoice(b, None, 1.0, plain, plain)
+        row = [BucketChoice(b, None, 1.0, plain, plain)]
         for key, ms in sorted(costs.shapes.get(b, {}).items(),
                               key=lambda kv: _parse_shape(kv[0])[::-1]):
             shape = _parse_shape(key)
             e = expected_accept_length(shape, profile)
-            rate = 1e3 * e / ms
-            if rate > best.tokens_per_s:
-                best = BucketChoice(b, shape, e, rate, plain)
-        chosen[b] = best
-    return chosen
+            row.append(BucketChoice(b, shape, e, 1e3 * e / ms, plain))
+        options[b] = row
+
+    def best_within(allowed) -> Optional[Dict[int, BucketChoice]]:
+        chosen = {}
+        for b, row in options.items():
+            best = None  # the first (smallest) of the fastest allowed options
+            for c in row:
+                if c.shape in allowed and (best is None or c.tokens_per_s > best.tokens_per_s):
+                    best = c
+            if best is None:
+                return None
+            chosen[b] = best
+        return chosen
+
+    everything = {c.shape for row in options.values() for c in row}
+    unbounded = best_within(everything)
+    if max_shapes is None or len({c.shape for c in unbounded.values()}) <= max_shapes:
+        return unbounded
+    candidates = sorted(everything, key=lambda s: (0,) if s is None else (1, *s[::-1]))
+    size = min(max_shapes, len(candidates))
+    if sum(math.comb(len(candidates), k) for k in range(1, size + 1)) > _MAX_SHAPE_SETS:
+        raise ValueError(f"max_shapes={max_shapes} over {len(candidates)} candidates is more than "
+                         f"{_MAX_SHAPE_SETS} sets to weigh: measure fewer shapes or raise max_shapes")
+    best, best_score = None, -math.inf
+    for k in range(1, size + 1):
+        for allowed in itertools.combinations(candidates, k):
+            chosen = best_within(set(allowed))
+            if chosen is None:
+                continue
+            score = math.fsum(math.log(c.speedup) for c in chosen.values())
+            if score > best_score:  # strictly: a set of fewer shapes keeps a tie
+                best, best_score = chosen, score
+    return best
+
+
+#: The most candidate sets `choose_shapes` weighs under ``max_shapes``.
+_MAX_SHAPE_SETS = 200_000
