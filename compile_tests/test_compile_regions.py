@@ -592,6 +592,30 @@ def test_an_unbacked_batch_is_one_symbol_bounded_by_the_largest_bucket():
     assert ranges == [({"u0"}, {(1, 8)})], ranges
 
 
+def test_runners_of_one_step_with_their_own_largest_bucket_keep_their_own_bound():
+    """Two runners of one step code, the batch unbacked, largest buckets 8 and
+    2 (an engine's shapes, each over its own buckets): each frame bounds the
+    batch by its own largest bucket, so a step that checks the batch against
+    a constant (the builders' ``bs > max_bs``) traces in both. Had the two
+    shared one wrapper code, the second compile would have made the bound a
+    symbol and that check data-dependent."""
+    from fa3_spec.graphs import CompilePolicy, CUDAGraphRunner
+
+    def step(x):
+        if x.shape[0] > 8:
+            raise ValueError("batch above max_bs")
+        return {"y": x * 2}
+
+    torch._dynamo.reset()
+    policy = CompilePolicy(compile_backend="eager", graphs=False, unbacked_batch=True)
+    for buckets in ([4, 8], [1, 2]):
+        runner = CUDAGraphRunner(step, buckets=buckets, policy=policy,
+                                 example=lambda bs: {"x": torch.zeros(bs, 3)})
+        for bs in buckets:
+            x = torch.randn(bs, 3)
+            torch.testing.assert_close(runner(x=x)["y"], x * 2)
+
+
 def test_unbacked_batch_needs_a_dynamic_compiled_step_and_batch_leading_inputs():
     from fa3_spec.graphs import CompilePolicy, CUDAGraphRunner
 

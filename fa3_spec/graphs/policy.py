@@ -127,16 +127,24 @@ def bound_batch(step: Callable, largest: int) -> Callable:
     ``mark_unbacked``'s own ``min``/``max`` exist only in later releases. On
     plain integers (a backed or eager call) the checks are the host's own
     comparisons and raise on a batch outside the range.
+
+    The wrapper gets a code object of its own per step and ``largest``
+    (`with_own_code`): dynamo keeps compiled entries per code object, and a
+    second compile of one code whose closure int changed makes that int a
+    symbol (automatic dynamic), which would leave the batch bounded by a
+    symbol instead of ``largest``: two runners of one engine, each with its
+    own largest bucket, would then fail to trace any check against a
+    constant above the smaller one.
     """
 
-    @functools.wraps(step)
     def call(**inputs):
         batch = next(iter(inputs.values())).shape[0]
         torch._check(batch >= 1, lambda: "the batch is empty")
         torch._check(batch <= largest, lambda: "the batch exceeds the largest bucket")
         return step(**inputs)
 
-    return call
+    name = f"{getattr(step, '__name__', 'step')}_batch_within_{largest}"
+    return functools.wraps(step)(with_own_code(call, name, shared=True))
 
 
 @dataclasses.dataclass(frozen=True)
