@@ -212,6 +212,7 @@ def main(argv=None) -> int:
             print(json.dumps(row), flush=True)
             if args.json:
                 runs.write_json(args.json, dict(
-                    command=runs.command_line(PROG, argv), torch=torch.__version__,
+                    command=runs.command_line(PROG, argv), commit=runs.commit(),
+                    torch=torch.__version__,
                     device=runs.device_name("cuda"), runs=done))
     return 0

@@ -16,9 +16,12 @@ import torch
 #: Chrome-trace categories of GPU work.
 GPU_CATS = ("kernel", "gpu_memcpy", "gpu_memset")
 #: Kernel-name patterns of the categories, tried in order (else "other").
+#: fa3_spec's own kernels by their exact names: inductor names a fused
+#: kernel after the ops it feeds, so ``triton_..._skinny_mm_0`` is not a GEMM.
 CATEGORIES = (
-    ("attention", re.compile(r"flash|fmha|FlashAttn", re.I)),
-    ("gemm", re.compile(r"gemm|nvjet|cutlass|xmma|cublas|sm90_", re.I)),
+    ("attention", re.compile(r"flash|fmha|FlashAttn|^expand_attention_kernel$", re.I)),
+    ("gemm", re.compile(r"gemm|nvjet|cutlass|xmma|cublas|sm90_|^skinny_mm_kernel$"
+                        r"|^sum_partials_kernel$", re.I)),
     ("triton", re.compile(r"^triton_")),
     # the K/V writes: index_copy_, or fa3_spec's fused store_kv kernel
     ("copy", re.compile(r"memcpy|memset|copy|store_kv", re.I)),
@@ -26,7 +29,12 @@ CATEGORIES = (
 
 
 def category(event: dict) -> str:
-    """The category of one GPU op of a chrome trace."""
+    """The category of one GPU op of a chrome trace.
+
+        >>> [category(dict(cat="kernel", name=n)) for n in ("skinny_mm_kernel",
+        ...  "triton_red_fused_add_rsqrt_skinny_mm_0", "expand_attention_kernel")]
+        ['gemm', 'triton', 'attention']
+    """
     if event.get("cat") in ("gpu_memcpy", "gpu_memset"):
         return "copy"
     name = event.get("name", "")

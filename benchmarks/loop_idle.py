@@ -86,7 +86,8 @@ def main(argv=None) -> int:
         print(f"{PROG} needs CUDA (it profiles captured graphs)", file=sys.stderr)
         return 2
     models = make_models(args.preset, draft="random", device="cuda", num_layers=args.num_layers)
-    doc = dict(command=runs.command_line(PROG, argv), torch=torch.__version__,
+    doc = dict(command=runs.command_line(PROG, argv), commit=runs.commit(),
+               torch=torch.__version__,
                device=runs.device_name("cuda"), preset=args.preset,
                acceptance=workload.SCRIPTED, rows=[])
     for cfg in configs:

@@ -90,3 +90,15 @@ def test_the_profile_exits_2_without_cuda_or_with_a_bad_config(argv, monkeypatch
     assert loop.main(["idle", *argv]) == 2
     err = capsys.readouterr().err
     assert ("--configs" in err) if argv else ("needs CUDA" in err)
+
+
+def test_the_library_s_own_kernels_count_in_their_category_by_exact_name():
+    kinds = {n: gpu_trace.category(_op(n, 0, 1, 1)) for n in (
+        "skinny_mm_kernel", "sum_partials_kernel", "expand_attention_kernel",
+        "rope_store_kv_kernel", "triton_red_fused__to_copy_add_mean_rsqrt_skinny_mm_0",
+        "triton_poi_fused_mul_silu_skinny_mm_split_5")}
+    assert kinds == {"skinny_mm_kernel": "gemm", "sum_partials_kernel": "gemm",
+                     "expand_attention_kernel": "attention", "rope_store_kv_kernel": "copy",
+                     # inductor names a fused kernel after the op it feeds: not a GEMM
+                     "triton_red_fused__to_copy_add_mean_rsqrt_skinny_mm_0": "triton",
+                     "triton_poi_fused_mul_silu_skinny_mm_split_5": "triton"}
