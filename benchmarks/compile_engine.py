@@ -17,9 +17,10 @@ at both ends: launch throughput) in the smallest bucket that holds the batch
 (the rest padding rows) and in the next bucket up, timed in blocks A, B, B, A
 of 10 replays so that the context's growth weighs both alike, and the compile
 phases PyTorch timed (``compile_phases_s``); with ``--breakdown``, where
-the GPU time of each timed bucket's iteration goes (`gpu_trace.breakdown`
-of 5 profiled replays: kernel time per category and per kernel), so that two
-runs (``--batch backed`` and ``unbacked``) can be compared kernel by kernel.
+the GPU time of an iteration goes in the smallest bucket that holds each
+timed batch (`gpu_trace.breakdown` of 5 profiled replays after its timing:
+kernel time per category and per kernel), so that two runs (``--batch
+backed`` and ``unbacked``) can be compared kernel by kernel.
 Scripted acceptance,
 ``llama3-8b`` shapes, P 2 / topk 8 / 5 steps / N 16 (or, with ``--shapes``,
 each bucket's own shape as the speculation policy picks them), context 1024. Unless
@@ -165,7 +166,8 @@ def parser() -> argparse.ArgumentParser:
     ap.add_argument("--shapes", nargs="+", default=None, metavar="BUCKET=TOPK,STEPS,N|off",
                     help="each bucket's own shape (default: P 2 / topk 8 / N 16 everywhere)")
     ap.add_argument("--breakdown", action="store_true",
-                    help="also profile each timed bucket: GPU time per kernel category and kernel")
+                    help="also profile the bucket of each timed batch: GPU time per kernel "
+                         "category and kernel")
     ap.add_argument("--json", metavar="PATH")
     ap.add_argument("--_child", metavar="CACHE", default=None, help=argparse.SUPPRESS)
     return ap

@@ -291,7 +291,12 @@ def main(argv=None) -> int:
     largest = max((s for s in shapes), key=lambda s: (s[2], s[0]))
     rows, chosen = [], {}
     for name, profile in profiles.items():
-        chosen[name] = choose_shapes(costs, profile, batches, max_shapes=args.max_shapes)
+        try:
+            chosen[name] = choose_shapes(costs, profile, batches, max_shapes=args.max_shapes)
+        except ValueError as exc:
+            kept = f"; --resume {args.json} reuses what was measured" if args.json else ""
+            print(f"--max-shapes: {exc}{kept}", file=sys.stderr)
+            return 2
         for b in batches:
             c = chosen[name][b]
             plain_tps = plain[(b, name)][1]

@@ -270,3 +270,12 @@ def test_loop_policy_resumes_only_a_run_of_the_same_settings(tmp_path):
     (tmp_path / "bad.json").write_text("[]")
     with pytest.raises(ValueError, match="bad.json is not a loop.py policy result"):
         loop_policy.resumed(tmp_path / "bad.json", dict(settings))
+
+
+@pytest.mark.parametrize("value", ["0", "-3"])
+def test_loop_policy_refuses_a_max_shapes_below_one_before_measuring(value, capsys):
+    sys.path.insert(0, str(BENCH))
+    import loop
+
+    assert loop.main(["policy", "--smoke", "--max-shapes", value]) == 2
+    assert f"--max-shapes must be >= 1, got {value}" in capsys.readouterr().err

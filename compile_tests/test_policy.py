@@ -136,6 +136,30 @@ def test_max_shapes_counts_plain_decoding_as_a_shape():
     assert one[64].speedup < 1
 
 
+def test_max_shapes_keeps_fewer_shapes_on_a_tie_even_when_the_unbounded_choice_fits():
+    prof = AcceptanceProfile(((0.5,), (0.5,), (0.5,)))
+    e4, e3 = expected_accept_length((1, 3, 4), prof), expected_accept_length((1, 2, 3), prof)
+    # Bucket 1: the two chains tie exactly, and the smaller one wins there unbounded;
+    # bucket 2 measures only the longer chain.
+    costs = CostProfile(plain={1: 10.0, 2: 10.0},
+                        shapes={1: {"1,3,4": e4 * 4, "1,2,3": e3 * 4}, 2: {"1,3,4": 5.0}})
+    assert {c.shape for c in choose_shapes(costs, prof).values()} == {(1, 2, 3), (1, 3, 4)}
+    for k in (1, 2, 3):
+        chosen = choose_shapes(costs, prof, max_shapes=k)
+        assert {c.shape for c in chosen.values()} == {(1, 3, 4)}, k
+
+
+def test_max_shapes_refuses_a_search_too_large_to_weigh():
+    prof = AcceptanceProfile(((0.7,), (0.7,), (0.7,)))
+    # 60 chains over 60 buckets, the cheapest a different one at each bucket.
+    shapes = {b: {f"1,{s},{s + 1}": 10.0 - 0.001 * ((s + b) % 60) for s in range(1, 61)}
+              for b in range(1, 61)}
+    costs = CostProfile(plain={b: 10.0 for b in range(1, 61)}, shapes=shapes)
+    assert len({c.shape for c in choose_shapes(costs, prof).values()}) > 4
+    with pytest.raises(ValueError, match=r"max_shapes=4 leaves \d+ sets of the 61 candidates"):
+        choose_shapes(costs, prof, max_shapes=4)
+
+
 @pytest.mark.parametrize("bad", [0, -1, 1.5, True, "2"])
 def test_max_shapes_must_be_a_positive_int(bad):
     costs = CostProfile(plain={1: 1.0}, shapes={1: {"1,2,3": 1.0}})

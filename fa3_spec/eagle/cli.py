@@ -619,7 +619,10 @@ def _speculation(args: argparse.Namespace, buckets):
         raise UsageError(f"--cost-profile {args.cost_profile!r} has no measurement for "
                          f"bucket(s) {missing} (it has {sorted(costs.plain)}); measure them or "
                          "pass --buckets")
-    return choose_shapes(costs, profile, buckets, max_shapes=args.max_shapes)
+    try:
+        return choose_shapes(costs, profile, buckets, max_shapes=args.max_shapes)
+    except ValueError as exc:  # the only argument left to refuse: the others were checked
+        raise UsageError(f"--max-shapes: {exc}") from None
 
 
 def speculation_rows(choices) -> List[dict]:

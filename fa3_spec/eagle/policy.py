@@ -318,13 +318,16 @@ def choose_shapes(costs: CostProfile, profile: AcceptanceProfile,
 
     everything = {c.shape for row in options.values() for c in row}
     unbounded = best_within(everything)
-    if max_shapes is None or len({c.shape for c in unbounded.values()}) <= max_shapes:
+    if max_shapes is None:
         return unbounded
     candidates = sorted(everything, key=lambda s: (0,) if s is None else (1, *s[::-1]))
-    size = min(max_shapes, len(candidates))
-    if sum(math.comb(len(candidates), k) for k in range(1, size + 1)) > _MAX_SHAPE_SETS:
-        raise ValueError(f"max_shapes={max_shapes} over {len(candidates)} candidates is more than "
-                         f"{_MAX_SHAPE_SETS} sets to weigh: measure fewer shapes or raise max_shapes")
+    # The unbounded choice is the best of all; sets larger than it never score higher.
+    size = min(max_shapes, len({c.shape for c in unbounded.values()}))
+    sets = sum(math.comb(len(candidates), k) for k in range(1, size + 1))
+    if sets > _MAX_SHAPE_SETS:
+        raise ValueError(f"max_shapes={max_shapes} leaves {sets} sets of the {len(candidates)} "
+                         f"candidates to weigh, more than {_MAX_SHAPE_SETS}: measure fewer "
+                         "candidate shapes or lower max_shapes")
     best, best_score = None, -math.inf
     for k in range(1, size + 1):
         for allowed in itertools.combinations(candidates, k):

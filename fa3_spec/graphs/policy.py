@@ -128,13 +128,15 @@ def bound_batch(step: Callable, largest: int) -> Callable:
     plain integers (a backed or eager call) the checks are the host's own
     comparisons and raise on a batch outside the range.
 
-    The wrapper gets a code object of its own per step and ``largest``
+    The wrapper gets a code object of its own per step name and ``largest``
     (`with_own_code`): dynamo keeps compiled entries per code object, and a
     second compile of one code whose closure int changed makes that int a
     symbol (automatic dynamic), which would leave the batch bounded by a
     symbol instead of ``largest``: two runners of one engine, each with its
     own largest bucket, would then fail to trace any check against a
-    constant above the smaller one.
+    constant above the smaller one. Steps that differ in a closure constant
+    need distinct names for the same reason (the engine names each shape's
+    step after its shape).
     """
 
     def call(**inputs):
