@@ -1,5 +1,6 @@
 """benchmarks/compile_engine.py (``compile.py engine``): the timing of a batch in two buckets."""
 
+import json
 import pathlib
 import sys
 
@@ -46,3 +47,24 @@ def test_bucket_shapes_parse_and_must_cover_the_buckets():
         compile_engine.parse_bucket_shapes(["2=8,5"])
     assert compile_engine.main(["--buckets", "1", "2", "--shapes", "1=off", "2=x"]) == 2
     assert compile_engine.main(["--buckets", "1", "2", "--shapes", "1=off"]) == 2
+
+
+def test_both_children_get_the_breakdown_and_the_file_names_its_commit(monkeypatch, tmp_path):
+    """The parent passes ``--breakdown`` (and the batch mode) on to both fresh
+    processes, and the JSON holds the commit beside their rows."""
+    seen = []
+
+    def fake_row(cmd, cache_dir, phase):
+        seen.append(cmd)
+        return dict(seconds=1.0)
+
+    monkeypatch.setattr(compile_engine.torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(compile_engine.runs, "fresh_process_row", fake_row)
+    monkeypatch.setattr(compile_engine.runs, "device_name", lambda device: "GPU")
+    monkeypatch.setenv("FA3_SPEC_COMMIT", "abc1234")
+    out = tmp_path / "engine.json"
+    assert compile_engine.main(["--buckets", "1", "2", "--time-batches", "1", "--breakdown",
+                                "--batch", "unbacked", "--json", str(out)]) == 0
+    assert len(seen) == 2 and all("--breakdown" in c and "unbacked" in c for c in seen)
+    doc = json.loads(out.read_text())
+    assert doc["commit"] == "abc1234" and [r["phase"] for r in doc["runs"]] == ["cold", "restart"]

@@ -91,7 +91,8 @@ def _brute_force_best_score(costs, profile, max_shapes):
         opts = [(None, 0.0)]
         for key, ms in costs.shapes.get(b, {}).items():
             shape = tuple(int(x) for x in key.split(","))
-            opts.append((shape, math.log(1e3 * expected_accept_length(shape, profile) / ms / plain)))
+            rate = 1e3 * expected_accept_length(shape, profile) / ms
+            opts.append((shape, math.log(rate / plain)))
         rows.append(opts)
     return max(sum(score for _, score in pick) for pick in itertools.product(*rows)
                if len({shape for shape, _ in pick}) <= max_shapes)
