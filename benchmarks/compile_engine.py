@@ -20,9 +20,8 @@ phases PyTorch timed (``compile_phases_s``); with ``--breakdown``, where
 the GPU time of an iteration goes in the smallest bucket that holds each
 timed batch (`gpu_trace.breakdown` of 5 profiled replays after its timing:
 kernel time per category and per kernel), so that two runs (``--batch
-backed`` and ``unbacked``) can be compared kernel by kernel.
-Scripted acceptance,
-``llama3-8b`` shapes, P 2 / topk 8 / 5 steps / N 16 (or, with ``--shapes``,
+backed`` and ``unbacked``) can be compared kernel by kernel. Scripted
+acceptance, ``llama3-8b`` shapes, P 2 / topk 8 / 5 steps / N 16 (or, with ``--shapes``,
 each bucket's own shape as the speculation policy picks them), context 1024. Unless
 ``--no-restart``, a second fresh process loads the first one's compile cache
 file (`EagleEngine(cache_path=)`): the restart. Needs CUDA.

@@ -269,6 +269,10 @@ class BucketChoice:
         return self.tokens_per_s / self.plain_tokens_per_s
 
 
+#: The most candidate sets `choose_shapes` weighs under ``max_shapes``.
+_MAX_SHAPE_SETS = 200_000
+
+
 def choose_shapes(costs: CostProfile, profile: AcceptanceProfile,
                   buckets: Optional[Sequence[int]] = None, *,
                   max_shapes: Optional[int] = None) -> Dict[int, BucketChoice]:
@@ -281,8 +285,9 @@ def choose_shapes(costs: CostProfile, profile: AcceptanceProfile,
     ``max_shapes`` distinct choices over all the buckets. Among the sets of at
     most that many candidates, the one whose per-bucket best has the largest
     sum of ``log(speedup)`` wins (every bucket weighs alike, whatever its
-    absolute tokens/s), fewer shapes on a tie; a bucket whose set holds
-    neither plain decoding nor a shape measured there rules that set out."""
+    absolute tokens/s), fewer shapes on a tie; a set that leaves some bucket
+    no option (plain decoding, or a shape the profile has for that bucket) is
+    ruled out."""
     bucket_list = list(buckets) if buckets is not None else sorted(costs.plain)
     for b in bucket_list:
         if isinstance(b, bool) or not isinstance(b, int):
@@ -338,7 +343,3 @@ def choose_shapes(costs: CostProfile, profile: AcceptanceProfile,
             if score > best_score:  # strictly: a set of fewer shapes keeps a tie
                 best, best_score = chosen, score
     return best
-
-
-#: The most candidate sets `choose_shapes` weighs under ``max_shapes``.
-_MAX_SHAPE_SETS = 200_000
