@@ -84,7 +84,6 @@ from ..paged import BatchView, in_pool
 from ..tree import tree_mask_from_parents
 from .models import KVCache, SpecModel
 from .decode import decode_step
-from .ranking import top_index_set, top_indices
 from .sampling import (SamplingParams, choose_rows, sample_tokens, sample_tree, state_entries,
                        walk_tree)
 from .vocab import vocab_argmax
@@ -304,7 +303,7 @@ def _draft_steps(lc: LoopConfig, models: SpecModel, draft_kv: KVCache, view: Bat
         all_tokens.append(top_tok)
         all_scores.append(cum)
         all_parents.append(leaf[:, child_parent])
-        best = top_indices(cum, k)
+        best = torch.sort(cum, dim=-1, descending=True, stable=True).indices[:, :k]
         tokens, scores = top_tok.gather(1, best), cum.gather(1, best)
         parent_branch = torch.div(best, k, rounding_mode="floor")
         hidden = out.view(bs, k, -1).gather(
@@ -321,7 +320,8 @@ def _organize_tree(lc: LoopConfig, root, cand_tokens, cand_scores, cand_parents)
     if lc.spec.topk == 1:  # a chain: candidate i is the child of candidate i - 1
         chosen = torch.arange(n - 1, device=root.device).expand(bs, n - 1)
     else:
-        chosen = top_index_set(cand_scores, n - 1)
+        best = torch.sort(cand_scores, dim=-1, descending=True, stable=True).indices[:, : n - 1]
+        chosen = torch.sort(best, dim=-1).values
     tokens = torch.cat([root.unsqueeze(1), cand_tokens.gather(1, chosen)], 1)
     parent_cand = cand_parents.gather(1, chosen)  # [B, N-1], -1: child of the root
     same = chosen.unsqueeze(1) == parent_cand.unsqueeze(2)  # [B, child, chosen]

@@ -9,16 +9,13 @@ select, several passes of launches per call.
 Here each one is a reduction inside blocks of ``block`` entries (``R * V /
 block`` independent pieces of work), then a short one over the blocks'
 results. Each function returns what its one-stage counterpart returns:
-`vocab_argmax` the same index (floating ``x``); `vocab_logsumexp` the same
-value up to summation order; `vocab_topk` the same values,
+`vocab_argmax` the same index (floating ``x``); `vocab_topk` the same values,
 and where values tie at the ``k``-th place possibly other entries of that
 value than ``torch.topk`` picks (which entries it picks is unspecified too;
 exact speculative decoding does not depend on it, but a comparison of draft
 token ids against ``torch.topk`` must allow it); `vocab_cumsum` the same
-sums up to summation order. Shapes are static, so all four trace with
-``torch.compile(fullgraph=True)`` and capture. The blocks matter most where
-the row count is an unbacked symbol: inductor splits no reduction over
-such rows, so a one-stage softmax over ``V`` would be one program per row.
+sums up to summation order. Shapes are static, so all three trace with
+``torch.compile(fullgraph=True)`` and capture.
 """
 
 from __future__ import annotations
@@ -27,7 +24,7 @@ from typing import Tuple
 
 import torch
 
-#: Entries per block of the first stage (`vocab_argmax`, `vocab_logsumexp`, `vocab_cumsum`).
+#: Entries per block of the first stage (`vocab_argmax`, `vocab_cumsum`).
 VOCAB_BLOCK = 1024
 #: Entries per block of `vocab_topk`: ``k`` blocks of it are its candidates.
 TOPK_BLOCK = 256
@@ -111,52 +108,11 @@ def vocab_topk(x: torch.Tensor, k: int, block: int = TOPK_BLOCK
     return best_vals, cand_idx.gather(-1, pick)
 
 
-def _logsumexp_last(x: torch.Tensor) -> torch.Tensor:
-    """``logsumexp`` over the last dimension, shifted by its maximum, or by 0
-    where that maximum is infinite (an all ``-inf`` row gives ``-inf`` and a
-    ``+inf`` gives ``+inf``, not NaN). Written out because ``torch.logsumexp``
-    guards on its input being empty, which an unbacked row count cannot
-    answer."""
-    peak = x.amax(-1)
-    shift = torch.where(torch.isinf(peak), torch.zeros_like(peak), peak)
-    return torch.log(torch.exp(x - shift.unsqueeze(-1)).sum(-1)) + shift
-
-
-def vocab_logsumexp(x: torch.Tensor, block: int = VOCAB_BLOCK) -> torch.Tensor:
-    """``torch.logsumexp(x, -1)`` of a floating ``x [..., V]`` -> ``[...]``.
-
-    ``x`` is padded with ``-inf`` to ``nb * block`` entries and viewed as
-    ``[..., nb, block]``; each block's log-sum-exp, then the log-sum-exp of
-    the ``nb`` block results. A NaN anywhere in a row gives NaN, and
-    infinities give what ``torch.logsumexp`` gives. ``V <= block`` is one
-    stage.
-
-    Example: ``x = [0, 0, log 2]``, ``block = 2``: blocks ``[0, 0] [log 2,
-    -inf]`` give ``log 2`` and ``log 2``, so the row gives ``log 4``.
-    """
-    _int_in("block", block, 1)
-    if not x.is_floating_point():
-        raise TypeError(f"vocab_logsumexp needs a floating-point x, got {x.dtype}")
-    v = x.shape[-1]
-    if v <= block:  # static
-        return _logsumexp_last(x)
-    nb = -(-v // block)
-    blocks = torch.nn.functional.pad(x, (0, nb * block - v), value=float("-inf"))
-    return _logsumexp_last(_logsumexp_last(blocks.unflatten(-1, (nb, block))))
-
-
 def log_prob_topk(logits: torch.Tensor, k: int) -> Tuple[torch.Tensor, torch.Tensor]:
     """The ``k`` most probable entries of ``logits [..., V]``: their float32
-    log-probabilities and int64 indices. What a draft head proposes from its
-    logits.
-
-    The ``k`` best logits (`vocab_topk`) minus the row's `vocab_logsumexp`:
-    the entries ``log_softmax`` would rank first, with no ``[..., V]``
-    log-probabilities written and read back.
-    """
-    x = logits.float()
-    vals, idx = vocab_topk(x, k)
-    return vals - vocab_logsumexp(x).unsqueeze(-1), idx
+    log-probabilities (``log_softmax`` over ``V``) and int64 indices, by
+    `vocab_topk`. What a draft head proposes from its logits."""
+    return vocab_topk(torch.log_softmax(logits.float(), dim=-1), k)
 
 
 def vocab_cumsum(x: torch.Tensor, block: int = VOCAB_BLOCK) -> torch.Tensor:
