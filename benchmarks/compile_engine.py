@@ -137,7 +137,7 @@ def child(cache: str, buckets, timed, num_layers, inline: bool, shapes=None,
             out["next_bucket_of_batch"][str(b)] = timed_buckets[1]
         if breakdown:
             out["breakdown"][str(b)] = gpu_trace.breakdown(
-                gpu_trace.profile_events(lambda: eng.launch(bucket), 5), top=0)
+                gpu_trace.profile_events(lambda: eng.launch(bucket), 5), top=0, top_kernels=None)
         # Every request still decoding (none finished and became padding while timed).
         out["live_requests_after"][str(b)] = int((eng.state["seq_lens"][:n] > 0).sum())
     # Where the compile went: seconds per phase PyTorch times (dynamo_timed),

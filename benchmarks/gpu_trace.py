@@ -69,7 +69,7 @@ def kernel_name(name: str, width: int = 96, depth: int = 3) -> str:
     return out[:width]
 
 
-def breakdown(events: list, top: int = 8, top_kernels: int = 30) -> dict:
+def breakdown(events: list, top: int = 8, top_kernels: int | None = 30) -> dict:
     """Split the span of GPU activity of chrome-trace ``events`` (µs).
 
     Returns ``span_us``, ``busy_us``, ``idle_in_graph_us``,
@@ -77,8 +77,9 @@ def breakdown(events: list, top: int = 8, top_kernels: int = 30) -> dict:
     busy + both idles = 1), ``ops``, ``graph_launches``, ``by_category_us``
     (kernel time, overlaps counted in each op), ``largest_gaps`` (the
     ``top`` largest, each with its kind and the ops before and after it) and
-    ``kernels`` (the ``top_kernels`` names with the most time, each with its
-    ``count`` and ``total_us``; names as `kernel_name` shortens them).
+    ``kernels`` (the ``top_kernels`` names with the most time, all of them where
+    it is None, each with its ``count`` and ``total_us``; names as
+    `kernel_name` shortens them).
 
         >>> ev = [dict(cat="cuda_runtime", name="cudaGraphLaunch", args=dict(correlation=1)),
         ...       dict(cat="kernel", name="nvjet_a", ts=0, dur=10, args=dict(correlation=1)),

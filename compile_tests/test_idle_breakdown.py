@@ -56,6 +56,13 @@ def test_gaps_inside_a_graph_and_between_launches_add_up_to_the_span():
     assert sum(k["total_us"] for k in r["kernels"]) == sum(r["by_category_us"].values())
 
 
+def test_the_kernel_list_is_cut_to_top_kernels_or_kept_whole_where_it_is_none():
+    events = [_launch(1)] + [_op(f"k{i}", 10 * i, i + 1, 1) for i in range(40)]
+    assert [k["name"] for k in gpu_trace.breakdown(events, top_kernels=2)["kernels"]] == ["k39", "k38"]
+    assert len(gpu_trace.breakdown(events)["kernels"]) == 30
+    assert len(gpu_trace.breakdown(events, top_kernels=None)["kernels"]) == 40
+
+
 def test_kernel_names_keep_only_their_leading_template_names():
     name = gpu_trace.kernel_name
     assert name("void flash::FlashAttnFwdSm90<Shape<_64>, true>(Params)") == \
