@@ -9,12 +9,13 @@ select, several passes of launches per call.
 Here each one is a reduction inside blocks of ``block`` entries (``R * V /
 block`` independent pieces of work), then a short one over the blocks'
 results. Each function returns what its one-stage counterpart returns:
-`vocab_argmax` the same index (floating ``x``); `vocab_topk` the same values,
+`vocab_argmax` the same index (floating ``x``); `vocab_exp_sum` the terms of
+the log-sum-exp up to summation order; `vocab_topk` the same values,
 and where values tie at the ``k``-th place possibly other entries of that
 value than ``torch.topk`` picks (which entries it picks is unspecified too;
 exact speculative decoding does not depend on it, but a comparison of draft
 token ids against ``torch.topk`` must allow it); `vocab_cumsum` the same
-sums up to summation order. Shapes are static, so all three trace with
+sums up to summation order. Shapes are static, so all four trace with
 ``torch.compile(fullgraph=True)`` and capture.
 """
 
@@ -24,7 +25,7 @@ from typing import Tuple
 
 import torch
 
-#: Entries per block of the first stage (`vocab_argmax`, `vocab_cumsum`).
+#: Entries per block of the first stage (`vocab_argmax`, `vocab_exp_sum`, `vocab_cumsum`).
 VOCAB_BLOCK = 1024
 #: Entries per block of `vocab_topk`: ``k`` blocks of it are its candidates.
 TOPK_BLOCK = 256
@@ -42,28 +43,36 @@ def _int_in(name: str, value, low: int, high: float = float("inf"), why: str = "
 def vocab_argmax(x: torch.Tensor, block: int = VOCAB_BLOCK) -> torch.Tensor:
     """``x.argmax(-1)`` (the first maximum) of a floating ``x [..., V]`` -> int64 ``[...]``.
 
-    ``x`` is padded with ``-inf`` to ``nb * block`` entries and viewed as
-    ``[..., nb, block]``; the first maximum of each block, then the first
-    block holding the largest of those. Padding sits after every real entry,
-    so it never wins a tie, and the first maximum of the first best block is
-    the first maximum of the row; a NaN is the largest value, as for
-    ``argmax``. ``V <= block`` is one plain ``argmax``.
+    The ``nb = V // block`` full blocks (a view, nothing padded or copied:
+    a padded copy is one more pass over the logits wherever the compiler
+    does not fuse the pad into the reduction) each give their first maximum;
+    the first block holding the largest of those wins, unless the ``V - nb *
+    block`` entries after the full blocks hold a larger value (or a NaN where
+    the blocks hold none), as the later entries win only then. A NaN is the
+    largest value, as for ``argmax``. ``V < 2 * block`` is one plain ``argmax``.
 
-    Example: ``x = [3, 1, 7, 7, 2]``, ``block = 2``: blocks ``[3, 1] [7, 7]
-    [2, -inf]``, their maxima ``3, 7, 2`` at 0, 0, 0; the best block is 1,
-    so the index is ``1 * 2 + 0 = 2``.
+    Example: ``x = [3, 1, 7, 7, 2]``, ``block = 2``: blocks ``[3, 1] [7, 7]``,
+    their maxima ``3, 7`` at 0, 0, and the tail ``[2]``; the best block is 1
+    and the tail's 2 is not larger than its 7, so the index is ``1 * 2 + 0 = 2``.
     """
     _int_in("block", block, 1)
     if not x.is_floating_point():
         raise TypeError(f"vocab_argmax needs a floating-point x, got {x.dtype}")
     v = x.shape[-1]
-    if v <= block:  # static
+    nb = v // block
+    if nb <= 1:  # static
         return x.argmax(-1)
-    nb = -(-v // block)
-    blocks = torch.nn.functional.pad(x, (0, nb * block - v), value=float("-inf"))
-    best, inner = blocks.unflatten(-1, (nb, block)).max(-1)
+    full = nb * block
+    best, inner = x[..., :full].unflatten(-1, (nb, block)).max(-1)
     b = best.argmax(-1, keepdim=True)
-    return (b * block + inner.gather(-1, b)).squeeze(-1)
+    top = best.gather(-1, b).squeeze(-1)
+    found = (b * block + inner.gather(-1, b)).squeeze(-1)
+    if full == v:  # static
+        return found
+    tail = x[..., full:]
+    tail_top, tail_at = tail.max(-1)
+    later = (tail_top > top) | (torch.isnan(tail_top) & ~torch.isnan(top))
+    return torch.where(later, full + tail_at, found)
 
 
 def vocab_topk(x: torch.Tensor, k: int, block: int = TOPK_BLOCK
@@ -108,11 +117,80 @@ def vocab_topk(x: torch.Tensor, k: int, block: int = TOPK_BLOCK
     return best_vals, cand_idx.gather(-1, pick)
 
 
+def _peak_and_sum(x: torch.Tensor, acc: torch.dtype) -> Tuple[torch.Tensor, torch.Tensor]:
+    """Over the last dimension of ``x``: the maximum (in ``acc``), and
+    ``sum(exp(x - shift))`` in ``acc`` with ``shift`` the maximum, or 0 where
+    it is infinite (an all ``-inf`` row sums to 0 and a ``+inf`` one to
+    ``+inf``, not NaN). ``x`` is converted inside the sum's expression, so a
+    compiler reads it in its own dtype and writes no converted copy.
+    Written out because ``torch.logsumexp`` guards on its input being empty,
+    which an unbacked row count cannot answer."""
+    peak = x.amax(-1).to(acc)
+    shift = torch.where(torch.isinf(peak), torch.zeros_like(peak), peak)
+    return peak, torch.exp(x.to(acc) - shift.unsqueeze(-1)).sum(-1)
+
+
+def vocab_exp_sum(x: torch.Tensor, block: int = VOCAB_BLOCK
+                  ) -> Tuple[torch.Tensor, torch.Tensor]:
+    """``(shift, total)`` of a floating ``x [..., V]``, each ``[...]`` in float32
+    (float64 for a float64 ``x``): the row's maximum (0 where it is infinite)
+    and ``sum(exp(x - shift))``, so that ``logsumexp = shift + log(total)``
+    and ``log_softmax = (x - shift) - log(total)``, as precise as torch's own
+    (the shift is an entry of ``x``).
+
+    The ``nb = V // block`` full blocks (views, nothing padded) and the
+    ``V - nb * block`` entries after them each give their maximum and their
+    sum shifted by it; the sums are then rescaled to the row's shift (a
+    block whose maximum is infinite keeps its sum, 0 or ``+inf``). A NaN in
+    a row gives NaN. ``V < 2 * block`` (at most one full block) is one stage.
+
+    Example: ``x = [0, 0, 0, 0, log 4]``, ``block = 2``: the blocks ``[0, 0]``
+    and ``[0, 0]`` have maximum 0 and sum 2 each, the tail ``[log 4]``
+    maximum ``log 4`` and sum 1; rescaled to the row's shift ``log 4``:
+    ``0.5 + 0.5 + 1 = 2``, so ``(log 4, 2)`` and a log-sum-exp of ``log 8``.
+    """
+    _int_in("block", block, 1)
+    if not x.is_floating_point():
+        raise TypeError(f"vocab_exp_sum needs a floating-point x, got {x.dtype}")
+    v = x.shape[-1]
+    if v == 0:
+        raise ValueError(f"x must have at least one entry in its last dimension, got {tuple(x.shape)}")
+    acc = torch.promote_types(x.dtype, torch.float32)
+    nb = v // block
+    if nb <= 1:  # static: one stage
+        peak, total = _peak_and_sum(x, acc)
+        return torch.where(torch.isinf(peak), torch.zeros_like(peak), peak), total
+    full = nb * block
+    peaks, sums = _peak_and_sum(x[..., :full].unflatten(-1, (nb, block)), acc)  # [..., nb]
+    if full < v:
+        tail_peak, tail_sum = _peak_and_sum(x[..., full:], acc)
+        peaks = torch.cat([peaks, tail_peak.unsqueeze(-1)], -1)
+        sums = torch.cat([sums, tail_sum.unsqueeze(-1)], -1)
+    top = peaks.amax(-1)
+    shift = torch.where(torch.isinf(top), torch.zeros_like(top), top)
+    own = torch.where(torch.isinf(peaks), shift.unsqueeze(-1), peaks)  # infinite: weight 1
+    return shift, (sums * torch.exp(own - shift.unsqueeze(-1))).sum(-1)
+
+
 def log_prob_topk(logits: torch.Tensor, k: int) -> Tuple[torch.Tensor, torch.Tensor]:
-    """The ``k`` most probable entries of ``logits [..., V]``: their float32
-    log-probabilities (``log_softmax`` over ``V``) and int64 indices, by
-    `vocab_topk`. What a draft head proposes from its logits."""
-    return vocab_topk(torch.log_softmax(logits.float(), dim=-1), k)
+    """The ``k`` most probable entries of floating ``logits [..., V]``: their
+    float32 log-probabilities (``log_softmax`` over ``V`` of the logits as
+    float32) and int64 indices. What a draft head proposes from its logits.
+
+    The ``k`` best logits (`vocab_topk`, in the logits' own dtype: the
+    order is the log-probabilities' order) less the row's log-sum-exp
+    (`vocab_exp_sum`), as ``log_softmax`` computes them: ``(x - shift) -
+    log(total)``. Nothing ``[..., V]`` is written: a ``log_softmax`` first
+    would write the float32 log-probabilities of the whole vocabulary and
+    read them back for the top-k. A row holding ``+inf`` gives NaN at its
+    ``+inf`` entries and ``-inf`` at the others, where ``log_softmax`` gives
+    NaN everywhere: neither is a distribution.
+    """
+    if logits.dtype == torch.float64:  # static; float32 results, as log_softmax(logits.float())
+        logits = logits.float()
+    vals, idx = vocab_topk(logits, k)
+    shift, total = vocab_exp_sum(logits)
+    return (vals.to(shift.dtype) - shift.unsqueeze(-1)) - torch.log(total).unsqueeze(-1), idx
 
 
 def vocab_cumsum(x: torch.Tensor, block: int = VOCAB_BLOCK) -> torch.Tensor:
