@@ -227,18 +227,7 @@ def _run_program(x: torch.Tensor, deltas: List[torch.Tensor], attn_in: Optional[
                         [_dynamic_rows(t) for t in plans], k_cache, v_cache))
 
 
-#: Inductor may pass the layer ops' inputs in whatever layout it holds them:
-#: by default it makes each call's inputs match the traced strides exactly,
-#: and where it cannot prove that they do (views, an unbacked batch) it
-#: copies them, once per call, so every layer read its own copy of the
-#: metadata, RoPE tables, slots and residual. The layer program is compiled
-#: for the strides it is called with (dynamo guards on them), and the FA3 op
-#: inside it keeps its own layout constraint.
-_LAYER_OP_TAGS = (torch.Tag.flexible_layout,)
-
-
-@torch.library.custom_op("fa3_spec_eagle::decoder_layer", mutates_args=("k_cache", "v_cache"),
-                         tags=_LAYER_OP_TAGS)
+@torch.library.custom_op("fa3_spec_eagle::decoder_layer", mutates_args=("k_cache", "v_cache"))
 def _decoder_layer_op(x: torch.Tensor, delta_attn: torch.Tensor, delta_mlp: torch.Tensor,
                       attn_in: Optional[torch.Tensor], weights: List[torch.Tensor],
                       cos: torch.Tensor, sin: torch.Tensor, slots: torch.Tensor,
@@ -255,7 +244,7 @@ def _decoder_layer_op(x: torch.Tensor, delta_attn: torch.Tensor, delta_mlp: torc
 
 
 @torch.library.custom_op("fa3_spec_eagle::decoder_layer_first",
-                         mutates_args=("k_cache", "v_cache"), tags=_LAYER_OP_TAGS)
+                         mutates_args=("k_cache", "v_cache"))
 def _decoder_layer_first_op(x: torch.Tensor, attn_in: Optional[torch.Tensor],
                             weights: List[torch.Tensor], cos: torch.Tensor, sin: torch.Tensor,
                             slots: torch.Tensor, md_tensors: List[torch.Tensor],
