@@ -282,6 +282,7 @@ def test_on_cuda_compiled_and_captured_both_match_torch(shape, dtype):
     x = torch.randn(shape, generator=g, device="cuda").to(dtype)
     if dtype == torch.float32:
         x[0, ..., 7] = float("nan")  # a NaN wins both, as in torch
+
     def both(t):
         return (vocab_argmax(t), *vocab_topk(t.float(), 8), *log_prob_topk(t, 8))
 

@@ -45,11 +45,12 @@ def vocab_argmax(x: torch.Tensor, block: int = VOCAB_BLOCK) -> torch.Tensor:
 
     The ``nb = V // block`` full blocks (a view, nothing padded or copied:
     a padded copy is one more pass over the logits wherever the compiler
-    does not fuse the pad into the reduction) each give their first maximum;
-    the first block holding the largest of those wins, unless the ``V - nb *
-    block`` entries after the full blocks hold a larger value (or a NaN where
-    the blocks hold none), as the later entries win only then. A NaN is the
-    largest value, as for ``argmax``. ``V < 2 * block`` is one plain ``argmax``.
+    does not fuse the pad into the reduction) each give their first maximum,
+    and the first block holding the largest of those gives the candidate.
+    The first maximum of the ``V - nb * block`` entries after the full
+    blocks replaces it only where it is larger (or a NaN where the blocks
+    hold none): on a tie the earlier entry wins. A NaN is the largest value,
+    as for ``argmax``. ``V < 2 * block`` is one plain ``argmax``.
 
     Example: ``x = [3, 1, 7, 7, 2]``, ``block = 2``: blocks ``[3, 1] [7, 7]``,
     their maxima ``3, 7`` at 0, 0, and the tail ``[2]``; the best block is 1
