@@ -31,7 +31,7 @@ def test_vocab_argmax_is_the_first_maximum(v, block):
     x = _logits(6, v, v)
     x[1] = float("-inf")  # all -inf: index 0
     x[2, v // 2] = float("nan")  # a NaN is the largest value
-    x[3, -1] = 100.0  # the maximum in the tail after the full blocks (where V % block)
+    x[3, -1] = 100.0  # the maximum last: in the tail where V % block and V >= 2 * block
     x[4, 0] = float("inf")
     x[4, -1] = float("nan")  # NaN beats an earlier +inf, as for argmax
     got = vocab_argmax(x, block=block)
@@ -93,7 +93,7 @@ def test_a_bad_block_is_refused(fn):
         fn(torch.zeros(2, 10))
 
 
-@pytest.mark.parametrize("fn", [vocab_argmax, vocab_exp_sum])
+@pytest.mark.parametrize("fn", [vocab_argmax, vocab_exp_sum, lambda x: log_prob_topk(x, 2)])
 def test_integer_logits_are_refused(fn):
     with pytest.raises(TypeError, match="floating-point"):
         fn(torch.zeros(2, 10, dtype=torch.int64))
@@ -153,7 +153,8 @@ def test_vocab_exp_sum_refuses_an_empty_vocabulary():
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float64])
 def test_log_prob_topk_is_log_softmaxs_topk(dtype):
     """The ``k`` best log-probabilities, as ``log_softmax`` then ``topk`` give
-    them, over a vocabulary of many blocks and a tail, without ties."""
+    them, over a vocabulary of many blocks and a tail (indices compared by
+    their logits: bf16's ties may pick other entries of a tied value)."""
     g = torch.Generator().manual_seed(5)
     logits = (torch.randn(2, 3, 3000, generator=g) * 4).to(dtype)
     vals, idx = log_prob_topk(logits, 8)

@@ -181,12 +181,14 @@ def log_prob_topk(logits: torch.Tensor, k: int) -> Tuple[torch.Tensor, torch.Ten
     The ``k`` best logits (`vocab_topk`, in the logits' own dtype: the
     order is the log-probabilities' order) less the row's log-sum-exp
     (`vocab_exp_sum`), as ``log_softmax`` computes them: ``(x - shift) -
-    log(total)``. Nothing ``[..., V]`` is written: a ``log_softmax`` first
-    would write the float32 log-probabilities of the whole vocabulary and
-    read them back for the top-k. A row holding ``+inf`` gives NaN at its
+    log(total)``. Compiled, nothing ``[..., V]`` is written (eager PyTorch
+    makes its temporaries): a ``log_softmax`` first would write the float32
+    log-probabilities of the whole vocabulary and read them back for the top-k. A row holding ``+inf`` gives NaN at its
     ``+inf`` entries and ``-inf`` at the others, where ``log_softmax`` gives
     NaN everywhere: neither is a distribution.
     """
+    if not logits.is_floating_point():
+        raise TypeError(f"log_prob_topk needs floating-point logits, got {logits.dtype}")
     if logits.dtype == torch.float64:  # static; float32 results, as log_softmax(logits.float())
         logits = logits.float()
     vals, idx = vocab_topk(logits, k)
