@@ -40,13 +40,27 @@ def _int_in(name: str, value, low: int, high: float = float("inf"), why: str = "
         raise ValueError(f"{name} must be {bound}{why}, got {value}")
 
 
+def _full_blocks(x: torch.Tensor, block: int) -> Tuple[torch.Tensor, torch.Tensor]:
+    """``x [..., V]`` as its ``nb = V // block`` full blocks, a view ``[..., nb,
+    block]``, and the ``V - nb * block`` entries after them, ``[..., V % block]``:
+    nothing padded or copied (a padded copy is one more pass over the logits
+    wherever the compiler does not fuse the pad into the reduction)."""
+    full = x.shape[-1] // block * block
+    return x[..., :full].unflatten(-1, (full // block, block)), x[..., full:]
+
+
+def _finite_shift(peak: torch.Tensor) -> torch.Tensor:
+    """``peak`` with its infinities replaced by 0: the shift of an ``exp``, so
+    that an all ``-inf`` row sums to 0 and a ``+inf`` one to ``+inf``, not NaN."""
+    return torch.where(torch.isinf(peak), torch.zeros_like(peak), peak)
+
+
 def vocab_argmax(x: torch.Tensor, block: int = VOCAB_BLOCK) -> torch.Tensor:
     """``x.argmax(-1)`` (the first maximum) of a floating ``x [..., V]`` -> int64 ``[...]``.
 
-    The ``nb = V // block`` full blocks (a view, nothing padded or copied:
-    a padded copy is one more pass over the logits wherever the compiler
-    does not fuse the pad into the reduction) each give their first maximum,
-    and the first block holding the largest of those gives the candidate.
+    The ``nb = V // block`` full blocks (`_full_blocks`: a view) each give
+    their first maximum, and the first block holding the largest of those
+    gives the candidate.
     The first maximum of the ``V - nb * block`` entries after the full
     blocks replaces it only where it is larger (or a NaN where the blocks
     hold none): on a tie the earlier entry wins. A NaN is the largest value,
@@ -63,17 +77,16 @@ def vocab_argmax(x: torch.Tensor, block: int = VOCAB_BLOCK) -> torch.Tensor:
     nb = v // block
     if nb <= 1:  # static
         return x.argmax(-1)
-    full = nb * block
-    best, inner = x[..., :full].unflatten(-1, (nb, block)).max(-1)
+    blocks, tail = _full_blocks(x, block)
+    best, inner = blocks.max(-1)
     b = best.argmax(-1, keepdim=True)
-    top = best.gather(-1, b).squeeze(-1)
     found = (b * block + inner.gather(-1, b)).squeeze(-1)
-    if full == v:  # static
+    if tail.shape[-1] == 0:  # static
         return found
-    tail = x[..., full:]
+    top = best.gather(-1, b).squeeze(-1)
     tail_top, tail_at = tail.max(-1)
     later = (tail_top > top) | (torch.isnan(tail_top) & ~torch.isnan(top))
-    return torch.where(later, full + tail_at, found)
+    return torch.where(later, nb * block + tail_at, found)
 
 
 def vocab_topk(x: torch.Tensor, k: int, block: int = TOPK_BLOCK
@@ -106,12 +119,12 @@ def vocab_topk(x: torch.Tensor, k: int, block: int = TOPK_BLOCK
     if nb <= k or k > block:  # static
         return torch.topk(x, k, dim=-1)
     full = nb * block
-    blocks = x[..., :full].unflatten(-1, (nb, block))
+    blocks, tail = _full_blocks(x, block)
     _, chosen = torch.topk(blocks.amax(-1), k, dim=-1, sorted=False)  # [..., k]
     picked = blocks.gather(-2, chosen.unsqueeze(-1).expand(*chosen.shape, block))
     picked_idx = chosen.unsqueeze(-1) * block + torch.arange(block, device=x.device)
     lead = x.shape[:-1]
-    cand_vals = torch.cat([picked.flatten(-2), x[..., full:]], -1)
+    cand_vals = torch.cat([picked.flatten(-2), tail], -1)
     cand_idx = torch.cat([picked_idx.flatten(-2),
                           torch.arange(full, v, device=x.device).expand(*lead, v - full)], -1)
     best_vals, pick = torch.topk(cand_vals, k, dim=-1)
@@ -120,15 +133,12 @@ def vocab_topk(x: torch.Tensor, k: int, block: int = TOPK_BLOCK
 
 def _peak_and_sum(x: torch.Tensor, acc: torch.dtype) -> Tuple[torch.Tensor, torch.Tensor]:
     """Over the last dimension of ``x``: the maximum (in ``acc``), and
-    ``sum(exp(x - shift))`` in ``acc`` with ``shift`` the maximum, or 0 where
-    it is infinite (an all ``-inf`` row sums to 0 and a ``+inf`` one to
-    ``+inf``, not NaN). ``x`` is converted inside the sum's expression, so a
-    compiler reads it in its own dtype and writes no converted copy.
-    Written out because ``torch.logsumexp`` guards on its input being empty,
-    which an unbacked row count cannot answer."""
+    ``sum(exp(x - _finite_shift(maximum)))`` in ``acc``. ``x`` is converted
+    inside the sum's expression, so a compiler reads it in its own dtype and
+    writes no converted copy. Written out because ``torch.logsumexp`` guards
+    on its input being empty, which an unbacked row count cannot answer."""
     peak = x.amax(-1).to(acc)
-    shift = torch.where(torch.isinf(peak), torch.zeros_like(peak), peak)
-    return peak, torch.exp(x.to(acc) - shift.unsqueeze(-1)).sum(-1)
+    return peak, torch.exp(x.to(acc) - _finite_shift(peak).unsqueeze(-1)).sum(-1)
 
 
 def vocab_exp_sum(x: torch.Tensor, block: int = VOCAB_BLOCK
@@ -139,7 +149,7 @@ def vocab_exp_sum(x: torch.Tensor, block: int = VOCAB_BLOCK
     and ``log_softmax = (x - shift) - log(total)``, as precise as torch's own
     (the shift is an entry of ``x``).
 
-    The ``nb = V // block`` full blocks (views, nothing padded) and the
+    The ``nb = V // block`` full blocks (`_full_blocks`: views) and the
     ``V - nb * block`` entries after them each give their maximum and their
     sum shifted by it; the sums are then rescaled to the row's shift (a
     block whose maximum is infinite keeps its sum, 0 or ``+inf``). A NaN in
@@ -160,15 +170,14 @@ def vocab_exp_sum(x: torch.Tensor, block: int = VOCAB_BLOCK
     nb = v // block
     if nb <= 1:  # static: one stage
         peak, total = _peak_and_sum(x, acc)
-        return torch.where(torch.isinf(peak), torch.zeros_like(peak), peak), total
-    full = nb * block
-    peaks, sums = _peak_and_sum(x[..., :full].unflatten(-1, (nb, block)), acc)  # [..., nb]
-    if full < v:
-        tail_peak, tail_sum = _peak_and_sum(x[..., full:], acc)
+        return _finite_shift(peak), total
+    blocks, tail = _full_blocks(x, block)
+    peaks, sums = _peak_and_sum(blocks, acc)  # [..., nb]
+    if tail.shape[-1]:  # static
+        tail_peak, tail_sum = _peak_and_sum(tail, acc)
         peaks = torch.cat([peaks, tail_peak.unsqueeze(-1)], -1)
         sums = torch.cat([sums, tail_sum.unsqueeze(-1)], -1)
-    top = peaks.amax(-1)
-    shift = torch.where(torch.isinf(top), torch.zeros_like(top), top)
+    shift = _finite_shift(peaks.amax(-1))
     own = torch.where(torch.isinf(peaks), shift.unsqueeze(-1), peaks)  # infinite: weight 1
     return shift, (sums * torch.exp(own - shift.unsqueeze(-1))).sum(-1)
 
@@ -183,9 +192,10 @@ def log_prob_topk(logits: torch.Tensor, k: int) -> Tuple[torch.Tensor, torch.Ten
     (`vocab_exp_sum`), as ``log_softmax`` computes them: ``(x - shift) -
     log(total)``. Compiled, nothing ``[..., V]`` is written (eager PyTorch
     makes its temporaries): a ``log_softmax`` first would write the float32
-    log-probabilities of the whole vocabulary and read them back for the top-k. A row holding ``+inf`` gives NaN at its
-    ``+inf`` entries and ``-inf`` at the others, where ``log_softmax`` gives
-    NaN everywhere: neither is a distribution.
+    log-probabilities of the whole vocabulary and read them back for the
+    top-k. A row holding ``+inf`` gives NaN at its ``+inf`` entries and
+    ``-inf`` at the others, where ``log_softmax`` gives NaN everywhere:
+    neither is a distribution.
     """
     if not logits.is_floating_point():
         raise TypeError(f"log_prob_topk needs floating-point logits, got {logits.dtype}")
