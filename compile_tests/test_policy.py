@@ -190,9 +190,10 @@ def test_bad_acceptance_profiles_are_refused_by_name(rates, match):
         AcceptanceProfile(rates)
 
 
-def test_a_measured_row_above_one_is_scaled_to_one():
+def test_a_measured_row_above_one_caps_its_lower_ranks():
     # Ranks are offered on different iterations, so taken / offered per rank
-    # can sum above 1; siblings are exclusive, so the profile keeps at most 1.
+    # can sum above 1; siblings are exclusive, so the profile keeps at most 1,
+    # taking it off the lower ranks: rank 0 keeps what the engine measured.
     from fa3_spec.eagle.stats import EngineStats
 
     stats = EngineStats(max_depth=2, topk=2)
@@ -201,8 +202,71 @@ def test_a_measured_row_above_one_is_scaled_to_one():
     stats.offered[2] = torch.tensor([8, 0])
     stats.taken[2] = torch.tensor([4, 0])
     prof = AcceptanceProfile.from_stats(stats)
-    assert prof.rates[0] == pytest.approx((0.8 / 1.3, 0.5 / 1.3))
+    assert prof.rates[0] == pytest.approx((0.8, 0.2))
     assert prof.rates[1] == (0.5, 0.0)
+    # A chain's prediction is then exactly the measured rank-0 rates'.
+    assert expected_accept_length((1, 2, 3), prof) == pytest.approx(1 + 0.8 + 0.8 * 0.5)
+    # An unseen rank's default is capped the same way.
+    stats.offered[1], stats.taken[1] = torch.tensor([10, 0]), torch.tensor([8, 0])
+    assert AcceptanceProfile.from_stats(stats, default=0.5).rates[0] == pytest.approx((0.8, 0.2))
+
+
+def test_a_row_rising_with_rank_never_verifies_a_sibling_before_a_better_scored_one():
+    # Rank is the draft's own order of siblings: the engine never verifies a
+    # rank-1 child without its rank-0 sibling, whatever the measured rates say.
+    prof = AcceptanceProfile(((0.05, 0.9),))
+    assert expected_accept_length((2, 1, 2), prof) == pytest.approx(1.05)
+    assert [(d, r) for d, r, _ in drafted_tree((2, 1, 2), prof)] == [(1, 0)]
+    # With room for both, each counts with its own rate.
+    assert expected_accept_length((2, 1, 3), prof) == pytest.approx(1.95)
+    # Deeper: the beams follow the capped score, so rank 1's subtree is not
+    # grown ahead of rank 0's.
+    deep = AcceptanceProfile(((0.1, 0.8), (0.5, 0.0)))
+    assert [(d, r) for d, r, _ in drafted_tree((1, 2, 3), deep)] == [(1, 0), (2, 0)]
+
+
+@pytest.mark.parametrize("call, match", [
+    (lambda p: p.rate(0, 0), "depth must be an int >= 1"),
+    (lambda p: p.rate(1, -1), "rank an int >= 0"),
+    (lambda p: p.rate(-1, 0), "got depth=-1"),
+])
+def test_a_rate_outside_the_table_s_indices_is_refused_not_wrapped(call, match):
+    prof = AcceptanceProfile(((0.5,), (0.4,)))
+    assert prof.rate(1, 0) == 0.5 and prof.rate(3, 0) == 0.0 and prof.rate(1, 5) == 0.0
+    with pytest.raises(ValueError, match=match):
+        call(prof)
+
+
+def test_profiles_of_the_wrong_type_are_refused_by_name():
+    prof = AcceptanceProfile(((0.5,),))
+    costs = CostProfile(plain={1: 1.0}, shapes={1: {"1,2,3": 1.0}})
+    with pytest.raises(TypeError, match="profile must be an AcceptanceProfile, got list"):
+        expected_accept_length((1, 1, 2), [[0.7]])
+    with pytest.raises(TypeError, match="costs must be a CostProfile, got dict"):
+        choose_shapes({1: 1.0}, prof)
+    with pytest.raises(TypeError, match="profile must be an AcceptanceProfile, got dict"):
+        choose_shapes(costs, {"rates": [[0.5]]})
+
+
+def test_no_buckets_choose_nothing_with_or_without_max_shapes():
+    costs = CostProfile(plain={1: 1.0}, shapes={1: {"1,2,3": 1.0}})
+    prof = AcceptanceProfile(((0.5,),))
+    assert choose_shapes(costs, prof, []) == {} == choose_shapes(costs, prof, [], max_shapes=1)
+
+
+def test_max_shapes_that_the_unbounded_choice_fits_weighs_only_the_best_options():
+    # 30 candidate chains over 5 buckets, each accepting alike (only depth 1
+    # counts) and each bucket's cheapest a different one: max_shapes at or
+    # above those 5 gives the unbounded choice, without weighing every set of
+    # the 31 candidates (206,367 of at most 5).
+    prof = AcceptanceProfile(((0.7,),))
+    shapes = {b: {f"1,{s},{s + 1}": 10.0 - 0.001 * ((s * b) % 31) for s in range(1, 31)}
+              for b in range(1, 6)}
+    costs = CostProfile(plain={b: 10.0 for b in range(1, 6)}, shapes=shapes)
+    unbounded = choose_shapes(costs, prof)
+    assert len({c.shape for c in unbounded.values()}) == 5
+    for k in (5, 10, 100):
+        assert choose_shapes(costs, prof, max_shapes=k) == unbounded, k
 
 
 @pytest.mark.parametrize("plain, shapes, match", [
@@ -212,7 +276,11 @@ def test_a_measured_row_above_one_is_scaled_to_one():
     ({1: 1.0}, {1: {"1,2": 1.0}}, "topk,steps,N"),
     ({1: 1.0}, {1: {"1,2,3": math.inf}}, r"shapes\[1\]\['1,2,3'\]"),
     ({True: 1.0}, {1: {"1,2,3": 1.0}}, "bucket True"),
-    ({1: 1.0}, {1: {"1,2,3": 1.0, "1, 2, 3": 2.0}}, r"shapes\[1\]: '1,2,3' and '1, 2, 3' are one"),
+    ({1: 1.0}, {1: {"1,2,3": 1.0, "1, 2, 3": 2.0}}, r"shapes\[1\]: a shape key .* got '1, 2, 3'"),
+    ({1: 1.0}, {1: {"01,2,3": 1.0}}, r"shapes\[1\]: a shape key .* got '01,2,3'"),
+    ({1: 1.0}, {1: {"1_0,2,3": 1.0}}, r"got '1_0,2,3'"),
+    ({1: 1.0}, {1: {"+1,2,3": 1.0}}, r"got '\+1,2,3'"),
+    ({1: 1.0}, {1: {"\uff11,2,3": 1.0}}, r"a shape key"),
 ])
 def test_bad_cost_profiles_are_refused_by_name(plain, shapes, match):
     with pytest.raises(ValueError, match=match):

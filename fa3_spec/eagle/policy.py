@@ -10,9 +10,9 @@ the rates along its path, and a tree's expected accepted length (the bonus
 token included) is one plus the sum of those products over its drafted nodes.
 
 The tree a shape ``(topk, num_steps, num_draft_tokens)`` drafts is modelled
-as the engine builds it (docs/semantics.md, "The EAGLE iteration"): the root's
-``topk`` children; then, per step, the ``topk`` best nodes so far each grow
-``topk`` children; finally the ``num_draft_tokens - 1`` best of all drafted
+as the engine builds it (docs/eagle.md): the root's ``topk`` children;
+then, per step, the ``topk`` best of that step's children each grow ``topk``
+children; finally the ``num_draft_tokens - 1`` best of all drafted
 nodes are verified. "Best" is the draft's cumulative score, which the model
 takes to order nodes as their acceptance chances do (a calibrated draft).
 
@@ -32,6 +32,7 @@ import itertools
 import json
 import math
 import pathlib
+import re
 from typing import Dict, List, Optional, Sequence, Tuple
 
 __all__ = ["AcceptanceProfile", "BucketChoice", "CostProfile", "Shape", "choose_shapes",
@@ -46,12 +47,16 @@ def shape_key(shape: Shape) -> str:
     return ",".join(str(v) for v in shape)
 
 
+#: A shape key as `shape_key` writes it: three decimal ints, no signs, spaces
+#: or leading zeros, so that no two keys name one shape.
+_SHAPE_KEY = re.compile(r"[1-9][0-9]*,[1-9][0-9]*,[1-9][0-9]*")
+
+
 def _parse_shape(key: str) -> Shape:
-    try:
-        k, s, n = (int(v) for v in key.split(","))
-    except ValueError:
-        raise ValueError(f"a shape key is 'topk,steps,N', got {key!r}") from None
-    return _check_shape((k, s, n))
+    if not _SHAPE_KEY.fullmatch(key):
+        raise ValueError(f"a shape key is 'topk,steps,N' of decimal ints >= 1 as "
+                         f"`shape_key` writes it, got {key!r}")
+    return _check_shape(tuple(int(v) for v in key.split(",")))
 
 
 def check_shape_ints(shape, name: str = "shape") -> Shape:
@@ -106,6 +111,12 @@ class AcceptanceProfile:
         object.__setattr__(self, "rates", tuple(clean))
 
     def rate(self, depth: int, rank: int) -> float:
+        """``rates[depth - 1][rank]``, 0 past the table; ``depth >= 1`` and
+        ``rank >= 0`` (`ValueError` otherwise: a negative index must not wrap)."""
+        if (isinstance(depth, bool) or not isinstance(depth, int) or depth < 1
+                or isinstance(rank, bool) or not isinstance(rank, int) or rank < 0):
+            raise ValueError(f"rate: depth must be an int >= 1 and rank an int >= 0, "
+                             f"got depth={depth!r}, rank={rank!r}")
         if depth > len(self.rates) or rank >= len(self.rates[0]):
             return 0.0
         return self.rates[depth - 1][rank]
@@ -115,14 +126,20 @@ class AcceptanceProfile:
         """The profile an engine measured (`EngineStats`): ``taken / offered``
         per depth and rank, ``default`` where nothing was offered. Ranks are
         offered on different iterations (the verified tree keeps the best
-        nodes), so a row of counted rates can sum above 1; it is then scaled
-        to sum 1, the most that siblings can accept."""
+        nodes), so a row of counted rates can sum above 1, the most that
+        siblings can accept; each rank is then capped at what the ranks above
+        it leave, so that rank 0, offered whenever its parent was reached,
+        keeps its measured rate (a chain's profile is exactly what the engine
+        counted)."""
         rows = []
         for d in range(1, stats.offered.shape[0]):
             offered, taken = stats.offered[d].tolist(), stats.taken[d].tolist()  # ok-host
-            row = [t / o if o else default for t, o in zip(taken, offered)]
-            total = math.fsum(row)
-            rows.append([v / total for v in row] if total > 1 else row)
+            row, left = [], 1.0
+            for t, o in zip(taken, offered):
+                rate = min(t / o if o else default, max(left, 0.0))
+                row.append(rate)
+                left -= rate
+            rows.append(row)
         return cls(tuple(map(tuple, rows)))
 
     @classmethod
@@ -151,22 +168,34 @@ class AcceptanceProfile:
 
 def drafted_tree(shape: Shape, profile: AcceptanceProfile) -> List[Tuple[int, int, float]]:
     """The ``num_draft_tokens - 1`` nodes the model of the module docstring
-    verifies, as ``(depth, rank, chance of acceptance)``, best first."""
+    verifies, as ``(depth, rank, chance of acceptance)``, best first.
+
+    Nodes are ordered by a score that stands in for the draft's: the product
+    along the path of each rank's rate capped by the rates of the ranks above
+    it. Rank is the draft's own order of siblings, so a measured row whose
+    rates rise with rank (sampling noise) must not put a sibling ahead of a
+    better-scored one: the engine never verifies a rank-1 child without its
+    rank-0 sibling. The chance of acceptance is the uncapped product."""
+    _check_profile(profile)
     k, s, n = _check_shape(shape)
-    # A node is (chance, depth, rank); beams are the best k nodes so far.
-    frontier = [(profile.rate(1, r), 1, r) for r in range(k)]
-    drafted = list(frontier)
-    beams = frontier
+    capped = {d: list(itertools.accumulate((profile.rate(d, r) for r in range(k)), min))
+              for d in range(1, s + 1)}
+    # A node is (score, chance, depth, rank); beams are the best k children of a step.
+    beams = [(capped[1][r], profile.rate(1, r), 1, r) for r in range(k)]
+    drafted = list(beams)
     for depth in range(2, s + 1):
-        children = [(chance * profile.rate(depth, r), depth, r)
-                    for chance, _, _ in beams for r in range(k)]
+        children = [(score * capped[depth][r], chance * profile.rate(depth, r), depth, r)
+                    for score, chance, _, _ in beams for r in range(k)]
         drafted += children
-        # The next beams: the best k nodes drafted so far at this depth (sglang
-        # takes them among the children of this step).
         beams = heapq.nlargest(k, children, key=lambda c: c[0])
     # Ties resolve shallow first, then by rank: a parent never ranks below its child.
-    best = sorted(drafted, key=lambda c: (-c[0], c[1], c[2]))[: n - 1]
-    return [(depth, rank, chance) for chance, depth, rank in best]
+    best = sorted(drafted, key=lambda c: (-c[0], c[2], c[3]))[: n - 1]
+    return [(depth, rank, chance) for _, chance, depth, rank in best]
+
+
+def _check_profile(profile) -> None:
+    if not isinstance(profile, AcceptanceProfile):
+        raise TypeError(f"profile must be an AcceptanceProfile, got {type(profile).__name__}")
 
 
 def expected_accept_length(shape: Shape, profile: AcceptanceProfile) -> float:
@@ -205,15 +234,14 @@ class CostProfile:
             if not isinstance(row, dict):
                 raise TypeError(f"shapes[{b}] must be a dict of 'topk,steps,N' -> ms, "
                                 f"got {type(row).__name__}")
-            seen = {}
             for key, ms in row.items():
                 if not isinstance(key, str):
                     raise TypeError(f"shapes[{b}]: shape key {key!r} must be a str "
                                     "'topk,steps,N' (`shape_key`)")
-                shape = _parse_shape(key)
-                if shape in seen:
-                    raise ValueError(f"shapes[{b}]: {seen[shape]!r} and {key!r} are one shape")
-                seen[shape] = key
+                try:  # keys are written one way only, so no two of them name one shape
+                    _parse_shape(key)
+                except ValueError as exc:
+                    raise ValueError(f"shapes[{b}]: {exc}") from None
                 if not _positive_ms(ms):
                     raise ValueError(f"shapes[{b}][{key!r}] must be a finite number of ms > 0, "
                                      f"got {ms!r}")
@@ -288,6 +316,9 @@ def choose_shapes(costs: CostProfile, profile: AcceptanceProfile,
     absolute tokens/s), fewer shapes on a tie; a set that leaves some bucket
     no option (plain decoding, or a shape the profile has for that bucket) is
     ruled out."""
+    if not isinstance(costs, CostProfile):
+        raise TypeError(f"costs must be a CostProfile, got {type(costs).__name__}")
+    _check_profile(profile)
     bucket_list = list(buckets) if buckets is not None else sorted(costs.plain)
     for b in bucket_list:
         if isinstance(b, bool) or not isinstance(b, int):
@@ -323,11 +354,17 @@ def choose_shapes(costs: CostProfile, profile: AcceptanceProfile,
 
     everything = {c.shape for row in options.values() for c in row}
     unbounded = best_within(everything)
-    if max_shapes is None:
+    if max_shapes is None or not bucket_list:
         return unbounded
+    used = len({c.shape for c in unbounded.values()})
+    if max_shapes >= used:
+        # The unbounded score is reachable, and only by sets that give each
+        # bucket one of its best options: weigh just those, for fewer shapes.
+        everything = {c.shape for b, row in options.items() for c in row
+                      if c.tokens_per_s == unbounded[b].tokens_per_s}
     candidates = sorted(everything, key=lambda s: (0,) if s is None else (1, *s[::-1]))
     # The unbounded choice is the best of all; sets larger than it never score higher.
-    size = min(max_shapes, len({c.shape for c in unbounded.values()}))
+    size = min(max_shapes, used)
     sets = sum(math.comb(len(candidates), k) for k in range(1, size + 1))
     if sets > _MAX_SHAPE_SETS:
         raise ValueError(f"max_shapes={max_shapes} leaves {sets} sets of the {len(candidates)} "
