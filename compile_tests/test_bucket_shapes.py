@@ -250,7 +250,10 @@ def test_cli_runs_the_shape_the_profiles_choose_per_bucket_and_reports_it(tmp_pa
     assert [rows[b]["shape"] for b in (1, 2, 4)] == ["4,3,8", "1,3,4", "off"]
     assert rows[4]["speedup"] == 1.0 and rows[1]["speedup"] > rows[2]["speedup"] > 1.0
     assert res["exact"] is True and res["config"]["cost_profile"] == str(costs)
+    # The flags' shape runs nowhere: the config leaves it out, the banner says so.
+    assert [res["config"][k] for k in ("topk", "num_steps", "num_draft_tokens")] == [None] * 3
     printed = capsys.readouterr().out
+    assert "a shape per bucket (below)" in printed and "topk=" not in printed.splitlines()[0]
     assert "bucket   4: plain decoding" in printed and "topk,steps,N = 4,3,8" in printed
     assert AcceptanceProfile.load(measured).rates  # the run's own profile, for the next one
 
@@ -279,10 +282,16 @@ def test_cli_max_shapes_bounds_the_shapes_it_compiles(tmp_path):
     (["--max-shapes", "2"], "--max-shapes bounds the shapes"),
     (["--cost-profile", "COSTS", "--acceptance-profile", "ACC", "--max-shapes", "0"],
      "--max-shapes: .*must be >= 1"),
+    (["--cost-profile", "WIDE", "--acceptance-profile", "ACC"],
+     r"--cost-profile: a chosen shape cannot run here: shapes\[1\]: topk=600 exceeds"),
 ])
 def test_cli_refuses_bad_profiles_as_usage_errors(tmp_path, capsys, extra, says):
     costs, acceptance = _profiles(tmp_path)
-    extra = [{"COSTS": str(costs), "ACC": str(acceptance)}.get(a, a) for a in extra]
+    wide = tmp_path / "wide.json"  # the cheapest shape draws more children than the vocabulary
+    CostProfile(plain={1: 10.0, 2: 10.0, 4: 10.0},
+                shapes={b: {"600,1,2": 1.0} for b in (1, 2, 4)}).save(wide)
+    extra = [{"COSTS": str(costs), "ACC": str(acceptance), "WIDE": str(wide)}.get(a, a)
+             for a in extra]
     argv = ["--preset", "tiny", "--device", "cpu", "--batch", "3", "--requests", "2",
             "--attention-backend", "torch"] + extra
     if "--buckets" not in extra:

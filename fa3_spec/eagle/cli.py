@@ -371,10 +371,11 @@ def _describe(c: dict, scripted: Optional[tuple], model: Optional[dict] = None) 
         name = f"model {model['path']} + {model['draft_kind']} head {model['draft_path']}"
     else:
         name = f"model {model['path']} + draft {model['draft_kind']}"
+    shape = (f"topk={c['topk']} steps={c['num_steps']} N={c['num_draft_tokens']}"
+             if c["topk"] is not None else "a shape per bucket (below),")
     return (f"fa3-spec eagle: {name} ({c['num_layers']} layers, {c['dtype']}) on "
             f"{c['device']}, batch {c['batch']}, {c['requests']} requests, P={c['page_size']} "
-            f"topk={c['topk']} steps={c['num_steps']} N={c['num_draft_tokens']} "
-            f"draft attention {c['draft_attention']}, "
+            f"{shape} draft attention {c['draft_attention']}, "
             f"max_new_tokens={c['max_new_tokens']}, attention {c['attention_backend']}, "
             f"buckets {c['buckets']}, graphs {'on' if c['graphs'] else 'off'}{label}")
 
@@ -474,11 +475,16 @@ def _run_loop(args: argparse.Namespace, log) -> dict:
         lc = LoopConfig(spec, max_new_tokens=max_new, attention_backend=args.attention_backend,
                         max_eos=max(4, len(eos)), sampling=args.temperature > 0,
                         draft_attention=args.draft_attention)
-        engine = EagleEngine(lc, models, max_reqs=max_reqs, buckets=buckets, graphs=graphs,
-                             compile_backend=args.compile_backend, cache_path=args.compile_cache,
-                             device=device, seed=args.seed,
-                             acceptance=scripted_acceptance(scripted) if scripted else None,
-                             shapes=shapes)
+        try:
+            engine = EagleEngine(lc, models, max_reqs=max_reqs, buckets=buckets, graphs=graphs,
+                                 compile_backend=args.compile_backend,
+                                 cache_path=args.compile_cache, device=device, seed=args.seed,
+                                 acceptance=scripted_acceptance(scripted) if scripted else None,
+                                 shapes=shapes)
+        except ValueError as exc:
+            if speculation is None:
+                raise
+            raise UsageError(f"--cost-profile: a chosen shape cannot run here: {exc}") from None
         for i, (prompt, m) in enumerate(zip(prompts, news)):
             seed = None if args.sampling_seed is None else args.sampling_seed + i
             engine.submit(prompt, m, eos_id=eos, temperature=args.temperature,
@@ -487,8 +493,11 @@ def _run_loop(args: argparse.Namespace, log) -> dict:
         raise UsageError(str(exc)) from exc
     config = dict(preset=None if loaded else args.preset or "tiny", device=device,
                   dtype=str(models.dtype).replace("torch.", ""),
-                  batch=args.batch, requests=n_req, page_size=args.page_size, topk=args.topk,
-                  num_steps=args.num_steps, num_draft_tokens=n,
+                  batch=args.batch, requests=n_req, page_size=args.page_size,
+                  # With a cost profile each bucket runs its own shape (``speculation``).
+                  topk=args.topk if speculation is None else None,
+                  num_steps=args.num_steps if speculation is None else None,
+                  num_draft_tokens=n if speculation is None else None,
                   draft_attention=args.draft_attention,
                   max_new_tokens=args.max_new_tokens, prompt_len=args.prompt_len,
                   seed=args.seed, draft=args.draft,

@@ -243,8 +243,9 @@ class EagleEngine:
                 self._loop_configs[shape] = _with_shape(lc, shape)
             except ValueError as exc:
                 raise ValueError(f"shapes[{where[0]}] = {shape}: {exc}") from None
-        for name, shape_lc in [("lc.spec", lc)] + [
-                (f"shapes[{b}]", self._loop_configs[s]) for b, s in self.shapes.items() if s]:
+        # The buckets' own shapes first: a too-wide ``lc`` is often one of them.
+        for name, shape_lc in [(f"shapes[{b}]", self._loop_configs[s])
+                               for b, s in self.shapes.items() if s] + [("lc.spec", lc)]:
             if shape_lc.spec.topk > _draft_vocab_size(models):
                 raise ValueError(
                     f"{name}: topk={shape_lc.spec.topk} exceeds the draft's vocabulary of "
