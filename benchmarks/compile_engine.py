@@ -39,9 +39,9 @@ import time
 import torch
 
 from fa3_spec.eagle import make_models, regions
+from fa3_spec.eagle.policy import parse_shape_key
 
 import gpu_trace
-import loop_costs
 import runs
 import workload
 
@@ -84,7 +84,7 @@ def parse_bucket_shapes(pairs) -> dict:
     for pair in pairs:
         bucket, _, shape = pair.partition("=")
         try:
-            out[int(bucket)] = None if shape == "off" else loop_costs.parse_shape(shape)
+            out[int(bucket)] = None if shape == "off" else parse_shape_key(shape)
         except ValueError:
             raise ValueError(f"--shapes: expected BUCKET=TOPK,STEPS,N or BUCKET=off, "
                              f"got {pair!r}") from None

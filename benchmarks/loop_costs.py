@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import os
 import statistics
 import sys
 import time
@@ -38,7 +39,8 @@ import torch
 from fa3_spec.eagle import make_models
 from fa3_spec.eagle.acceptance import profile_acceptance
 from fa3_spec.eagle.kernels import select_kernels
-from fa3_spec.eagle.policy import AcceptanceProfile, CostProfile, shape_key
+from fa3_spec.eagle.policy import (AcceptanceProfile, CostProfile, parse_shape_key,
+                                   shape_key)
 
 import runs
 import timing
@@ -51,11 +53,21 @@ HELP = "ms per iteration of candidate tree shapes and of plain decoding per buck
 CANDIDATES = ["1,2,3", "1,4,5", "1,6,7", "2,3,6", "4,3,8", "4,5,8", "8,5,16", "8,6,24"]
 
 
-def parse_shape(text: str) -> tuple:
-    shape = tuple(int(x) for x in text.split(","))
-    if len(shape) != 3 or min(shape) < 1:
-        raise ValueError(text)
-    return shape
+def parse_shapes(texts, flag: str = "--shapes") -> list:
+    """Each ``"topk,steps,N"`` of ``texts`` as a shape (`parse_shape_key`),
+    checked before anything is measured; `ValueError` naming ``flag``."""
+    try:
+        return [parse_shape_key(t) for t in texts]
+    except ValueError as exc:
+        raise ValueError(f"{flag}: {exc}") from None
+
+
+def writable_file(path: str, flag: str) -> None:
+    """`ValueError` naming ``flag`` unless ``path`` can be written: checked
+    before a run that takes minutes, so that its result is not lost at the end."""
+    folder = os.path.dirname(os.path.abspath(path))
+    if os.path.isdir(path) or not os.path.isdir(folder) or not os.access(folder, os.W_OK):
+        raise ValueError(f"{flag}: cannot write {path!r}")
 
 
 class ShapeEngine:
@@ -194,9 +206,12 @@ def main(argv=None) -> int:
         print("--out is required: where the cost profile goes", file=sys.stderr)
         return 2
     try:
-        shapes = [parse_shape(s) for s in args.shapes]
+        shapes = parse_shapes(args.shapes)
+        for path, flag in ((args.out, "--out"), (args.json, "--json")):
+            if path:
+                writable_file(path, flag)
     except ValueError as exc:
-        print(f"--shapes: expected TOPK,STEPS,N of ints >= 1, got {exc}", file=sys.stderr)
+        print(str(exc), file=sys.stderr)
         return 2
     if min(args.batches) < 1 or args.iters < 1 or args.context < 1:
         print("--batches, --iters and --context must be >= 1", file=sys.stderr)

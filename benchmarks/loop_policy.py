@@ -54,7 +54,7 @@ import torch
 
 from fa3_spec.eagle.acceptance import profile_acceptance
 from fa3_spec.eagle.policy import (AcceptanceProfile, CostProfile, choose_shapes,
-                                   expected_accept_length, shape_key)
+                                   expected_accept_length, parse_shape_key, shape_key)
 
 import floors
 import loop_costs
@@ -119,7 +119,7 @@ def resumed(path, doc) -> dict:
         raise ValueError(f"--resume: {path} differs in {', '.join(differ)}")
     times = {}
     for m in measured:
-        shape = None if m["shape"] == "plain" else loop_costs.parse_shape(m["shape"])
+        shape = None if m["shape"] == "plain" else parse_shape_key(m["shape"])
         times.setdefault((m["page_size"], shape), {})[(m["batch"], m["profile"])] = (
             m["ms_per_iteration"], m["tokens_per_s"], m["accept_length"])
     doc["measured"] = list(measured)
@@ -217,7 +217,7 @@ def main(argv=None) -> int:
         args.fixed = ["2,4,3,8"]
     try:
         profiles = load_profiles(args.profiles)
-        shapes = [loop_costs.parse_shape(s) for s in args.shapes]
+        shapes = loop_costs.parse_shapes(args.shapes)
         fixed = [workload.parse_config(c) for c in args.fixed]
         costs = CostProfile.load(args.cost_profile) if args.cost_profile else None
     except ValueError as exc:
@@ -236,6 +236,11 @@ def main(argv=None) -> int:
         return 2
     device = runs.device_name(args.device)
     batches = sorted(set(args.batches))
+    missing = [b for b in batches if costs is not None and b not in costs.plain]
+    if missing:  # before anything is measured
+        print(f"--cost-profile {args.cost_profile!r} has no measurement for --batches "
+              f"{missing} (it has {sorted(costs.plain)})", file=sys.stderr)
+        return 2
     first = next(iter(profiles))
     doc = dict(command=runs.command_line(PROG, argv), commit=runs.commit(),
                torch=torch.__version__, device=device, preset=args.preset,

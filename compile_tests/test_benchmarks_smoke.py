@@ -13,6 +13,7 @@ Each runs as a script in a child process, side by side with the others
 import ast
 import json
 import pathlib
+import re
 import sys
 
 import pytest
@@ -279,3 +280,44 @@ def test_loop_policy_refuses_a_max_shapes_below_one_before_measuring(value, caps
 
     assert loop.main(["policy", "--smoke", "--max-shapes", value]) == 2
     assert f"--max-shapes must be >= 1, got {value}" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("extra, says", [
+    (["--shapes", "1,2,3", "1,1,5"], r"--shapes: shape \(1, 1, 5\): 1 steps of topk 1 draft 1"),
+    (["--shapes", "1, 2, 3"], "--shapes: a shape key is 'topk,steps,N'"),
+    (["--out", "/nonexistent/costs.json"], "--out: cannot write '/nonexistent/costs.json'"),
+    (["--out", "OUTDIR"], "--out: cannot write"),
+])
+def test_loop_costs_refuses_bad_shapes_and_outputs_before_measuring(extra, says, tmp_path,
+                                                                    capsys, monkeypatch):
+    sys.path.insert(0, str(BENCH))
+    import loop
+    import loop_costs
+
+    def measured(*_a, **_k):
+        raise AssertionError("measured before its arguments were checked")
+
+    monkeypatch.setattr(loop_costs, "ShapeEngine", measured)
+    monkeypatch.setattr(loop_costs, "random_models", measured)
+    extra = [str(tmp_path) if a == "OUTDIR" else a for a in extra]
+    if "--out" not in extra:
+        extra += ["--out", str(tmp_path / "costs.json")]
+    assert loop.main(["costs", "--device", "cpu", "--batches", "1", *extra]) == 2
+    assert re.search(says, capsys.readouterr().err)
+
+
+def test_loop_policy_refuses_a_cost_profile_missing_a_batch_before_measuring(tmp_path, capsys,
+                                                                          monkeypatch):
+    sys.path.insert(0, str(BENCH))
+    import loop
+    import loop_costs
+
+    def measured(*_a, **_k):
+        raise AssertionError("measured before its arguments were checked")
+
+    monkeypatch.setattr(loop_costs, "random_models", measured)
+    costs = tmp_path / "c1.json"
+    CostProfile(plain={1: 10.0}, shapes={1: {"1,2,3": 11.0}}).save(costs)
+    argv = ["policy", "--smoke", "--cost-profile", str(costs), "--batches", "1", "2"]
+    assert loop.main(argv) == 2
+    assert "--cost-profile" in (err := capsys.readouterr().err) and "--batches [2]" in err

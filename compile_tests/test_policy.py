@@ -408,3 +408,14 @@ def test_bad_profile_hooks_are_refused_by_name(rates, seed, match):
 
     with pytest.raises(ValueError, match=match):
         profile_acceptance(rates, seed=seed)
+
+
+def test_a_shape_key_parses_back_to_the_shape_it_was_written_from():
+    from fa3_spec.eagle.policy import parse_shape_key, shape_key
+
+    for shape in ((8, 5, 16), (1, 2, 3), (10, 10, 100)):
+        assert parse_shape_key(shape_key(shape)) == shape
+    with pytest.raises(TypeError, match="a shape key is a str"):
+        parse_shape_key((8, 5, 16))
+    with pytest.raises(ValueError, match=r"1 steps of topk 1 draft 1 nodes"):
+        parse_shape_key("1,1,5")

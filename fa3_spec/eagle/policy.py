@@ -36,7 +36,7 @@ import re
 from typing import Dict, List, Optional, Sequence, Tuple
 
 __all__ = ["AcceptanceProfile", "BucketChoice", "CostProfile", "Shape", "choose_shapes",
-           "expected_accept_length", "shape_key"]
+           "expected_accept_length", "parse_shape_key", "shape_key"]
 
 #: ``(topk, num_steps, num_draft_tokens)``.
 Shape = Tuple[int, int, int]
@@ -52,7 +52,11 @@ def shape_key(shape: Shape) -> str:
 _SHAPE_KEY = re.compile(r"[1-9][0-9]*,[1-9][0-9]*,[1-9][0-9]*")
 
 
-def _parse_shape(key: str) -> Shape:
+def parse_shape_key(key: str) -> Shape:
+    """The shape `shape_key` wrote as ``key``, checked to be a tree that
+    ``num_steps`` steps of ``topk`` can draft (`ValueError` otherwise)."""
+    if not isinstance(key, str):
+        raise TypeError(f"a shape key is a str 'topk,steps,N', got {key!r}")
     if not _SHAPE_KEY.fullmatch(key):
         raise ValueError(f"a shape key is 'topk,steps,N' of decimal ints >= 1 as "
                          f"`shape_key` writes it, got {key!r}")
@@ -239,7 +243,7 @@ class CostProfile:
                     raise TypeError(f"shapes[{b}]: shape key {key!r} must be a str "
                                     "'topk,steps,N' (`shape_key`)")
                 try:  # keys are written one way only, so no two of them name one shape
-                    _parse_shape(key)
+                    parse_shape_key(key)
                 except ValueError as exc:
                     raise ValueError(f"shapes[{b}]: {exc}") from None
                 if not _positive_ms(ms):
@@ -334,8 +338,8 @@ def choose_shapes(costs: CostProfile, profile: AcceptanceProfile,
         plain = 1e3 / costs.plain[b]
         row = [BucketChoice(b, None, 1.0, plain, plain)]
         for key, ms in sorted(costs.shapes.get(b, {}).items(),
-                              key=lambda kv: _parse_shape(kv[0])[::-1]):
-            shape = _parse_shape(key)
+                              key=lambda kv: parse_shape_key(kv[0])[::-1]):
+            shape = parse_shape_key(key)
             e = expected_accept_length(shape, profile)
             row.append(BucketChoice(b, shape, e, 1e3 * e / ms, plain))
         options[b] = row
