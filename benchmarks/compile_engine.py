@@ -85,9 +85,9 @@ def parse_bucket_shapes(pairs) -> dict:
         bucket, _, shape = pair.partition("=")
         try:
             out[int(bucket)] = None if shape == "off" else parse_shape_key(shape)
-        except ValueError:
+        except ValueError as exc:
             raise ValueError(f"--shapes: expected BUCKET=TOPK,STEPS,N or BUCKET=off, "
-                             f"got {pair!r}") from None
+                             f"got {pair!r} ({exc})") from None
     return out
 
 

@@ -316,8 +316,8 @@ def test_loop_policy_refuses_a_cost_profile_missing_a_batch_before_measuring(tmp
         raise AssertionError("measured before its arguments were checked")
 
     monkeypatch.setattr(loop_costs, "random_models", measured)
-    costs = tmp_path / "c1.json"
+    costs = tmp_path / "c1.json"  # bucket 1 only; --smoke times batches 1 and 2
     CostProfile(plain={1: 10.0}, shapes={1: {"1,2,3": 11.0}}).save(costs)
-    argv = ["policy", "--smoke", "--cost-profile", str(costs), "--batches", "1", "2"]
+    argv = ["policy", "--smoke", "--cost-profile", str(costs)]
     assert loop.main(argv) == 2
     assert "--cost-profile" in (err := capsys.readouterr().err) and "--batches [2]" in err

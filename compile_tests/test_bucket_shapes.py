@@ -283,7 +283,8 @@ def test_cli_max_shapes_bounds_the_shapes_it_compiles(tmp_path):
     (["--cost-profile", "COSTS", "--acceptance-profile", "ACC", "--max-shapes", "0"],
      "--max-shapes: .*must be >= 1"),
     (["--cost-profile", "WIDE", "--acceptance-profile", "ACC"],
-     r"--cost-profile: a chosen shape cannot run here: shapes\[1\]: topk=600 exceeds"),
+     r"--cost-profile: the shapes chosen for buckets \[1, 2, 4\] draw more children .* "
+     r"vocabulary of 512 tokens"),
 ])
 def test_cli_refuses_bad_profiles_as_usage_errors(tmp_path, capsys, extra, says):
     costs, acceptance = _profiles(tmp_path)

@@ -219,10 +219,10 @@ def test_a_row_rising_with_rank_never_verifies_a_sibling_before_a_better_scored_
     assert [(d, r) for d, r, _ in drafted_tree((2, 1, 2), prof)] == [(1, 0)]
     # With room for both, each counts with its own rate.
     assert expected_accept_length((2, 1, 3), prof) == pytest.approx(1.95)
-    # Deeper: the beams follow the capped score, so rank 1's subtree is not
-    # grown ahead of rank 0's.
-    deep = AcceptanceProfile(((0.1, 0.8), (0.5, 0.0)))
-    assert [(d, r) for d, r, _ in drafted_tree((1, 2, 3), deep)] == [(1, 0), (2, 0)]
+    # Deeper: the capped score keeps rank 1's subtree from being verified ahead
+    # of its rank-0 sibling (uncapped: (1, 1), then its children).
+    deep = AcceptanceProfile(((0.1, 0.8), (0.5, 0.0), (0.5, 0.4)))
+    assert [(d, r) for d, r, _ in drafted_tree((2, 3, 4), deep)] == [(1, 0), (1, 1), (2, 0)]
 
 
 @pytest.mark.parametrize("call, match", [

@@ -72,7 +72,7 @@ from ..config import DRAFT_ATTENTION, SpecConfig
 from .checkpoint import draft_kind, from_pretrained
 from ..graphs import COMPILE_BACKENDS, check_buckets
 from .acceptance import scripted_acceptance
-from .engine import EagleEngine, default_buckets
+from .engine import EagleEngine, default_buckets, draft_vocab_size
 from .greedy import greedy_generate
 from .greedy_check import NEAR_TIE, NEAR_TIE_RULE, compare_with_greedy
 from .prefill import eos_set
@@ -455,6 +455,12 @@ def _run_loop(args: argparse.Namespace, log) -> dict:
         speculation = _speculation(args, buckets)
         shapes = None if speculation is None else {b: c.shape for b, c in speculation.items()}
         chosen = [s for s in (shapes or {}).values() if s]
+        vocab = draft_vocab_size(models)
+        wide = sorted(b for b, s in (shapes or {}).items() if s and s[0] > vocab)
+        if wide:  # refused by the flag the shapes came from, not as the engine's lc
+            raise UsageError(f"--cost-profile: the shapes chosen for buckets {wide} draw more "
+                             f"children per node (topk) than the draft's vocabulary of {vocab} "
+                             "tokens")
         # The loop's own shape: the widest chosen one (every bucket off: the flags').
         base = max(chosen, key=lambda s: s[2]) if chosen else (args.topk, args.num_steps, n)
         tree_shapes = [base] + chosen
@@ -475,16 +481,11 @@ def _run_loop(args: argparse.Namespace, log) -> dict:
         lc = LoopConfig(spec, max_new_tokens=max_new, attention_backend=args.attention_backend,
                         max_eos=max(4, len(eos)), sampling=args.temperature > 0,
                         draft_attention=args.draft_attention)
-        try:
-            engine = EagleEngine(lc, models, max_reqs=max_reqs, buckets=buckets, graphs=graphs,
-                                 compile_backend=args.compile_backend,
-                                 cache_path=args.compile_cache, device=device, seed=args.seed,
-                                 acceptance=scripted_acceptance(scripted) if scripted else None,
-                                 shapes=shapes)
-        except ValueError as exc:
-            if speculation is None:
-                raise
-            raise UsageError(f"--cost-profile: a chosen shape cannot run here: {exc}") from None
+        engine = EagleEngine(lc, models, max_reqs=max_reqs, buckets=buckets, graphs=graphs,
+                             compile_backend=args.compile_backend, cache_path=args.compile_cache,
+                             device=device, seed=args.seed,
+                             acceptance=scripted_acceptance(scripted) if scripted else None,
+                             shapes=shapes)
         for i, (prompt, m) in enumerate(zip(prompts, news)):
             seed = None if args.sampling_seed is None else args.sampling_seed + i
             engine.submit(prompt, m, eos_id=eos, temperature=args.temperature,

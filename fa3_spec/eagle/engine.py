@@ -91,7 +91,7 @@ class RequestResult:
     error: Optional[str] = None
 
 
-def _draft_vocab_size(models: SpecModel) -> int:
+def draft_vocab_size(models: SpecModel) -> int:
     """Tokens the draft head proposes from: ``models.draft_vocab_size`` when the
     model defines it (a reduced-vocabulary draft head), else ``vocab_size``."""
     return int(getattr(models, "draft_vocab_size", models.vocab_size))
@@ -243,13 +243,12 @@ class EagleEngine:
                 self._loop_configs[shape] = _with_shape(lc, shape)
             except ValueError as exc:
                 raise ValueError(f"shapes[{where[0]}] = {shape}: {exc}") from None
-        # The buckets' own shapes first: a too-wide ``lc`` is often one of them.
-        for name, shape_lc in [(f"shapes[{b}]", self._loop_configs[s])
-                               for b, s in self.shapes.items() if s] + [("lc.spec", lc)]:
-            if shape_lc.spec.topk > _draft_vocab_size(models):
+        for name, shape_lc in [("lc.spec", lc)] + [
+                (f"shapes[{b}]", self._loop_configs[s]) for b, s in self.shapes.items() if s]:
+            if shape_lc.spec.topk > draft_vocab_size(models):
                 raise ValueError(
                     f"{name}: topk={shape_lc.spec.topk} exceeds the draft's vocabulary of "
-                    f"{_draft_vocab_size(models)} tokens: every tree node draws its topk "
+                    f"{draft_vocab_size(models)} tokens: every tree node draws its topk "
                     "children from it")
         speculating = [c for s, c in self._loop_configs.items() if s is not None]
         #: Widths of the state every shape shares (`StateWidths`): the

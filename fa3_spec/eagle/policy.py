@@ -14,7 +14,8 @@ as the engine builds it (docs/eagle.md): the root's ``topk`` children;
 then, per step, the ``topk`` best of that step's children each grow ``topk``
 children; finally the ``num_draft_tokens - 1`` best of all drafted
 nodes are verified. "Best" is the draft's cumulative score, which the model
-takes to order nodes as their acceptance chances do (a calibrated draft).
+takes to order nodes as their acceptance chances do (a calibrated draft),
+with each rank's rate capped by the ranks above it (`drafted_tree`).
 
 A **cost profile** holds measured milliseconds per iteration of each
 candidate shape, and of one plain decode step, per batch bucket. The policy
@@ -172,7 +173,7 @@ class AcceptanceProfile:
 
 def drafted_tree(shape: Shape, profile: AcceptanceProfile) -> List[Tuple[int, int, float]]:
     """The ``num_draft_tokens - 1`` nodes the model of the module docstring
-    verifies, as ``(depth, rank, chance of acceptance)``, best first.
+    verifies, as ``(depth, rank, chance of acceptance)``, highest score first.
 
     Nodes are ordered by a score that stands in for the draft's: the product
     along the path of each rank's rate capped by the rates of the ranks above
