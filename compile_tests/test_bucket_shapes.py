@@ -252,7 +252,15 @@ def test_cli_runs_the_shape_the_profiles_choose_per_bucket_and_reports_it(tmp_pa
     assert res["exact"] is True and res["config"]["cost_profile"] == str(costs)
     # The flags' shape runs nowhere: the config leaves it out, the banner says so.
     assert [res["config"][k] for k in ("topk", "num_steps", "num_draft_tokens")] == [None] * 3
-    printed = capsys.readouterr().out
+    captured = capsys.readouterr()
+    printed = captured.out
+    # What the run never offered is written as 0, and said so by (depth, rank).
+    rates = AcceptanceProfile.load(measured).rates
+    unseen = [(d + 1, r) for d, row in enumerate(res["acceptance_by_depth_and_rank"])
+              for r, v in enumerate(row) if v is None]  # None: never offered
+    assert unseen and all(rates[d - 1][r] == 0 for d, r in unseen)
+    assert f"no draft node at (depth, rank) {', '.join(map(str, unseen))} was offered" \
+        in captured.err
     assert "a shape per bucket (below)" in printed and "topk=" not in printed.splitlines()[0]
     assert "bucket   4: plain decoding" in printed and "topk,steps,N = 4,3,8" in printed
     assert AcceptanceProfile.load(measured).rates  # the run's own profile, for the next one

@@ -573,6 +573,12 @@ def _run_loop(args: argparse.Namespace, log) -> dict:
     if args.acceptance_out:
         if int(stats.offered.sum()):
             AcceptanceProfile.from_stats(stats).save(args.acceptance_out)
+            unseen = (stats.offered[1:] == 0).nonzero().tolist()  # ok-host: host counts
+            if unseen:  # written as 0: a policy reading the file will not count on them
+                cells = ", ".join(f"({d + 1}, {r})" for d, r in unseen)
+                print(f"fa3-spec eagle: --acceptance-out {args.acceptance_out}: no draft node "
+                      f"at (depth, rank) {cells} was offered in this run; written as rate 0",
+                      file=sys.stderr)
         else:  # an all-zero profile would turn speculation off for good
             print(f"fa3-spec eagle: --acceptance-out {args.acceptance_out}: no draft was offered "
                   "in this run (every iteration decoded plainly); nothing written",
