@@ -29,13 +29,13 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import os
 import statistics
 import sys
 import time
 
 import torch
 
+from fa3_spec.cli.usage import UsageError, check_writable
 from fa3_spec.eagle import make_models
 from fa3_spec.eagle.acceptance import profile_acceptance
 from fa3_spec.eagle.kernels import select_kernels
@@ -60,14 +60,6 @@ def parse_shapes(texts, flag: str = "--shapes") -> list:
         return [parse_shape_key(t) for t in texts]
     except ValueError as exc:
         raise ValueError(f"{flag}: {exc}") from None
-
-
-def writable_file(path: str, flag: str) -> None:
-    """`ValueError` naming ``flag`` unless ``path`` can be written: checked
-    before a run that takes minutes, so that its result is not lost at the end."""
-    folder = os.path.dirname(os.path.abspath(path))
-    if os.path.isdir(path) or not os.path.isdir(folder) or not os.access(folder, os.W_OK):
-        raise ValueError(f"{flag}: cannot write {path!r}")
 
 
 class ShapeEngine:
@@ -208,8 +200,11 @@ def main(argv=None) -> int:
     try:
         shapes = parse_shapes(args.shapes)
         for path, flag in ((args.out, "--out"), (args.json, "--json")):
-            if path:
-                writable_file(path, flag)
+            if path:  # before a run of minutes, so that its result is not lost at the end
+                try:
+                    check_writable(flag, path)
+                except UsageError as exc:
+                    raise ValueError(f"{flag}: cannot write {path!r} ({exc})") from None
     except ValueError as exc:
         print(str(exc), file=sys.stderr)
         return 2

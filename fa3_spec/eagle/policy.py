@@ -134,8 +134,8 @@ class AcceptanceProfile:
         nodes), so a row of counted rates can sum above 1, the most that
         siblings can accept; each rank is then capped at what the ranks above
         it leave, so that rank 0, offered whenever its parent was reached,
-        keeps its measured rate (a chain's profile is exactly what the engine
-        counted)."""
+        keeps the rate the engine counted (a chain's profile is exactly its
+        counts)."""
         rows = []
         for d in range(1, stats.offered.shape[0]):
             offered, taken = stats.offered[d].tolist(), stats.taken[d].tolist()  # ok-host
@@ -177,7 +177,7 @@ def drafted_tree(shape: Shape, profile: AcceptanceProfile) -> List[Tuple[int, in
 
     Nodes are ordered by a score that stands in for the draft's: the product
     along the path of each rank's rate capped by the rates of the ranks above
-    it. Rank is the draft's own order of siblings, so a measured row whose
+    it. Rank is the draft's own order of siblings, so a counted row whose
     rates rise with rank (sampling noise) must not put a sibling ahead of a
     better-scored one: the engine never verifies a rank-1 child without its
     rank-0 sibling. The chance of acceptance is the uncapped product."""
@@ -338,9 +338,8 @@ def choose_shapes(costs: CostProfile, profile: AcceptanceProfile,
     for b in bucket_list:
         plain = 1e3 / costs.plain[b]
         row = [BucketChoice(b, None, 1.0, plain, plain)]
-        for key, ms in sorted(costs.shapes.get(b, {}).items(),
-                              key=lambda kv: parse_shape_key(kv[0])[::-1]):
-            shape = parse_shape_key(key)
+        row_costs = ((parse_shape_key(key), ms) for key, ms in costs.shapes.get(b, {}).items())
+        for shape, ms in sorted(row_costs, key=lambda shape_ms: shape_ms[0][::-1]):
             e = expected_accept_length(shape, profile)
             row.append(BucketChoice(b, shape, e, 1e3 * e / ms, plain))
         options[b] = row
